@@ -1,0 +1,32 @@
+"""Logits processors with Bumblebee's contract, in torch.
+
+    chain = Chain([configure(TopK, k=50), configure(TopP, p=0.9)])
+    states = chain.init(context)
+    states, logits = chain.process(states, logits, context)
+"""
+
+from .arrays import ArrayProcessor
+from .chain import Chain
+from .contract import Context, FunctionProcessor, LogitsProcessor, StatelessProcessor, configure, describe, option
+from .errors import InvalidInput, InvalidOption, ProcessorError
+from .penalties import FrequencyPenalty, NoRepeatNGram, PresencePenalty, RepetitionPenalty
+from .registry import BUILTINS, catalogue, from_name
+from .sampling import MinP, Temperature, TopK, TopP, TypicalP
+from .tokens import (
+    ForcedBOS,
+    ForcedEOS,
+    MinLength,
+    MinNewTokens,
+    NoBadWords,
+    SequenceBias,
+    SuppressTokens,
+    SuppressTokensAtBegin,
+)
+
+__all__ = [
+    "ArrayProcessor", "BUILTINS", "Chain", "Context", "ForcedBOS", "ForcedEOS", "FrequencyPenalty",
+    "FunctionProcessor", "InvalidInput", "InvalidOption", "LogitsProcessor", "MinLength", "MinNewTokens", "MinP",
+    "NoBadWords", "NoRepeatNGram", "PresencePenalty", "ProcessorError", "RepetitionPenalty", "SequenceBias",
+    "StatelessProcessor", "SuppressTokens", "SuppressTokensAtBegin", "Temperature", "TopK", "TopP", "TypicalP",
+    "catalogue", "configure", "describe", "from_name", "option",
+]

@@ -1,0 +1,65 @@
+"""One entry point for any array library: torch, numpy, or anything with `__dlpack__` (outlines #998).
+
+`ArrayProcessor(chain)(input_ids, logits)` takes 1-D (one row) or 2-D inputs, converts them to torch
+without copying where numpy or dlpack allows, runs one step, and returns the logits in the type and rank
+it was given. It keeps the chain's states between calls, so it fits a generation loop that calls it once
+per step with the growing `input_ids`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .chain import Chain
+from .contract import Context
+from .errors import InvalidInput
+
+
+def to_torch(array) -> torch.Tensor:
+    if isinstance(array, torch.Tensor):
+        return array
+    if isinstance(array, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(array))
+    if hasattr(array, "__dlpack__"):
+        return torch.from_dlpack(array)
+    raise InvalidInput(f"expected a torch tensor, a numpy array or a __dlpack__ array, got {type(array).__name__}")
+
+
+def from_torch(tensor: torch.Tensor, like):
+    """`tensor` as the array type of `like`: the same object kind the caller passed in."""
+    if isinstance(like, torch.Tensor):
+        return tensor
+    if isinstance(like, np.ndarray):
+        return tensor.numpy()
+    return like.__array_namespace__().from_dlpack(tensor)
+
+
+class ArrayProcessor:
+    """Drives a `Chain` (or a list of processors) step by step on arrays of any library."""
+
+    def __init__(self, chain, *, input_length: int | None = None):
+        self.chain = chain if isinstance(chain, Chain) else Chain(chain)
+        self.input_length = input_length
+        self.states = None
+
+    def reset(self) -> None:
+        """Forgets the states: the next call starts a new sequence."""
+        self.states = None
+
+    def __call__(self, input_ids, logits):
+        ids, scores = to_torch(input_ids), to_torch(logits)
+        rank = scores.dim()
+        if rank == 1:
+            ids, scores = ids.unsqueeze(0), scores.unsqueeze(0)
+        if ids.dim() != 2 or ids.dtype.is_floating_point:
+            raise InvalidInput(f"input_ids must be a 1-D or 2-D integer array, got shape {tuple(ids.shape)}")
+        if ids.dtype != torch.long:
+            ids = ids.long()
+        starting = self.states is None
+        if starting:
+            self._prompt_length = ids.shape[1] if self.input_length is None else self.input_length
+        context = Context(ids, ids.shape[1], self._prompt_length, scores.shape[-1])
+        states = self.chain.init(context) if starting else self.states
+        self.states, out = self.chain.process(states, scores, context)
+        return from_torch(out[0] if rank == 1 else out, logits)

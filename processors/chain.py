@@ -1,0 +1,81 @@
+"""`Chain`: processors zipped with a tuple of their states, as Bumblebee's generation loop does."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Union
+
+import torch
+
+from .contract import Context, FunctionProcessor, LogitsProcessor
+from .errors import InvalidInput, InvalidOption
+
+Item = Union[LogitsProcessor, Callable[[torch.Tensor, Context], torch.Tensor]]
+
+
+class Chain:
+    """An ordered list of processors; plain callables `f(logits, context) -> logits` become stateless ones."""
+
+    __slots__ = ("processors", "_max_token_id")
+
+    def __init__(self, processors: Iterable[Item] = ()):
+        items = []
+        for p in processors:
+            if isinstance(p, LogitsProcessor):
+                items.append(p)
+            elif callable(p):
+                items.append(FunctionProcessor(p))
+            else:
+                raise InvalidOption(f"a chain holds processors or callables f(logits, context), got {p!r}")
+        self.processors: tuple[LogitsProcessor, ...] = tuple(items)
+        self._max_token_id = max((p.max_token_id() for p in items), default=-1)
+
+    def __len__(self) -> int:
+        return len(self.processors)
+
+    def __repr__(self) -> str:
+        return f"Chain({list(self.processors)!r})"
+
+    def init(self, context: Context) -> tuple:
+        check_context(context)
+        return tuple(p.init(context) for p in self.processors)
+
+    def process(self, states: tuple, logits: torch.Tensor, context: Context) -> tuple[tuple, torch.Tensor]:
+        """Runs one step. Inputs are checked first and never modified, so a rejected step changes nothing."""
+        check_step(logits, context, self._max_token_id)
+        new_states = []
+        for processor, state in zip(self.processors, states):
+            state, logits = processor.process(state, logits, context)
+            new_states.append(state)
+        return tuple(new_states), logits
+
+    def reorder(self, states: tuple, index: torch.Tensor) -> tuple:
+        """Selects or reorders batch rows of every state (beam search, dropping finished rows)."""
+        return tuple(p.reorder(s, index) for p, s in zip(self.processors, states))
+
+
+def check_context(context: Context) -> None:
+    seq = context.sequence
+    if not isinstance(seq, torch.Tensor) or seq.dim() != 2 or seq.dtype.is_floating_point:
+        raise InvalidInput("context.sequence must be a B x T integer tensor")
+    if not 0 <= context.input_length <= context.length <= seq.shape[1]:
+        raise InvalidInput(
+            f"context lengths must satisfy 0 <= input_length ({context.input_length}) <= length "
+            f"({context.length}) <= sequence width ({seq.shape[1]})"
+        )
+
+
+def check_step(logits: torch.Tensor, context: Context, max_token_id: int) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise InvalidInput(f"logits must be a tensor, got {type(logits).__name__}")
+    if not logits.dtype.is_floating_point:
+        raise InvalidInput(f"logits must have a floating dtype, got {logits.dtype}")
+    if logits.dim() != 2:
+        raise InvalidInput(f"logits must be B x V (rank 2), got rank {logits.dim()}")
+    check_context(context)
+    batch, vocab = logits.shape
+    if context.sequence.shape[0] != batch:
+        raise InvalidInput(f"logits have {batch} rows but the sequence has {context.sequence.shape[0]}")
+    if vocab != context.vocab_size:
+        raise InvalidInput(f"logits have {vocab} columns but context.vocab_size is {context.vocab_size}")
+    if max_token_id >= vocab:
+        raise InvalidInput(f"a processor names token id {max_token_id}, outside the vocabulary of {vocab}")

@@ -1,0 +1,41 @@
+"""Built-in processors by name: how the protocol and the Elixir client refer to them."""
+
+from __future__ import annotations
+
+from .contract import LogitsProcessor, configure, describe
+from .errors import InvalidOption
+from .penalties import FrequencyPenalty, NoRepeatNGram, PresencePenalty, RepetitionPenalty
+from .sampling import MinP, Temperature, TopK, TopP, TypicalP
+from .tokens import (
+    ForcedBOS,
+    ForcedEOS,
+    MinLength,
+    MinNewTokens,
+    NoBadWords,
+    SequenceBias,
+    SuppressTokens,
+    SuppressTokensAtBegin,
+)
+
+BUILTINS: dict[str, type[LogitsProcessor]] = {
+    cls.name: cls
+    for cls in (
+        Temperature, TopK, TopP, MinP, TypicalP,
+        RepetitionPenalty, FrequencyPenalty, PresencePenalty, NoRepeatNGram,
+        MinLength, MinNewTokens, SuppressTokens, SuppressTokensAtBegin, ForcedBOS, ForcedEOS,
+        SequenceBias, NoBadWords,
+    )
+}
+
+
+def from_name(name: str, options: dict | None = None) -> LogitsProcessor:
+    """Configures the built-in called `name`; an unknown name is rejected with the list of known ones."""
+    cls = BUILTINS.get(name)
+    if cls is None:
+        raise InvalidOption(f"unknown processor {name!r}; known processors: {', '.join(sorted(BUILTINS))}")
+    return configure(cls, **(options or {}))
+
+
+def catalogue() -> dict[str, list[dict]]:
+    """Every built-in with its declared options, for `hello` and for generated docs."""
+    return {name: describe(cls) for name, cls in BUILTINS.items()}

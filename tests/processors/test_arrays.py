@@ -1,0 +1,86 @@
+"""The any-array entry point: torch, numpy, dlpack; 1-D and 2-D; same type and rank back."""
+
+import numpy as np
+import pytest
+import torch
+from transformers.generation import logits_process as hf
+
+import processors as P
+from processors.arrays import ArrayProcessor
+
+
+def identity(logits, context):
+    return logits
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_numpy_round_trip_without_copy(rank):
+    logits = np.random.default_rng(0).standard_normal((4, 300)).astype(np.float32)
+    ids = np.arange(8, dtype=np.int32).reshape(4, 2) % 300
+    if rank == 1:
+        logits, ids = logits[0], ids[0]
+    out = ArrayProcessor([identity])(ids, logits)
+    assert isinstance(out, np.ndarray) and out.shape == logits.shape
+    assert np.shares_memory(out, logits)
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_torch_and_numpy_agree_with_the_chain(rank):
+    chain = [P.RepetitionPenalty(1.3), P.TopK(7)]
+    logits = torch.randn(2, 100)
+    ids = torch.randint(0, 100, (2, 6))
+    if rank == 1:
+        logits, ids = logits[0], ids[0]
+    via_torch = ArrayProcessor(chain)(ids, logits)
+    via_numpy = ArrayProcessor(chain)(ids.numpy(), logits.numpy())
+    assert isinstance(via_torch, torch.Tensor) and via_torch.dim() == rank
+    assert np.array_equal(via_numpy, via_torch.numpy())
+    theirs = hf.LogitsProcessorList([hf.RepetitionPenaltyLogitsProcessor(1.3), hf.TopKLogitsWarper(7)])
+    expected = theirs(ids.reshape(-1, 6), logits.reshape(-1, 100).clone())
+    assert torch.equal(via_torch.reshape(-1, 100), expected)
+
+
+def test_state_carries_over_steps():
+    step = ArrayProcessor([P.FrequencyPenalty(1.0)])
+    logits = np.zeros(10, dtype=np.float32)
+    step(np.array([1, 2]), logits)
+    out = step(np.array([1, 2, 5]), logits)
+    out = step(np.array([1, 2, 5, 5]), logits)
+    assert out[5] == -2.0 and out[1] == 0.0
+    step.reset()
+    assert step(np.array([5, 5]), logits)[5] == 0.0
+
+
+def test_dlpack_input_comes_back_as_its_own_type():
+    """numpy's from_dlpack stands in for any array-API library; torch tensors expose __dlpack__ too."""
+
+    class Foreign:
+        def __init__(self, array):
+            self.array = array
+
+        def __dlpack__(self, **kwargs):
+            return self.array.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self):
+            return self.array.__dlpack_device__()
+
+        def __array_namespace__(self):
+            return np
+
+    logits = np.ones(5, dtype=np.float32)
+    out = ArrayProcessor([P.SuppressTokens([2])])(Foreign(np.array([0, 1])), Foreign(logits))
+    assert isinstance(out, np.ndarray) and out[2] == -np.inf and out[0] == 1.0
+
+
+def test_jax_arrays_when_installed():
+    jnp = pytest.importorskip("jax.numpy", reason="jax is not installed: the jax path is not exercised")
+    logits = jnp.ones((2, 5), dtype=jnp.float32)
+    out = ArrayProcessor([P.SuppressTokens([1])])(jnp.zeros((2, 3), dtype=jnp.int32), logits)
+    assert type(out) is type(logits) and float(out[0, 1]) == float("-inf")
+
+
+def test_rejects_what_it_cannot_read():
+    with pytest.raises(P.InvalidInput, match="numpy array"):
+        ArrayProcessor([identity])([1, 2], [0.5, 0.5])
+    with pytest.raises(P.InvalidInput, match="integer"):
+        ArrayProcessor([identity])(np.ones(2), np.ones(5, dtype=np.float32))

@@ -1,0 +1,95 @@
+"""configure and bad input: typed errors that name the problem, and nothing mutated."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import processors as P
+
+
+def test_unknown_option_is_named_with_the_valid_ones():
+    with pytest.raises(P.InvalidOption, match=r"unknown option 'kk' for TopK; valid options: k, min_tokens_to_keep"):
+        P.configure(P.TopK, kk=3)
+    assert issubclass(P.InvalidOption, ValueError)
+
+
+@pytest.mark.parametrize(
+    "cls, options, message",
+    [
+        (P.TopP, {"p": 0.0}, "'p' must be in"),
+        (P.TopP, {"p": 1.01}, "'p' must be in"),
+        (P.TopK, {"k": 0}, "'k' must be an integer >= 1"),
+        (P.TopK, {"k": True}, "'k' must be an integer"),
+        (P.TopK, {"k": 2.5}, "'k' must be an integer"),
+        (P.Temperature, {"temperature": 0}, "'temperature' must be a finite number > 0"),
+        (P.Temperature, {"temperature": -1.0}, "'temperature'"),
+        (P.Temperature, {"temperature": "hot"}, "'temperature' must be a number"),
+        (P.RepetitionPenalty, {"penalty": 0.0}, "'penalty'"),
+        (P.FrequencyPenalty, {"penalty": 2.5}, r"'penalty' must be in \[-2.0, 2.0\]"),
+        (P.MinP, {"p": -0.1}, "'p'"),
+        (P.TypicalP, {"p": 1.0}, "'p'"),
+        (P.NoRepeatNGram, {"ngram_size": 0}, "'ngram_size'"),
+        (P.SuppressTokens, {"token_ids": []}, "'token_ids'"),
+        (P.SuppressTokens, {"token_ids": [-1]}, "'token_ids'"),
+        (P.SequenceBias, {"sequence_bias": [[[1], "x"]]}, "'sequence_bias'"),
+        (P.NoBadWords, {"bad_words_ids": [[]]}, "'bad_words_ids'"),
+        (P.TopK, {}, "TopK requires option 'k'"),
+    ],
+)
+def test_invalid_options_fail_at_configure_time(cls, options, message):
+    with pytest.raises(P.InvalidOption, match=message):
+        P.configure(cls, **options)
+
+
+def test_configure_updates_a_config_without_touching_the_original():
+    top_k = P.configure(P.TopK, k=50)
+    smaller = P.configure(top_k, k=5)
+    assert (top_k.k, smaller.k) == (50, 5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        top_k.k = 3
+    with pytest.raises(P.InvalidOption):
+        P.configure(top_k, k=-1)
+
+
+def test_options_are_normalised():
+    assert P.configure(P.Temperature, temperature=2).temperature == 2.0
+    assert P.configure(P.SuppressTokens, token_ids=[3, 4]).token_ids == (3, 4)
+    assert P.configure(P.MinLength, min_length=3, eos_token_ids=7).eos_token_ids == (7,)
+
+
+def test_registry_configures_by_name():
+    assert P.from_name("top_k", {"k": 3}) == P.TopK(3)
+    with pytest.raises(P.InvalidOption, match="unknown processor 'top_z'; known processors: .*top_k"):
+        P.from_name("top_z", {})
+    catalogue = P.catalogue()
+    assert set(catalogue) == set(P.BUILTINS) and len(P.BUILTINS) == 17
+    assert {"name": "k", "doc": "how many tokens to keep, >= 1", "required": True, "default": None} in catalogue["top_k"]
+
+
+def _good_step():
+    chain = P.Chain([P.RepetitionPenalty(1.5), P.SuppressTokens([9])])
+    sequence = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    context = P.Context(sequence, 3, 2, 10)
+    return chain, context, chain.init(context), torch.randn(2, 10)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda c, l: (c, l.long()), "floating dtype"),
+        (lambda c, l: (c, l[None]), "rank 2"),
+        (lambda c, l: (c, l[:1]), "logits have 1 rows but the sequence has 2"),
+        (lambda c, l: (P.Context(c.sequence, 3, 2, 9), l[:, :9]), "token id 9, outside the vocabulary of 9"),
+        (lambda c, l: (P.Context(c.sequence, 3, 2, 11), l), "vocab_size is 11"),
+        (lambda c, l: (P.Context(c.sequence, 5, 2, 10), l), "length"),
+    ],
+)
+def test_bad_input_raises_and_mutates_nothing(bad, message):
+    chain, context, states, logits = _good_step()
+    context, logits = bad(context, logits)
+    before = (context.sequence.clone(), logits.clone(), [s["tally"].clone() for s in states if s])
+    with pytest.raises(P.InvalidInput, match=message):
+        chain.process(states, logits, context)
+    assert torch.equal(before[0], context.sequence) and torch.equal(before[1], logits)
+    assert all(torch.equal(a, s["tally"]) for a, s in zip(before[2], [s for s in states if s]))
