@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from . import checks
-from .contract import Context, StatelessProcessor, option
+from .contract import StatelessProcessor, option
 
 NEG_INF = float("-inf")
 MIN_TOKENS_DOC = "always keep at least this many of the most likely tokens, >= 1"

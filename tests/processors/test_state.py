@@ -1,6 +1,5 @@
 """Stateful processors: incremental state equals a recount from scratch, over many steps and reorders."""
 
-import pytest
 import torch
 from transformers.generation import logits_process as hf
 

@@ -1,0 +1,7 @@
+"""The sidecar engine as a Python library: `Engine.load(path).session().generate(...)`."""
+
+from .engine import Engine
+from .errors import SidecarError
+from .session import Generation, Result, Session, Stats, TokenEvent
+
+__all__ = ["Engine", "Generation", "Result", "Session", "SidecarError", "Stats", "TokenEvent"]

@@ -1,0 +1,82 @@
+"""The embedded default model: a tiny Llama-architecture model with RANDOM weights.
+
+It exists so that the sidecar, its tests and its benchmarks run anywhere without a download. Its text
+is gibberish. The weights are built deterministically from `SEED`, the tokenizer is the byte-level BPE
+shipped beside this file. `materialise()` writes both once into a cache directory, and they are then
+loaded through the same `from_pretrained` path as any user model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+SEED = 20261121
+CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "PreTrainedTokenizerFast",
+    "pad_token": "<pad>",
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "model_max_length": CONFIG["max_position_embeddings"],
+    "clean_up_tokenization_spaces": False,
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SIDECAR_CACHE_DIR") or Path.home() / ".cache" / "beam-sidecar")
+
+
+def fingerprint() -> str:
+    digest = hashlib.sha256(json.dumps([CONFIG, TOKENIZER_CONFIG, SEED], sort_keys=True).encode())
+    digest.update((HERE / "tokenizer.json").read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def materialise(root: Path | None = None) -> Path:
+    """The directory of the default model, built on first use. Safe when several processes race."""
+    target = (root or cache_root()) / f"default-{fingerprint()}"
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
+    try:
+        shutil.copy(HERE / "tokenizer.json", staging / "tokenizer.json")
+        (staging / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
+        vocab_size = len(AutoTokenizer.from_pretrained(staging, local_files_only=True))
+        config = LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"}, vocab_size=vocab_size)
+        with torch.random.fork_rng():
+            torch.manual_seed(SEED)
+            model = LlamaForCausalLM(config)
+        model.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

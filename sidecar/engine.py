@@ -1,0 +1,155 @@
+"""The engine: one loaded model, its sessions, and the memory budget their KV caches share."""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from numbers import Integral
+from pathlib import Path
+
+import processors as proc
+
+from . import models
+from .errors import (
+    ContextOverflow,
+    EmptyInput,
+    InvalidArgument,
+    InvalidProcessor,
+    TokenOutOfRange,
+    UnknownStrategy,
+)
+from .session import STRATEGIES, Request, Session
+
+DEFAULT_CACHE_BUDGET = 2 * 1024**3
+DEFAULT_PREFILL_CHUNK = 512
+
+
+class Engine:
+    """A causal LM with its tokenizer and sessions.
+
+    `cache_budget_bytes` bounds the KV memory of all sessions together. Past it, the caches of the least
+    recently used idle sessions are evicted. Their token history stays, and their next call recomputes.
+    """
+
+    def __init__(self, model, tokenizer, *, path: Path | None = None,
+                 cache_budget_bytes: int = DEFAULT_CACHE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        if not isinstance(prefill_chunk, Integral) or prefill_chunk < 1:
+            raise InvalidArgument(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}", option="prefill_chunk")
+        if not isinstance(cache_budget_bytes, Integral) or cache_budget_bytes < 0:
+            raise InvalidArgument(f"cache_budget_bytes must be an integer >= 0, got {cache_budget_bytes!r}", option="cache_budget_bytes")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.path = path
+        self.cache_budget_bytes = int(cache_budget_bytes)
+        self.prefill_chunk = int(prefill_chunk)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_context = getattr(model.config, "max_position_embeddings", None)
+        self._sessions: OrderedDict[int, Session] = OrderedDict()  # least recently used first
+        self._ids = itertools.count(1)
+        self.evictions = 0
+
+    @classmethod
+    def load(cls, path=None, *, dtype=None, device: str = "cpu", trust_remote_code: bool = False, **options) -> "Engine":
+        """Loads a local Hugging Face directory; with no path, the embedded default model (random weights)."""
+        model, tokenizer, resolved = models.load(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
+        return cls(model, tokenizer, path=resolved, **options)
+
+    def session(self) -> Session:
+        session = Session(self, next(self._ids))
+        self._sessions[session.id] = session
+        return session
+
+    def get_session(self, session_id: int) -> Session | None:
+        return self._sessions.get(session_id)
+
+    @property
+    def default_eos_token_ids(self) -> frozenset[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return frozenset()
+        return frozenset([eos] if isinstance(eos, int) else eos)
+
+    def stats(self) -> dict:
+        sessions = list(self._sessions.values())
+        return {
+            "sessions": len(sessions),
+            "cached_sessions": sum(s.cache is not None for s in sessions),
+            "cached_tokens": sum(s.cached for s in sessions),
+            "cache_bytes": sum(s.cache_bytes for s in sessions),
+            "cache_budget_bytes": self.cache_budget_bytes,
+            "evictions": self.evictions,
+        }
+
+    def validate(self, prompt=None, *, token_ids=None, max_new_tokens=16, strategy="greedy", seed=None,
+                 processors=(), stop=(), eos_token_ids=None) -> Request:
+        """Checks a generate call completely, before anything changes; returns it in normal form."""
+        if (prompt is None) == (token_ids is None):
+            raise InvalidArgument("give exactly one of prompt or token_ids", option="prompt")
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidArgument(f"prompt must be a string, got {type(prompt).__name__}", option="prompt")
+            input_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            if not isinstance(token_ids, (list, tuple)) or not all(
+                isinstance(t, Integral) and not isinstance(t, bool) for t in token_ids
+            ):
+                raise InvalidArgument("token_ids must be a list of integers", option="token_ids")
+            input_ids = [int(t) for t in token_ids]
+        if not input_ids:
+            raise EmptyInput("the input is empty: give at least one token")
+        outside = [t for t in input_ids if not 0 <= t < self.vocab_size]
+        if outside:
+            raise TokenOutOfRange(
+                f"token ids {outside[:5]} are outside the vocabulary [0, {self.vocab_size})", token_ids=outside[:5]
+            )
+        if not isinstance(max_new_tokens, Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+            raise InvalidArgument(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}", option="max_new_tokens")
+        if self.max_context is not None and len(input_ids) + max_new_tokens > self.max_context:
+            raise ContextOverflow(
+                f"{len(input_ids)} input tokens + max_new_tokens {max_new_tokens} exceed the model's context "
+                f"of {self.max_context} tokens (max_position_embeddings)",
+                limit=self.max_context,
+            )
+        if strategy not in STRATEGIES:
+            raise UnknownStrategy(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
+        if seed is not None and (not isinstance(seed, Integral) or isinstance(seed, bool) or seed < 0):
+            raise InvalidArgument(f"seed must be an integer >= 0, got {seed!r}", option="seed")
+        if isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise InvalidArgument("stop must be a list of non-empty strings", option="stop")
+        if eos_token_ids is None:
+            eos = self.default_eos_token_ids
+        else:
+            if isinstance(eos_token_ids, Integral):
+                eos_token_ids = [eos_token_ids]
+            if not all(isinstance(t, Integral) and 0 <= t < self.vocab_size for t in eos_token_ids):
+                raise TokenOutOfRange(f"eos_token_ids {list(eos_token_ids)} must be token ids in [0, {self.vocab_size})")
+            eos = frozenset(int(t) for t in eos_token_ids)
+        try:
+            chain = processors if isinstance(processors, proc.Chain) else proc.Chain(processors)
+        except proc.ProcessorError as error:
+            raise InvalidProcessor(str(error)) from error
+        if chain._max_token_id >= self.vocab_size:
+            raise InvalidProcessor(f"a processor names token id {chain._max_token_id}, outside the vocabulary of {self.vocab_size}")
+        return Request(input_ids, int(max_new_tokens), strategy == "greedy", seed, chain, tuple(stop), eos)
+
+    def _touch(self, session: Session) -> None:
+        self._sessions.move_to_end(session.id)
+
+    def _forget(self, session: Session) -> None:
+        self._sessions.pop(session.id, None)
+
+    def _settle(self, active: Session) -> None:
+        """After a call: evict least recently used idle caches until the budget holds (the active one last)."""
+        total = sum(s.cache_bytes for s in self._sessions.values())
+        for session in [s for s in self._sessions.values() if s is not active] + [active]:
+            if total <= self.cache_budget_bytes:
+                return
+            if session.cache is None or (session.running is not None and not session.running.done):
+                continue
+            total -= session.cache_bytes
+            session.drop_cache()
+            self.evictions += 1

@@ -1,0 +1,67 @@
+"""Every error the engine raises. Each has a stable `code`, which the protocol puts in its error replies.
+
+A request that fails with one of these changed nothing: validation runs before any session state moves.
+"""
+
+from __future__ import annotations
+
+
+class SidecarError(Exception):
+    code = "internal"
+
+    def __init__(self, message: str, **details):
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+
+class ModelNotFound(SidecarError):
+    code = "model_not_found"
+
+
+class NotCausalLM(SidecarError):
+    code = "not_causal_lm"
+
+
+class NoTokenizer(SidecarError):
+    code = "no_tokenizer"
+
+
+class RemoteCodeRequired(SidecarError):
+    code = "remote_code_required"
+
+
+class InvalidArgument(SidecarError):
+    code = "invalid_argument"
+
+
+class EmptyInput(SidecarError):
+    code = "empty_input"
+
+
+class TokenOutOfRange(SidecarError):
+    code = "token_out_of_range"
+
+
+class ContextOverflow(SidecarError):
+    code = "context_overflow"
+
+
+class UnknownStrategy(SidecarError):
+    code = "unknown_strategy"
+
+
+class SessionClosed(SidecarError):
+    code = "session_closed"
+
+
+class InvalidProcessor(SidecarError):
+    """A processor name or option was rejected by `processors.configure` (its message names which)."""
+
+    code = "invalid_processor"
+
+
+class SessionBusy(SidecarError):
+    """A session runs one generation at a time; the previous one must finish or be cancelled first."""
+
+    code = "session_busy"

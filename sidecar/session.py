@@ -1,0 +1,247 @@
+"""Sessions: a token history plus the KV cache of its prefix, reused by longest common prefix.
+
+Every `generate` means what it would mean on a fresh session. Internally the cache keeps the longest
+common prefix of the cached tokens and the new input (at least the last input token is always fed again,
+so there are logits to sample from), and only the rest is prefilled. The cache holds generated tokens
+too, so a chat follow-up that repeats the previous answer reuses it.
+
+The rolling case (`abc` then `bcd`) shares no prefix and recomputes. Under causal attention the keys
+of `bcd` differ from those cached for `abc`, so exact reuse of a shifted window is impossible.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from transformers import DynamicCache
+
+import processors as proc
+
+from .decode import decode_step, prefill, sample
+from .errors import (
+    SessionBusy,
+    SessionClosed,
+)
+from .text import Detokenizer, StopMatcher
+
+STRATEGIES = ("greedy", "sample")
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prefill_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float | None = None
+    total_s: float = 0.0
+
+
+@dataclass
+class Result:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "length" | "eos" | "stop" | "cancelled"
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    text: str  # the text this token completes; '' while held back (partial character, possible stop)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated generate call."""
+
+    input_ids: list[int]
+    max_new_tokens: int
+    greedy: bool
+    seed: int | None
+    chain: proc.Chain
+    stop: tuple[str, ...]
+    eos_token_ids: frozenset[int]
+
+
+def cache_bytes(cache) -> int:
+    if cache is None:
+        return 0
+    return sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Session:
+    def __init__(self, engine, session_id: int):
+        self.engine = engine
+        self.id = session_id
+        self.history: list[int] = []  # every token of the last call: its input and what it generated
+        self.cache = None  # KV of history[:cached]
+        self.cached = 0
+        self.closed = False
+        self.running: Generation | None = None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.running is not None:
+            self.running.cancel()
+        self.drop_cache()
+        self.closed = True
+        self.engine._forget(self)
+
+    def drop_cache(self) -> None:
+        self.cache, self.cached = None, 0
+
+    @property
+    def cache_bytes(self) -> int:
+        return cache_bytes(self.cache)
+
+    def generate(self, prompt: str | None = None, **options) -> Result:
+        generation = self.stream(prompt, **options)
+        for _ in generation:
+            pass
+        return generation.result
+
+    def stream(self, prompt: str | None = None, **options) -> "Generation":
+        """A generate call as an iterator of `TokenEvent`s; `.result` is set once it is exhausted.
+
+        Everything is validated here, before the session changes, so a rejected call leaves it as it was.
+        """
+        if self.closed:
+            raise SessionClosed(f"session {self.id} is closed")
+        if self.running is not None and not self.running.done:
+            raise SessionBusy(f"session {self.id} is already generating; finish or cancel that generation first")
+        request = self.engine.validate(prompt, **options)
+        self.running = Generation(self, request)
+        return self.running
+
+    def _reuse(self, input_ids: list[int]) -> int:
+        """Crops the cache to the longest reusable prefix of `input_ids` and returns its length."""
+        if self.cache is None:
+            self.cache = DynamicCache()
+            self.cached = 0
+        keep = min(common_prefix(self.history[: self.cached], input_ids), len(input_ids) - 1)
+        if self.cached > keep:
+            self.cache.crop(keep - self.cached)
+        self.cached = keep
+        return keep
+
+
+class Generation:
+    """One generate call, run one decode step per `next()`, so callers can interleave and cancel.
+
+    The texts of the events, joined, are exactly `result.text`.
+    """
+
+    def __init__(self, session: Session, request: Request):
+        self.session = session
+        self.request = request
+        self.result: Result | None = None
+        self.done = False
+        self._cancelled = False
+        self._steps = self._run()
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        return next(self._steps)
+
+    def cancel(self) -> None:
+        """Stops before the next step; the result keeps the tokens so far, with finish_reason 'cancelled'."""
+        self._cancelled = True
+        for _ in self:
+            pass
+
+    def _run(self) -> Iterator[TokenEvent]:
+        session, request = self.session, self.request
+        started = time.perf_counter()
+        stats = Stats(prompt_tokens=len(request.input_ids))
+        generated: list[int] = []
+        pieces: list[str] = []
+        finish = "length"
+        try:
+            session.engine._touch(session)
+            if request.max_new_tokens > 0:
+                finish = yield from self._decode(started, stats, generated, pieces)
+        except BaseException:
+            # A half-written cache must never be reused: drop it, and the history is recomputed next time.
+            session.drop_cache()
+            raise
+        finally:
+            self.done = True
+        stats.generated_tokens = len(generated)
+        stats.total_s = time.perf_counter() - started
+        self.result = Result("".join(pieces), generated, finish, stats)
+        session.engine._settle(session)
+
+    def _decode(self, started: float, stats: Stats, generated: list[int], pieces: list[str]):
+        """Prefill, then sample / decode-step until a finish reason; returns that reason."""
+        session, request, engine = self.session, self.request, self.session.engine
+        detokenizer, stops = Detokenizer(engine.tokenizer), StopMatcher(request.stop)
+        generator = None
+        if not request.greedy:
+            generator = torch.Generator(device=engine.model.device)
+            generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
+
+        stats.reused_tokens = session._reuse(request.input_ids)
+        fresh = request.input_ids[stats.reused_tokens :]
+        stats.prefill_tokens = len(fresh)
+        session.history = list(request.input_ids)
+        with torch.inference_mode():
+            logits = prefill(engine.model, session.cache, fresh, stats.reused_tokens, engine.prefill_chunk)
+        session.cached = len(request.input_ids)
+
+        prompt_length = len(request.input_ids)
+        sequence = torch.empty(1, prompt_length + request.max_new_tokens, dtype=torch.long)
+        sequence[0, :prompt_length] = torch.tensor(request.input_ids)
+        context = proc.Context(sequence, prompt_length, prompt_length, logits.shape[-1])
+        states = request.chain.init(context)
+        while not self._cancelled:
+            states, logits = request.chain.process(states, logits, context)
+            token = sample(logits, request.greedy, generator)
+            if stats.ttft_s is None:
+                stats.ttft_s = time.perf_counter() - started
+            generated.append(token)
+            session.history.append(token)
+            sequence[0, context.length] = token
+            context = proc.Context(sequence, context.length + 1, prompt_length, logits.shape[-1])
+
+            is_eos = token in request.eos_token_ids
+            text = "" if is_eos else stops.feed(detokenizer.push(token))
+            finish = None
+            if stops.stopped:
+                finish = "stop"
+            elif is_eos or len(generated) == request.max_new_tokens:
+                text += stops.feed(detokenizer.flush())
+                finish = "stop" if stops.stopped else ("eos" if is_eos else "length")
+                text += stops.flush()
+            pieces.append(text)
+            yield TokenEvent(token, text)
+            if finish is not None:
+                return finish
+            with torch.inference_mode():
+                logits = decode_step(engine.model, session.cache, token, session.cached)
+            session.cached += 1
+        return "cancelled"

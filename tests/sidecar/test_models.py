@@ -1,0 +1,63 @@
+"""Loading: the default model and a GPT-2-style one through from_pretrained, typed errors otherwise."""
+
+import json
+import shutil
+
+import pytest
+from transformers import LlamaForCausalLM, PreTrainedTokenizerBase, ViTConfig
+
+from sidecar import Engine, errors
+
+
+def test_default_model_is_a_tiny_llama_loaded_from_a_directory(engine, default_dir):
+    assert isinstance(engine.model, LlamaForCausalLM)
+    assert isinstance(engine.tokenizer, PreTrainedTokenizerBase)
+    assert engine.path == default_dir and (default_dir / "model.safetensors").is_file()
+    assert engine.tokenizer.decode(engine.tokenizer.encode("héllo wörld")) == "héllo wörld"
+
+
+def test_default_model_is_deterministic(engine, tmp_path):
+    from sidecar.default_model import materialise
+
+    again = Engine.load(materialise(tmp_path))
+    for (name, a), (_, b) in zip(engine.model.state_dict().items(), again.model.state_dict().items()):
+        assert a.equal(b), name
+
+
+def test_gpt2_style_model_loads(gpt2_engine):
+    assert gpt2_engine.model.config.model_type == "gpt2" and gpt2_engine.max_context == 256
+
+
+def test_dtype_option(default_dir):
+    import torch
+
+    assert Engine.load(default_dir, dtype="bfloat16").model.dtype == torch.bfloat16
+    with pytest.raises(errors.InvalidArgument, match="unknown dtype 'f8'"):
+        Engine.load(default_dir, dtype="f8")
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(errors.ModelNotFound, match="no model directory"):
+        Engine.load(tmp_path / "nope")
+
+
+def test_not_a_causal_lm(tmp_path):
+    ViTConfig().save_pretrained(tmp_path)
+    with pytest.raises(errors.NotCausalLM, match="not a causal language model"):
+        Engine.load(tmp_path)
+
+
+def test_no_tokenizer(default_dir, tmp_path):
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        shutil.copy(default_dir / name, tmp_path / name)
+    with pytest.raises(errors.NoTokenizer):
+        Engine.load(tmp_path)
+
+
+def test_remote_code_needs_consent(default_dir, tmp_path):
+    shutil.copytree(default_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomModel"}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(errors.RemoteCodeRequired, match="trust_remote_code=True"):
+        Engine.load(tmp_path / "m")

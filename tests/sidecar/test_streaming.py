@@ -1,0 +1,81 @@
+"""Streaming, incremental detokenization, stop strings and EOS."""
+
+import pytest
+
+from sidecar.text import Detokenizer, StopMatcher
+
+from .conftest import tokens
+
+TRICKY = "héllo wörld, 日本語のテキスト 🎉🎉 ok"
+
+
+def test_detokenizer_never_splits_a_character(engine):
+    ids = engine.tokenizer.encode(TRICKY)
+    assert len(ids) > len(TRICKY.split())  # multi-byte characters do span several tokens
+    detokenizer = Detokenizer(engine.tokenizer)
+    pieces = [detokenizer.push(t) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + detokenizer.flush() == TRICKY
+    assert "" in pieces  # some token completed no character on its own
+
+
+@pytest.mark.parametrize("stops, chunks", [
+    (("END",), ["abc E", "N", "D tail"]),
+    (("xyz", "EN"), ["abc E", "N", "D tail"]),
+    (("never",), ["abc n", "e", "v", "er"]),
+])
+def test_stop_matcher_holds_back_possible_stops(stops, chunks):
+    matcher = StopMatcher(stops)
+    emitted = "".join(matcher.feed(c) for c in chunks) + ("" if matcher.stopped else matcher.flush())
+    text = "".join(chunks)
+    expected = text[: min(text.find(s) for s in stops if s in text)] if any(s in text for s in stops) else text
+    assert emitted == expected and matcher.stopped == (emitted != text)
+
+
+def test_stream_events_add_up_to_the_result(engine):
+    with engine.session() as session:
+        generation = session.stream(prompt="The processor keeps", max_new_tokens=25, strategy="sample", seed=3)
+        events = list(generation)
+        result = generation.result
+        assert [e.token_id for e in events] == result.token_ids
+        assert "".join(e.text for e in events) == result.text
+        assert result.text == engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+
+def test_stop_string_trims_the_output(engine):
+    prompt = tokens(10, seed=21)
+    with engine.session() as session:
+        full = session.generate(token_ids=prompt, max_new_tokens=30, eos_token_ids=[])
+        stop = full.text[len(full.text) // 2 : len(full.text) // 2 + 3]
+        stopped = session.generate(token_ids=prompt, max_new_tokens=30, eos_token_ids=[], stop=[stop])
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.find(stop)]
+    assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)] and len(stopped.token_ids) < 30
+
+
+def test_eos_ends_generation(engine):
+    prompt = tokens(10, seed=22)
+    with engine.session() as session:
+        full = session.generate(token_ids=prompt, max_new_tokens=20, eos_token_ids=[])
+        eos = full.token_ids[5]
+        first = full.token_ids.index(eos)
+        ended = session.generate(token_ids=prompt, max_new_tokens=20, eos_token_ids=[999, eos])
+    assert ended.finish_reason == "eos" and ended.token_ids == full.token_ids[: first + 1]
+    assert ended.text == engine.tokenizer.decode(full.token_ids[:first], skip_special_tokens=True)
+
+
+def test_zero_new_tokens(engine):
+    with engine.session() as session:
+        result = session.generate(prompt="hello", max_new_tokens=0)
+    assert (result.text, result.token_ids, result.finish_reason) == ("", [], "length")
+
+
+def test_cancel_keeps_the_tokens_so_far(engine):
+    with engine.session() as session:
+        generation = session.stream(token_ids=tokens(8, seed=23), max_new_tokens=50, eos_token_ids=[])
+        events = [next(generation) for _ in range(4)]
+        generation.cancel()
+        assert generation.result.finish_reason == "cancelled"
+        assert generation.result.token_ids == [e.token_id for e in events]
+        follow = session.generate(token_ids=tokens(8, seed=23) + generation.result.token_ids, max_new_tokens=2)
+        assert follow.stats.reused_tokens == 8 + 4 - 1
