@@ -1,5 +1,7 @@
 """The sidecar engine as a Python library: `Engine.load(path).session().generate(...)`."""
 
+__version__ = "0.1.0"
+
 from .engine import Engine
 from .errors import SidecarError
 from .session import Generation, Result, Session, Stats, TokenEvent

@@ -1,0 +1,62 @@
+"""msgpack payloads: text as str, raw bytes as bin; tensors as {"dtype", "shape", "data"} maps.
+
+A tensor travels as `{"dtype": "f32", "shape": [2, 3], "data": <bin, little-endian, row-major>}`, which is
+what `Nx.from_binary(data, {:f, 32}) |> Nx.reshape(List.to_tuple(shape))` reads on the Elixir side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import msgpack
+
+from .errors import INVALID_MSGPACK, ProtocolError
+
+# dtype name -> (bytes per element, Nx type)
+DTYPES = {
+    "f64": (8, "{:f, 64}"), "f32": (4, "{:f, 32}"), "f16": (2, "{:f, 16}"), "bf16": (2, "{:bf, 16}"),
+    "s64": (8, "{:s, 64}"), "s32": (4, "{:s, 32}"), "s16": (2, "{:s, 16}"), "s8": (1, "{:s, 8}"),
+    "u64": (8, "{:u, 64}"), "u32": (4, "{:u, 32}"), "u16": (2, "{:u, 16}"), "u8": (1, "{:u, 8}"),
+}
+
+
+def pack(message) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(payload: bytes, *, max_bytes: int | None = None):
+    """Decodes one msgpack value that must fill the payload exactly; anything else is `invalid_msgpack`."""
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError, msgpack.exceptions.StackError) as error:
+        raise ProtocolError(INVALID_MSGPACK, f"the frame is not one valid msgpack value ({type(error).__name__}: {error or 'malformed data'})") from error
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A tensor on the wire, independent of any array library."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unknown tensor dtype {self.dtype!r}; valid: {', '.join(DTYPES)}")
+        if any(not isinstance(d, int) or d < 0 for d in self.shape):
+            raise ValueError(f"tensor shape must be non-negative integers, got {self.shape!r}")
+        expected = DTYPES[self.dtype][0] * prod(self.shape)
+        if len(self.data) != expected:
+            raise ValueError(f"a {self.dtype} tensor of shape {list(self.shape)} needs {expected} bytes, got {len(self.data)}")
+
+    def to_wire(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape), "data": self.data}
+
+    @classmethod
+    def from_wire(cls, value) -> "Tensor":
+        if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data"}:
+            raise ValueError("a tensor is a map with exactly dtype, shape and data")
+        if not isinstance(value["data"], bytes) or not isinstance(value["shape"], list):
+            raise ValueError("tensor data must be bin and shape a list")
+        return cls(value["dtype"], tuple(value["shape"]), value["data"])

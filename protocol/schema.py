@@ -1,0 +1,154 @@
+"""The envelope and every op's parameters, declared once; requests are checked against them.
+
+request : {"id": uint, "op": str, ...params}
+event   : {"id": id, "event": str, ...}                    zero or more per request
+reply   : {"id": id, "ok": true, "result": {...}}          exactly one per request
+        | {"id": id, "ok": false, "error": {"code": str, "message": str, ...}}
+A frame that cannot be attributed to a request gets a reply with "id": null.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import INVALID_ID, INVALID_MESSAGE, INVALID_PARAMS, UNKNOWN_OP, ProtocolError
+
+PROTOCOL_VERSION = 1
+MAX_ID = 2**64 - 1
+
+
+@dataclass(frozen=True)
+class Param:
+    kind: str  # str | int | uint | bool | map | list[int] | list[str] | list[map], optionally "|null"
+    required: bool = False
+    default: Any = None
+    doc: str = ""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+CHECKS = {
+    "str": lambda v: isinstance(v, str),
+    "int": _is_int,
+    "uint": lambda v: _is_int(v) and v >= 0,
+    "bool": lambda v: isinstance(v, bool),
+    "map": lambda v: isinstance(v, dict),
+    "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+    "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "list[map]": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+}
+
+SESSION = Param("str", required=True, doc="the session name")
+MODEL = Param("str", default="default", doc="the model name")
+
+OPS: dict[str, dict[str, Param]] = {
+    "hello": {},
+    "ping": {},
+    "load_model": {
+        "name": Param("str", default="default", doc="the name to refer to the model by"),
+        "path": Param("str|null", doc="a local Hugging Face directory; null for the embedded default model"),
+        "dtype": Param("str|null", doc="f32 | f16 | bf16 (default: as saved)"),
+        "trust_remote_code": Param("bool", default=False, doc="allow code shipped inside the model directory"),
+    },
+    "unload_model": {"model": Param("str", required=True, doc="the model name")},
+    "models": {},
+    "open_session": {
+        "model": MODEL,
+        "session": Param("str|null", doc="a name chosen by the client; default: chosen by the server"),
+    },
+    "close_session": {"session": SESSION},
+    "session_info": {"session": SESSION},
+    "generate": {
+        "session": SESSION,
+        "prompt": Param("str|null", doc="text input (exactly one of prompt and token_ids)"),
+        "token_ids": Param("list[int]|null", doc="token-id input"),
+        "max_new_tokens": Param("uint", default=16, doc="tokens to generate at most"),
+        "strategy": Param("str", default="greedy", doc="greedy | sample"),
+        "seed": Param("uint|null", doc="seed of sampling; the same seed gives the same tokens"),
+        "processors": Param("list[map]", default=[], doc='[{"name": "top_k", "options": {"k": 50}}, ...]'),
+        "stop": Param("list[str]", default=[], doc="stop strings, trimmed from the text"),
+        "eos_token_ids": Param("list[int]|null", doc="default: the model's EOS ids"),
+        "stream": Param("bool", default=False, doc="emit a token event per generated token"),
+    },
+    "cancel": {"target": Param("uint", required=True, doc="the id of the request to cancel")},
+    "tokenize": {
+        "model": MODEL,
+        "text": Param("str", required=True),
+        "add_special_tokens": Param("bool", default=True),
+    },
+    "detokenize": {
+        "model": MODEL,
+        "token_ids": Param("list[int]", required=True),
+        "skip_special_tokens": Param("bool", default=True),
+    },
+    "stats": {},
+    "shutdown": {},
+}
+
+
+@dataclass(frozen=True)
+class Request:
+    id: int
+    op: str
+    params: dict
+
+
+def request_id_of(message) -> int | None:
+    """The id of a message if it has a valid one; used to attribute errors found later."""
+    if isinstance(message, dict):
+        rid = message.get("id")
+        if _is_int(rid) and 0 <= rid <= MAX_ID:
+            return rid
+    return None
+
+
+def parse_request(message) -> Request:
+    """Checks the envelope and the op's parameters; fills defaults. Raises ProtocolError."""
+    if not isinstance(message, dict):
+        raise ProtocolError(INVALID_MESSAGE, f"a request must be a map, got {type(message).__name__}")
+    rid = request_id_of(message)
+    if rid is None:
+        raise ProtocolError(INVALID_ID, "a request needs an \"id\": an unsigned integer below 2^64")
+    op = message.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError(INVALID_MESSAGE, 'a request needs an "op" string', rid)
+    schema = OPS.get(op)
+    if schema is None:
+        raise ProtocolError(UNKNOWN_OP, f"unknown op {op!r}; known ops: {', '.join(OPS)}", rid, op=op)
+    params = {}
+    for key, value in message.items():
+        if key in ("id", "op"):
+            continue
+        param = schema.get(key) if isinstance(key, str) else None
+        if param is None:
+            raise ProtocolError(INVALID_PARAMS, f"{op} has no parameter {key!r}; valid: {', '.join(schema) or '(none)'}", rid, param=key)
+        kind, nullable = param.kind.removesuffix("|null"), param.kind.endswith("|null")
+        if not (CHECKS[kind](value) or (nullable and value is None)):
+            raise ProtocolError(INVALID_PARAMS, f"{op}: parameter {key!r} must be {param.kind}, got {_show(value)}", rid, param=key)
+        params[key] = value
+    for key, param in schema.items():
+        if key not in params:
+            if param.required:
+                raise ProtocolError(INVALID_PARAMS, f"{op}: missing required parameter {key!r}", rid, param=key)
+            params[key] = list(param.default) if isinstance(param.default, list) else param.default
+    return Request(rid, op, params)
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+
+
+def ok(request_id: int, result: dict) -> dict:
+    return {"id": request_id, "ok": True, "result": result}
+
+
+def error(request_id: int | None, code: str, message: str, **details) -> dict:
+    return {"id": request_id, "ok": False, "error": {"code": code, "message": message, **details}}
+
+
+def event(request_id: int, name: str, **fields) -> dict:
+    return {"id": request_id, "event": name, **fields}

@@ -1,0 +1,79 @@
+"""`python -m sidecar`: serve the port protocol on stdin/stdout or on the given file descriptors.
+
+In stdio mode the frames go to a private duplicate of fd 1, and fd 1 itself is pointed at stderr, so
+nothing any Python code prints can reach the protocol stream. Logs go to stderr.
+Exit status: 0 after EOF or `shutdown`, 2 for bad arguments or a model that fails to load at startup,
+3 after a fatal protocol error (a frame over the size limit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from protocol import DEFAULT_MAX_FRAME_BYTES
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m sidecar", description="Serve the sidecar's port protocol.")
+    parser.add_argument("--model", help='a local model directory loaded at startup as "default"; "default" for the embedded tiny model')
+    parser.add_argument("--dtype", help="dtype of the startup model: f32 | f16 | bf16")
+    parser.add_argument("--fds", help="IN,OUT file descriptors to serve on instead of stdin/stdout (Erlang's :nouse_stdio uses 3,4)")
+    parser.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES, help="largest accepted frame (default 64 MiB)")
+    parser.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight at once")
+    parser.add_argument("--cache-budget-bytes", type=int, help="KV cache budget per model (default 2 GiB)")
+    parser.add_argument("--prefill-chunk", type=int, help="tokens per prefill forward pass (default 512)")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    if args.fds:
+        try:
+            args.fds = tuple(int(x) for x in args.fds.split(","))
+            assert len(args.fds) == 2
+        except (ValueError, AssertionError):
+            parser.error("--fds takes two descriptors: IN,OUT")
+    if args.max_frame_bytes < 16:
+        parser.error("--max-frame-bytes must be at least 16")
+    return args
+
+
+def protocol_fds(fds) -> tuple[int, int]:
+    """The descriptors to serve on; in stdio mode, fd 1 is handed to stderr and frames use a private copy."""
+    if fds:
+        in_fd, out_fd = fds
+    else:
+        in_fd, out_fd = 0, os.dup(1)
+        os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return in_fd, out_fd
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    in_fd, out_fd = protocol_fds(args.fds)
+    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .errors import SidecarError
+    from .server import Server
+    from .transport import FrameReader, FrameWriter
+
+    engine_options = {k: v for k, v in (("cache_budget_bytes", args.cache_budget_bytes), ("prefill_chunk", args.prefill_chunk)) if v is not None}
+    server = Server(FrameWriter(out_fd), max_frame_bytes=args.max_frame_bytes, max_in_flight=args.max_in_flight, engine_options=engine_options)
+    if args.model:
+        try:
+            server.op_load_model({"name": "default", "path": None if args.model == "default" else args.model,
+                                  "dtype": args.dtype, "trust_remote_code": False}, None)
+        except SidecarError as problem:
+            logging.getLogger("sidecar").error("cannot load --model %s: %s (%s)", args.model, problem.message, problem.code)
+            return 2
+    reader = FrameReader(in_fd, args.max_frame_bytes)
+    reader.start()
+    logging.getLogger("sidecar").info("serving on fds %d,%d", in_fd, out_fd)
+    return server.serve(reader.inbox)
+
+
+if __name__ == "__main__":
+    status = main()
+    # Skip interpreter teardown (torch's takes most of a second): a dying BEAM must see us gone at once.
+    sys.stderr.flush()
+    os._exit(status)

@@ -1,0 +1,341 @@
+"""The protocol server: maps protocol ops onto engines and sessions.
+
+One main thread does all the work. It owns the output, drains incoming frames between decode steps,
+and advances every active generation by one step in turn, so a long generation in one session does
+not delay a ping or a generation in another. Requests for one session wait in that session's queue
+and run in arrival order.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import processors as proc
+from protocol import OPS, PROTOCOL_VERSION, ProtocolError, Request, error, event, ok, parse_request, unpack
+from protocol import errors as codes
+from protocol.schema import request_id_of
+
+from . import __version__
+from .engine import Engine
+from .errors import InvalidProcessor, SidecarError
+from .session import Generation
+from .transport import EOF_MARK
+
+log = logging.getLogger("sidecar")
+
+SESSION_OPS = ("generate", "close_session", "session_info")
+DEFAULT_MAX_IN_FLIGHT = 1024
+
+
+@dataclass
+class Job:
+    request: Request
+    generation: Generation | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+
+class Shutdown(Exception):
+    """Raised inside the loop to stop serving with the given exit status."""
+
+    def __init__(self, status: int):
+        self.status = status
+
+
+class Server:
+    def __init__(self, writer, *, max_frame_bytes: int, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, engine_options=None):
+        self.writer = writer
+        self.max_frame_bytes = max_frame_bytes
+        self.max_in_flight = max_in_flight
+        self.engine_options = engine_options or {}
+        self.engines: dict[str, Engine] = {}
+        self.sessions: dict[str, tuple[str, object]] = {}  # name -> (model name, Session)
+        self.queues: dict[str, deque[Job]] = {}  # session name -> jobs in arrival order
+        self.in_flight: dict[int, Job] = {}
+        self.active: list[Job] = []  # running generations, stepped round-robin
+        self._names = 0
+        self.started = time.time()
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def serve(self, inbox: queue.Queue) -> int:
+        try:
+            while True:
+                self._drain(inbox, block=not self.active)
+                for job in list(self.active):
+                    if job in self.active:
+                        self._step(job)
+                    self._drain(inbox, block=False)
+        except Shutdown as stop:
+            return stop.status
+        except BrokenPipeError:
+            log.info("output closed; exiting")
+            return 0
+
+    def _drain(self, inbox: queue.Queue, block: bool) -> None:
+        while True:
+            try:
+                item = inbox.get(block=block)
+            except queue.Empty:
+                return
+            block = False
+            if item is EOF_MARK:
+                log.info("input closed; cancelling %d request(s) and exiting", len(self.in_flight))
+                self._cancel_all(reply=False)
+                raise Shutdown(0)
+            if isinstance(item, ProtocolError):
+                self.writer.send(error(None, item.code, item.message, **item.details))
+                raise Shutdown(3)
+            self.handle_payload(item)
+
+    def handle_payload(self, payload: bytes) -> None:
+        message = None
+        try:
+            message = unpack(payload)
+            self.dispatch(parse_request(message))
+        except ProtocolError as problem:
+            self.writer.send(error(problem.request_id, problem.code, problem.message, **problem.details))
+        except SidecarError as problem:
+            self.writer.send(error(request_id_of(message), problem.code, problem.message, **problem.details))
+        except Shutdown:
+            raise
+        except BrokenPipeError:
+            raise
+        except Exception as bug:  # a defect of ours: report it on this request, keep serving the others
+            log.exception("internal error")
+            self.writer.send(error(request_id_of(message), codes.INTERNAL, f"{type(bug).__name__}: {bug}"))
+
+    # ---- dispatch --------------------------------------------------------------------------------
+
+    def dispatch(self, request: Request) -> None:
+        if request.id in self.in_flight:
+            raise ProtocolError(codes.DUPLICATE_ID, f"request id {request.id} is already in flight", request.id)
+        if request.op in SESSION_OPS:
+            if len(self.in_flight) >= self.max_in_flight:
+                raise ProtocolError(codes.TOO_MANY_REQUESTS, f"{self.max_in_flight} requests in flight (max_in_flight)", request.id)
+            name = request.params["session"]
+            if name not in self.sessions:
+                raise ProtocolError(codes.UNKNOWN_SESSION, f"no open session {name!r}", request.id, session=name)
+            job = Job(request)
+            self.in_flight[request.id] = job
+            self.queues[name].append(job)
+            self._advance(name)
+            return
+        handler = getattr(self, f"op_{request.op}")
+        self.writer.send(ok(request.id, handler(request.params, request.id)))
+
+    def _advance(self, name: str) -> None:
+        """Starts whatever is at the head of a session's queue, unless a generation is running there."""
+        jobs = self.queues.get(name)
+        while jobs and jobs[0].generation is None:
+            job = jobs[0]
+            try:
+                if job.request.op == "generate":
+                    self._start_generation(job)
+                    return
+                result = getattr(self, f"op_{job.request.op}")(job.request.params, job.request.id)
+                self._finish(job, ok(job.request.id, result))
+            except (ProtocolError, SidecarError) as problem:
+                self._finish(job, error(job.request.id, problem.code, problem.message, **problem.details))
+            jobs = self.queues.get(name)
+
+    def _start_generation(self, job: Job) -> None:
+        p = job.request.params
+        _, session = self._session(p["session"], job.request.id)
+        job.generation = session.stream(
+            p["prompt"], token_ids=p["token_ids"], max_new_tokens=p["max_new_tokens"], strategy=p["strategy"],
+            seed=p["seed"], processors=build_processors(p["processors"], job.request.id), stop=p["stop"],
+            eos_token_ids=p["eos_token_ids"],
+        )
+        self.active.append(job)
+
+    def _step(self, job: Job) -> None:
+        try:
+            token = next(job.generation)
+        except StopIteration:
+            self._finish(job, generation_reply(job))
+        except SidecarError as problem:
+            self._finish(job, error(job.request.id, problem.code, problem.message, **problem.details))
+        except Exception as bug:
+            log.exception("internal error during generation")
+            self._finish(job, error(job.request.id, codes.INTERNAL, f"{type(bug).__name__}: {bug}"))
+        else:
+            if job.request.params["stream"]:
+                self.writer.send(event(job.request.id, "token", token_ids=[token.token_id], text=token.text))
+
+    def _finish(self, job: Job, reply: dict) -> None:
+        self.in_flight.pop(job.request.id, None)
+        if job in self.active:
+            self.active.remove(job)
+        name = job.request.params.get("session")
+        jobs = self.queues.get(name)
+        if jobs and jobs[0] is job:
+            jobs.popleft()
+        self.writer.send(reply)
+        if jobs is not None:
+            self._advance(name)
+
+    def _cancel(self, job: Job, reply: bool = True) -> None:
+        request = job.request
+        if job.generation is not None:
+            job.generation.cancel()
+            message = generation_reply(job)
+        else:
+            jobs = self.queues.get(request.params.get("session"))
+            if jobs and job in jobs:
+                jobs.remove(job)
+            message = error(request.id, codes.CANCELLED, "cancelled before it started", token_ids=[], text="")
+        self.in_flight.pop(request.id, None)
+        if job in self.active:
+            self.active.remove(job)
+        if reply:
+            self.writer.send(message)
+
+    def _cancel_all(self, reply: bool) -> None:
+        for job in list(self.in_flight.values()):
+            self._cancel(job, reply)
+
+    # ---- lookups ---------------------------------------------------------------------------------
+
+    def _engine(self, name: str, rid: int) -> Engine:
+        engine = self.engines.get(name)
+        if engine is None:
+            loaded = ", ".join(self.engines) or "none"
+            raise ProtocolError(codes.UNKNOWN_MODEL, f"no model named {name!r} is loaded (loaded: {loaded})", rid, model=name)
+        return engine
+
+    def _session(self, name: str, rid: int):
+        entry = self.sessions.get(name)
+        if entry is None:
+            raise ProtocolError(codes.UNKNOWN_SESSION, f"no open session {name!r}", rid, session=name)
+        return entry
+
+    # ---- ops: each returns the result map of its ok reply ----------------------------------------
+
+    def op_hello(self, params, rid):
+        return {
+            "protocol_version": PROTOCOL_VERSION,
+            "server": "beam-sidecar",
+            "server_version": __version__,
+            "capabilities": {"ops": list(OPS), "processors": sorted(proc.BUILTINS), "stream": True, "cancel": True,
+                             "strategies": ["greedy", "sample"]},
+            "limits": {"max_frame_bytes": self.max_frame_bytes, "max_in_flight": self.max_in_flight},
+            "models": list(self.engines),
+        }
+
+    def op_ping(self, params, rid):
+        return {}
+
+    def op_load_model(self, params, rid):
+        name = params["name"]
+        if name in self.engines:
+            raise ProtocolError(codes.MODEL_EXISTS, f"a model named {name!r} is already loaded", rid, model=name)
+        engine = Engine.load(params["path"], dtype=params["dtype"], trust_remote_code=params["trust_remote_code"],
+                             **self.engine_options)
+        self.engines[name] = engine
+        return model_info(name, engine)
+
+    def op_unload_model(self, params, rid):
+        name = params["model"]
+        self._engine(name, rid)
+        for session_name, (model, _) in list(self.sessions.items()):
+            if model == name:
+                for job in list(self.queues[session_name]):
+                    self._cancel(job)
+                self._close(session_name)
+        del self.engines[name]
+        return {}
+
+    def op_models(self, params, rid):
+        return {"models": [model_info(name, engine) for name, engine in self.engines.items()]}
+
+    def op_open_session(self, params, rid):
+        engine = self._engine(params["model"], rid)
+        name = params["session"]
+        if name is None:
+            name = self._fresh_session_name()
+        elif name in self.sessions:
+            raise ProtocolError(codes.SESSION_EXISTS, f"a session named {name!r} is already open", rid, session=name)
+        self.sessions[name] = (params["model"], engine.session())
+        self.queues[name] = deque()
+        return {"session": name}
+
+    def op_close_session(self, params, rid):
+        self._close(params["session"])
+        return {}
+
+    def op_session_info(self, params, rid):
+        model, session = self._session(params["session"], rid)
+        return {"session": params["session"], "model": model, "history_tokens": len(session.history),
+                "cached_tokens": session.cached, "cache_bytes": session.cache_bytes}
+
+    def op_cancel(self, params, rid):
+        job = self.in_flight.get(params["target"])
+        if job is None or job.request.op != "generate":
+            return {"cancelled": False}
+        self._cancel(job)
+        return {"cancelled": True}
+
+    def op_tokenize(self, params, rid):
+        engine = self._engine(params["model"], rid)
+        return {"token_ids": engine.tokenizer.encode(params["text"], add_special_tokens=params["add_special_tokens"])}
+
+    def op_detokenize(self, params, rid):
+        engine = self._engine(params["model"], rid)
+        ids = params["token_ids"]
+        outside = [t for t in ids if not 0 <= t < engine.vocab_size]
+        if outside:
+            raise ProtocolError("token_out_of_range", f"token ids {outside[:5]} are outside the vocabulary [0, {engine.vocab_size})", rid)
+        return {"text": engine.tokenizer.decode(ids, skip_special_tokens=params["skip_special_tokens"])}
+
+    def op_stats(self, params, rid):
+        return {"models": {name: engine.stats() for name, engine in self.engines.items()},
+                "sessions": len(self.sessions), "in_flight": len(self.in_flight),
+                "active_generations": len(self.active), "uptime_s": time.time() - self.started}
+
+    def op_shutdown(self, params, rid):
+        self._cancel_all(reply=True)
+        self.writer.send(ok(rid, {}))
+        raise Shutdown(0)
+
+    def _close(self, name: str) -> None:
+        _, session = self.sessions.pop(name)
+        self.queues.pop(name, None)
+        session.close()
+
+    def _fresh_session_name(self) -> str:
+        while True:
+            self._names += 1
+            if f"s{self._names}" not in self.sessions:
+                return f"s{self._names}"
+
+
+def build_processors(specs: list[dict], rid: int) -> list:
+    built = []
+    for i, spec in enumerate(specs):
+        name, options = spec.get("name"), spec.get("options", {})
+        if not isinstance(name, str) or not isinstance(options, dict) or set(spec) - {"name", "options"}:
+            raise ProtocolError(codes.INVALID_PARAMS, f'processors[{i}] must be {{"name": str, "options": map}}', rid, param="processors")
+        try:
+            built.append(proc.from_name(name, options))
+        except proc.ProcessorError as problem:
+            raise InvalidProcessor(f"processors[{i}] ({name}): {problem}", index=i) from problem
+    return built
+
+
+def generation_reply(job: Job) -> dict:
+    result = job.generation.result
+    body = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
+            "stats": asdict(result.stats)}
+    if result.finish_reason == "cancelled":
+        return error(job.request.id, codes.CANCELLED, "the generation was cancelled", **body)
+    return ok(job.request.id, body)
+
+
+def model_info(name: str, engine: Engine) -> dict:
+    return {"name": name, "path": str(engine.path), "architecture": type(engine.model).__name__,
+            "vocab_size": engine.vocab_size, "max_context": engine.max_context,
+            "eos_token_ids": sorted(engine.default_eos_token_ids)}

@@ -1,0 +1,164 @@
+"""The server as a separate process over pipes, as a BEAM Port would run it."""
+
+import fcntl
+import os
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+
+from protocol import FrameDecoder, frame, pack, unpack
+from protocol.peer import Peer
+
+SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "WARNING"]
+
+
+@pytest.fixture
+def peer(default_dir):
+    with Peer(SERVER, stderr=subprocess.DEVNULL) as p:
+        yield p
+
+
+def generate(peer, rid, **params):
+    peer.send({"id": rid, "op": "generate", **params})
+
+
+def test_prints_never_reach_the_protocol_stream(tmp_path):
+    code = (
+        "import os, sys; from sidecar.__main__ import protocol_fds; i, o = protocol_fds(None); "
+        "print('stray print'); sys.stdout.flush(); os.write(1, b'raw fd 1'); os.write(o, b'FRAME')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert done.stdout == b"FRAME"
+    assert b"stray print" in done.stderr and b"raw fd 1" in done.stderr
+
+
+def test_serves_on_fds_3_and_4_like_nouse_stdio(default_dir):
+    to_server_r, to_server_w = os.pipe()
+    from_server_r, from_server_w = os.pipe()
+
+    def as_fds_3_and_4():  # what Erlang's :nouse_stdio hands the child
+        os.dup2(to_server_r, 3)
+        os.dup2(from_server_w, 4)
+
+    process = subprocess.Popen(
+        SERVER + ["--fds", "3,4"], preexec_fn=as_fds_3_and_4, pass_fds=(3, 4),
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )
+    os.close(to_server_r)
+    os.close(from_server_w)
+    os.write(to_server_w, frame(pack({"id": 1, "op": "ping"})))
+    decoder, replies = FrameDecoder(), []
+    while not replies:
+        data = os.read(from_server_r, 4096)
+        assert data, "the server closed fd 4 without replying"
+        replies = decoder.feed(data)
+    assert unpack(replies[0]) == {"id": 1, "ok": True, "result": {}}
+    os.close(to_server_w)
+    assert process.wait(10) == 0 and process.stdout.read() == b""
+
+
+def test_eof_mid_generation_ends_the_process(peer):
+    peer.call("open_session", session="a")
+    generate(peer, 9, session="a", token_ids=[5, 6], max_new_tokens=1900, eos_token_ids=[], stream=True)
+    for _ in range(3):
+        assert peer.next_for(9)["event"] == "token"
+    started = time.monotonic()
+    peer.process.stdin.close()
+    assert peer.process.wait(timeout=10) == 0
+    print(f"exited {time.monotonic() - started:.3f} s after EOF")
+
+
+def test_other_sessions_and_pings_are_not_held_up(peer):
+    peer.call("open_session", session="long")
+    peer.call("open_session", session="short")
+    generate(peer, 100, session="long", token_ids=[5, 6], max_new_tokens=1500, eos_token_ids=[], stream=True)
+    assert peer.next_for(100)["event"] == "token"
+    peer.send({"id": 101, "op": "ping"})
+    generate(peer, 102, session="short", token_ids=[7, 8], max_new_tokens=4, eos_token_ids=[])
+    peer.send({"id": 103, "op": "tokenize", "text": "hi"})
+    order = []
+    while len(order) < 4:
+        message = peer.read_message()
+        if "event" not in message:
+            order.append(message["id"])
+    assert order[:3] == [101, 103, 102] and order[3] == 100
+
+
+def test_requests_for_one_session_run_in_arrival_order(peer):
+    peer.call("open_session", session="s")
+    generate(peer, 10, session="s", token_ids=[5, 6, 7], max_new_tokens=30, eos_token_ids=[])
+    generate(peer, 11, session="s", token_ids=[5, 6, 7, 9], max_new_tokens=2, eos_token_ids=[])
+    peer.send({"id": 12, "op": "session_info", "session": "s"})
+    order = [peer.read_message() for _ in range(3)]
+    assert [m["id"] for m in order] == [10, 11, 12]
+    assert order[1]["result"]["stats"]["reused_tokens"] == 3
+    assert order[2]["result"]["history_tokens"] == 6
+
+
+def test_cancel_stops_within_a_step_and_returns_the_tokens_so_far(peer):
+    peer.call("open_session", session="c")
+    generate(peer, 20, session="c", token_ids=[5, 6], max_new_tokens=1500, eos_token_ids=[], stream=True)
+    streamed = [peer.next_for(20)["token_ids"][0] for _ in range(3)]
+    peer.send({"id": 21, "op": "cancel", "target": 20})
+    events, final = peer.reply_for(20)
+    streamed += [e["token_ids"][0] for e in events]
+    assert final["error"]["code"] == "cancelled" and final["error"]["token_ids"] == streamed
+    assert len(streamed) < 1500
+    assert peer.reply_for(21)[1]["result"] == {"cancelled": True}
+    assert peer.call("ping")["ok"]
+
+
+def test_backpressure_pauses_generation_instead_of_buffering(peer):
+    fcntl.fcntl(peer.process.stdout.fileno(), 1031, 4096)  # F_SETPIPE_SZ: a small pipe fills fast
+    peer.call("open_session", session="b")
+    generate(peer, 30, session="b", token_ids=[5, 6], max_new_tokens=600, eos_token_ids=[], stream=True)
+    pause = 1.5
+    time.sleep(pause)  # read nothing: the server's writes block once the pipe is full
+    events, final = peer.reply_for(30)
+    assert len(events) == 600 and final["ok"]
+    # it could only finish after we resumed reading, so it spent at least the pause generating
+    assert final["result"]["stats"]["total_s"] >= pause
+
+
+def test_fuzz_leaves_the_server_serving(peer, engine):
+    peer.call("open_session", session="keep")
+    rng = random.Random(1234)
+    seeds = [
+        {"id": 1, "op": "ping"}, {"id": 2, "op": "tokenize", "text": "hello"},
+        {"id": 3, "op": "generate", "session": "nope", "prompt": "x", "max_new_tokens": 2},
+        {"id": 4, "op": "session_info", "session": "keep"}, {"id": 5, "op": "detokenize", "token_ids": [5, 6]},
+        {"id": 6, "op": "cancel", "target": 3}, {"id": 7, "op": "open_session", "session": "other"},
+        {"id": 8, "op": "stats"},
+    ]
+    frames = 0
+    for n in range(10_000):
+        kind = rng.random()
+        if kind < 0.3:
+            payload = bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 40)))
+        else:
+            payload = bytearray(pack(rng.choice(seeds)))
+            for _ in range(rng.randint(1, 4)):
+                payload[rng.randrange(len(payload))] = rng.getrandbits(8)
+            if rng.random() < 0.2:
+                del payload[rng.randrange(len(payload)) :]
+            payload = bytes(payload)
+        peer.send_bytes(frame(payload))
+        frames += 1
+        if n % 200 == 199:  # keep the pipes from filling: collect what has been answered so far
+            rid = peer.next_id()
+            peer.send({"id": 10**12 + rid, "op": "ping"})
+            peer.reply_for(10**12 + rid)
+    assert frames >= 10_000
+    peer.send({"id": 2**63, "op": "ping"})  # replies come in order: after this one, the fuzz is all answered
+    assert peer.reply_for(2**63)[1] == {"id": 2**63, "ok": True, "result": {}}
+    peer._messages.clear()
+    peer._next_id = 2**62  # beyond any id a mutated frame can carry
+    assert peer.call("ping")["ok"]
+    reply = peer.call("generate", session="keep", token_ids=[5, 6, 7], max_new_tokens=8, eos_token_ids=[])
+    assert reply["ok"], reply
+    with engine.session() as fresh:
+        expected = fresh.generate(token_ids=[5, 6, 7], max_new_tokens=8, eos_token_ids=[])
+    assert reply["result"]["token_ids"] == expected.token_ids
