@@ -25,7 +25,10 @@ def parse_args(argv=None):
     parser.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight at once")
     parser.add_argument("--cache-budget-bytes", type=int, help="KV cache budget per model (default 2 GiB)")
     parser.add_argument("--prefill-chunk", type=int, help="tokens per prefill forward pass (default 512)")
+    parser.add_argument("--stream-interval-ms", type=float, default=10.0,
+                        help="token events may be held this long and written together (default 10; 0 writes each at once)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--stderr", help="send this process's stderr (logs, stray writes) to PATH, e.g. a FIFO the client reads")
     args = parser.parse_args(argv)
     if args.fds:
         try:
@@ -51,6 +54,8 @@ def protocol_fds(fds) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.stderr:
+        os.dup2(os.open(args.stderr, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), 2)
     in_fd, out_fd = protocol_fds(args.fds)
     logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .errors import SidecarError
@@ -58,7 +63,7 @@ def main(argv=None) -> int:
     from .transport import FrameReader, FrameWriter
 
     engine_options = {k: v for k, v in (("cache_budget_bytes", args.cache_budget_bytes), ("prefill_chunk", args.prefill_chunk)) if v is not None}
-    server = Server(FrameWriter(out_fd), max_frame_bytes=args.max_frame_bytes, max_in_flight=args.max_in_flight, engine_options=engine_options)
+    server = Server(FrameWriter(out_fd, coalesce_s=args.stream_interval_ms / 1000), max_frame_bytes=args.max_frame_bytes, max_in_flight=args.max_in_flight, engine_options=engine_options)
     if args.model:
         try:
             server.op_load_model({"name": "default", "path": None if args.model == "default" else args.model,

@@ -12,7 +12,7 @@ import logging
 import queue
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import processors as proc
 from protocol import OPS, PROTOCOL_VERSION, ProtocolError, Request, error, event, ok, parse_request, unpack
@@ -35,7 +35,7 @@ DEFAULT_MAX_IN_FLIGHT = 1024
 class Job:
     request: Request
     generation: Generation | None = None
-    started: float = field(default_factory=time.perf_counter)
+    streamed: bool = False
 
 
 class Shutdown(Exception):
@@ -64,6 +64,8 @@ class Server:
     def serve(self, inbox: queue.Queue) -> int:
         try:
             while True:
+                if not self.active:
+                    self.writer.flush()  # about to wait: nothing may linger in the buffer
                 self._drain(inbox, block=not self.active)
                 for job in list(self.active):
                     if job in self.active:
@@ -164,35 +166,32 @@ class Server:
             self._finish(job, error(job.request.id, codes.INTERNAL, f"{type(bug).__name__}: {bug}"))
         else:
             if job.request.params["stream"]:
-                self.writer.send(event(job.request.id, "token", token_ids=[token.token_id], text=token.text))
+                first = not job.streamed
+                job.streamed = True
+                # the first token goes out at once (time to first token); later ones may be coalesced
+                self.writer.send(event(job.request.id, "token", token_ids=[token.token_id], text=token.text), urgent=first)
 
-    def _finish(self, job: Job, reply: dict) -> None:
+    def _finish(self, job: Job, reply: dict | None) -> None:
+        """Takes a job out of every table, sends its reply, and starts what waits behind it."""
         self.in_flight.pop(job.request.id, None)
         if job in self.active:
             self.active.remove(job)
         name = job.request.params.get("session")
         jobs = self.queues.get(name)
-        if jobs and jobs[0] is job:
-            jobs.popleft()
-        self.writer.send(reply)
+        if jobs and job in jobs:
+            jobs.remove(job)
+        if reply is not None:
+            self.writer.send(reply)
         if jobs is not None:
             self._advance(name)
 
     def _cancel(self, job: Job, reply: bool = True) -> None:
-        request = job.request
         if job.generation is not None:
             job.generation.cancel()
             message = generation_reply(job)
         else:
-            jobs = self.queues.get(request.params.get("session"))
-            if jobs and job in jobs:
-                jobs.remove(job)
-            message = error(request.id, codes.CANCELLED, "cancelled before it started", token_ids=[], text="")
-        self.in_flight.pop(request.id, None)
-        if job in self.active:
-            self.active.remove(job)
-        if reply:
-            self.writer.send(message)
+            message = error(job.request.id, codes.CANCELLED, "cancelled before it started", token_ids=[], text="")
+        self._finish(job, message if reply else None)
 
     def _cancel_all(self, reply: bool) -> None:
         for job in list(self.in_flight.values()):
@@ -222,6 +221,8 @@ class Server:
             "server_version": __version__,
             "capabilities": {"ops": list(OPS), "processors": sorted(proc.BUILTINS), "stream": True, "cancel": True,
                              "strategies": ["greedy", "sample"]},
+            "processor_options": {name: [{"name": o["name"], "required": o["required"]} for o in options]
+                                  for name, options in proc.catalogue().items()},
             "limits": {"max_frame_bytes": self.max_frame_bytes, "max_in_flight": self.max_in_flight},
             "models": list(self.engines),
         }
@@ -261,7 +262,7 @@ class Server:
             raise ProtocolError(codes.SESSION_EXISTS, f"a session named {name!r} is already open", rid, session=name)
         self.sessions[name] = (params["model"], engine.session())
         self.queues[name] = deque()
-        return {"session": name}
+        return {"session": name, "model": model_info(params["model"], engine)}
 
     def op_close_session(self, params, rid):
         self._close(params["session"])

@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import threading
+import time
 
 from protocol import FrameDecoder, ProtocolError, frame, pack
 
@@ -53,13 +54,33 @@ class FrameReader:
 
 
 class FrameWriter:
-    """Writes whole frames with blocking writes: a peer that stops reading pauses the server."""
+    """Writes whole frames with blocking writes: a peer that stops reading pauses the server.
 
-    def __init__(self, fd: int):
+    Frames sent with `urgent=False` (token events) may wait up to `coalesce_s` and go out together
+    with later ones in one write. Each write wakes the reader, and on a small machine that costs the
+    model a few percent of its speed. Order is always kept: an urgent frame flushes everything before it.
+    """
+
+    def __init__(self, fd: int, *, coalesce_s: float = 0.0):
         self.fd = fd
+        self.coalesce_s = coalesce_s
+        self._pending: list[bytes] = []
+        self._since = 0.0
 
-    def send(self, message: dict) -> None:
-        view = memoryview(frame(pack(message)))
+    def send(self, message: dict, *, urgent: bool = True) -> None:
+        if not self._pending:
+            self._since = time.monotonic()
+        self._pending.append(self._encode(message))
+        if urgent or time.monotonic() - self._since >= self.coalesce_s:
+            self.flush()
+
+    def _encode(self, message: dict) -> bytes:
+        return frame(pack(message))
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        view = memoryview(b"".join(self._pending))
+        self._pending.clear()
         while view:
-            written = os.write(self.fd, view)
-            view = view[written:]
+            view = view[os.write(self.fd, view) :]

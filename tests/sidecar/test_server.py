@@ -109,6 +109,23 @@ def test_cancel_stops_within_a_step_and_returns_the_tokens_so_far(peer):
     assert len(streamed) < 1500
     assert peer.reply_for(21)[1]["result"] == {"cancelled": True}
     assert peer.call("ping")["ok"]
+    after = peer.call("generate", session="c", token_ids=[5, 6] + streamed, max_new_tokens=2, eos_token_ids=[])
+    assert after["ok"] and after["result"]["stats"]["reused_tokens"] == 2 + len(streamed) - 1
+
+
+def test_cancel_of_a_queued_request_and_shutdown_with_work_in_flight(peer):
+    peer.call("open_session", session="q")
+    generate(peer, 60, session="q", token_ids=[5, 6], max_new_tokens=1500, eos_token_ids=[], stream=True)
+    generate(peer, 61, session="q", token_ids=[5, 6], max_new_tokens=3, eos_token_ids=[])
+    generate(peer, 62, session="q", token_ids=[5, 6], max_new_tokens=3, eos_token_ids=[])
+    peer.send({"id": 63, "op": "cancel", "target": 61})
+    assert peer.reply_for(61)[1]["error"] == {"code": "cancelled", "message": "cancelled before it started", "token_ids": [], "text": ""}
+    assert peer.reply_for(63)[1]["result"] == {"cancelled": True}
+    peer.send({"id": 64, "op": "shutdown"})
+    assert peer.reply_for(60)[1]["error"]["code"] == "cancelled"
+    assert peer.reply_for(62)[1]["error"]["code"] == "cancelled"
+    assert peer.reply_for(64)[1] == {"id": 64, "ok": True, "result": {}}
+    assert peer.process.wait(10) == 0
 
 
 def test_backpressure_pauses_generation_instead_of_buffering(peer):

@@ -1,0 +1,334 @@
+defmodule Sidecar do
+  @moduledoc """
+  An OTP client for the Python sidecar: transformers text generation over an Erlang Port.
+
+  Add it to a supervision tree:
+
+      children = [
+        {Sidecar, name: MyApp.Sidecar, python: "/srv/venv/bin/python", model: "/models/llama"}
+      ]
+
+  then open sessions and generate as you would with Bumblebee:
+
+      {:ok, session} = Sidecar.open_session(MyApp.Sidecar)
+      {:ok, %{text: text}} = Sidecar.generate(session, "Once upon a time", max_new_tokens: 32)
+
+  Every failure is a value, `{:error, %Sidecar.Error{}}`. If the Python process dies, in-flight
+  callers get `reason: :sidecar_exited` and the connection stops for its supervisor to restart it.
+  Sessions of the dead sidecar then answer `reason: :session_lost`. If the connection process dies,
+  its Port closes and the Python process exits.
+  """
+
+  alias Sidecar.{Connection, Error, Generation, Options, Processors}
+
+  @type conn :: GenServer.server()
+  @type result :: %{text: String.t(), token_ids: [non_neg_integer()], finish_reason: String.t(), stats: map()}
+
+  defmodule Session do
+    @moduledoc "A session of a sidecar: a KV cache reused by prefix across `generate` calls."
+    @enforce_keys [:conn, :name, :model, :eos_token_ids, :incarnation]
+    defstruct [:conn, :name, :model, :eos_token_ids, :incarnation]
+    @type t :: %__MODULE__{}
+  end
+
+  defmodule Request do
+    @moduledoc "A generation started with `Sidecar.start_generate/3`."
+    @enforce_keys [:conn, :ref, :id, :monitor]
+    defstruct [:conn, :ref, :id, :monitor]
+    @type t :: %__MODULE__{}
+  end
+
+  @doc "A child spec for supervision trees; see `start_link/1` for the options."
+  @spec child_spec(keyword()) :: Supervisor.child_spec()
+  def child_spec(opts) do
+    %{id: Keyword.get(opts, :name, __MODULE__), start: {__MODULE__, :start_link, [opts]}, type: :worker}
+  end
+
+  @doc """
+  Starts the sidecar and the process that owns its Port, and returns once the model is loaded and
+  the sidecar has answered `hello`. Options (validated up front; bad ones raise `ArgumentError`):
+
+  #{Enum.map_join(Options.definitions(), "\n", fn {k, d} -> "  * `#{inspect(k)}` - #{d[:doc]} (default: `#{inspect(d[:default])}`)" end)}
+  """
+  @spec start_link(keyword()) :: GenServer.on_start()
+  def start_link(opts \\ []), do: opts |> Options.validate!() |> Connection.start_link()
+
+  @doc "Round trip to the sidecar."
+  @spec ping(conn(), timeout()) :: :ok | {:error, Error.t()}
+  def ping(conn, timeout \\ 5_000) do
+    with {:ok, _} <- call(conn, "ping", %{}, nil, timeout), do: :ok
+  end
+
+  @doc "The sidecar's `hello` answer (versions, capabilities, limits, models) and its OS pid."
+  @spec info(conn()) :: map()
+  def info(conn), do: GenServer.call(conn, :info)
+
+  @doc "Opens a session on `model` (default `\"default\"`); `name:` lets you choose its name."
+  @spec open_session(conn(), keyword()) :: {:ok, Session.t()} | {:error, Error.t()}
+  def open_session(conn, opts \\ []) do
+    params = %{"model" => Keyword.get(opts, :model, "default"), "session" => Keyword.get(opts, :name)}
+
+    with {:ok, incarnation} <- incarnation(conn),
+         {:ok, %{"session" => name, "model" => model}} <-
+           call(conn, "open_session", params, nil, Keyword.get(opts, :timeout, 60_000)) do
+      {:ok,
+       %Session{
+         conn: conn,
+         name: name,
+         model: model,
+         eos_token_ids: model["eos_token_ids"],
+         incarnation: incarnation
+       }}
+    end
+  end
+
+  @doc "Closes a session and frees its cache."
+  @spec close_session(Session.t(), timeout()) :: :ok | {:error, Error.t()}
+  def close_session(%Session{} = session, timeout \\ 60_000) do
+    with {:ok, _} <- session_call(session, "close_session", %{}, timeout), do: :ok
+  end
+
+  @doc "What the session holds: history and cached token counts, cache bytes."
+  @spec session_info(Session.t(), timeout()) :: {:ok, map()} | {:error, Error.t()}
+  def session_info(%Session{} = session, timeout \\ 60_000),
+    do: session_call(session, "session_info", %{}, timeout)
+
+  @doc """
+  Generates from `input` (a string or a list of token ids) and waits for the result. Options are
+  Bumblebee's generation options, listed in `Sidecar.Generation`. Past `:timeout` the generation
+  is cancelled and `{:error, %Sidecar.Error{reason: :timeout}}` returned.
+  """
+  @spec generate(Session.t(), String.t() | [non_neg_integer()], keyword()) ::
+          {:ok, result()} | {:error, Error.t()}
+  def generate(%Session{} = session, input, opts \\ []) do
+    with {:ok, request} <- start_request(session, input, opts, false) do
+      await(request, Keyword.get(opts, :timeout, 60_000))
+    end
+  end
+
+  @doc """
+  Starts a generation without waiting. The caller receives `{Sidecar, ref, {:event, map}}` for each
+  token and one `{Sidecar, ref, {:reply, result}}`. Pass the request to `await/2` or `cancel/1`.
+  """
+  @spec start_generate(Session.t(), String.t() | [non_neg_integer()], keyword()) ::
+          {:ok, Request.t()} | {:error, Error.t()}
+  def start_generate(%Session{} = session, input, opts \\ []), do: start_request(session, input, opts, true)
+
+  @doc "Waits for a started generation; past `timeout` it is cancelled."
+  @spec await(Request.t(), timeout()) :: {:ok, result()} | {:error, Error.t()}
+  def await(%Request{} = request, timeout \\ 60_000) do
+    deadline = if timeout == :infinity, do: :infinity, else: System.monotonic_time(:millisecond) + timeout
+    await_reply(request, deadline)
+  end
+
+  defp await_reply(%Request{ref: ref, monitor: monitor} = request, deadline) do
+    wait =
+      if deadline == :infinity, do: :infinity, else: max(0, deadline - System.monotonic_time(:millisecond))
+
+    receive do
+      {Sidecar, ^ref, {:event, _}} ->
+        await_reply(request, deadline)
+
+      {Sidecar, ^ref, {:reply, reply}} ->
+        Process.demonitor(monitor, [:flush]) && generation_result(reply)
+
+      {:DOWN, ^monitor, :process, _, _} ->
+        {:error, Error.new(:sidecar_exited, "the sidecar connection went down")}
+    after
+      wait ->
+        cancel(request)
+        {:error, Error.new(:timeout, "the generation did not finish in time and was cancelled")}
+    end
+  end
+
+  @doc "Cancels a started generation. Its reply (if still awaited) is `reason: :cancelled` with the tokens so far."
+  @spec cancel(Request.t()) :: :ok
+  def cancel(%Request{conn: conn, id: id}) do
+    GenServer.cast(conn, {:cancel, id})
+  end
+
+  @doc """
+  A lazy `Stream` of chunks `%{text: String.t(), token_ids: [integer]}` for a LiveView or any
+  consumer. The generation starts when the stream is run; halting it early (`Enum.take/2`, a
+  `:halt` in `Stream.transform/3` ...) cancels the generation. An error raises `Sidecar.Error`.
+  """
+  @spec stream(Session.t(), String.t() | [non_neg_integer()], keyword()) :: Enumerable.t()
+  def stream(%Session{} = session, input, opts \\ []) do
+    timeout = Keyword.get(opts, :timeout, 60_000)
+
+    Stream.resource(
+      fn ->
+        case start_generate(session, input, opts) do
+          {:ok, request} -> {request, false}
+          {:error, error} -> raise error
+        end
+      end,
+      fn
+        {request, true} ->
+          {:halt, {request, true}}
+
+        {%Request{ref: ref, monitor: monitor} = request, false} ->
+          receive do
+            {Sidecar, ^ref, {:event, %{"token_ids" => ids, "text" => text}}} ->
+              {[%{text: text, token_ids: ids}], {request, false}}
+
+            {Sidecar, ^ref, {:reply, {:ok, _}}} ->
+              {:halt, {request, true}}
+
+            {Sidecar, ^ref, {:reply, {:error, error}}} ->
+              raise error
+
+            {:DOWN, ^monitor, :process, _, _} ->
+              raise Error.new(:sidecar_exited, "the sidecar connection went down")
+          after
+            timeout ->
+              cancel(request)
+              raise Error.new(:timeout, "no token within #{timeout} ms; the generation was cancelled")
+          end
+      end,
+      fn
+        {request, true} ->
+          Process.demonitor(request.monitor, [:flush])
+
+        {request, false} ->
+          cancel(request)
+          GenServer.cast(request.conn, {:forget, request.id})
+          Process.demonitor(request.monitor, [:flush])
+          flush(request.ref)
+      end
+    )
+  end
+
+  @doc "Token ids of `text` under the model's tokenizer."
+  @spec tokenize(conn(), String.t(), keyword()) :: {:ok, [non_neg_integer()]} | {:error, Error.t()}
+  def tokenize(conn, text, opts \\ []) do
+    params = %{
+      "text" => text,
+      "model" => Keyword.get(opts, :model, "default"),
+      "add_special_tokens" => Keyword.get(opts, :add_special_tokens, true)
+    }
+
+    with {:ok, %{"token_ids" => ids}} <-
+           call(conn, "tokenize", params, nil, Keyword.get(opts, :timeout, 60_000)),
+         do: {:ok, ids}
+  end
+
+  @doc "The text of `token_ids`."
+  @spec detokenize(conn(), [non_neg_integer()], keyword()) :: {:ok, String.t()} | {:error, Error.t()}
+  def detokenize(conn, token_ids, opts \\ []) do
+    params = %{
+      "token_ids" => token_ids,
+      "model" => Keyword.get(opts, :model, "default"),
+      "skip_special_tokens" => Keyword.get(opts, :skip_special_tokens, true)
+    }
+
+    with {:ok, %{"text" => text}} <-
+           call(conn, "detokenize", params, nil, Keyword.get(opts, :timeout, 60_000)),
+         do: {:ok, text}
+  end
+
+  @doc "Engine statistics: per-model sessions, cached tokens and bytes, evictions; requests in flight."
+  @spec stats(conn(), timeout()) :: {:ok, map()} | {:error, Error.t()}
+  def stats(conn, timeout \\ 5_000), do: call(conn, "stats", %{}, nil, timeout)
+
+  @doc "Builds or updates a processor config, like `Bumblebee.configure/2`. See `Sidecar.Processors`."
+  @spec configure(module() | struct(), keyword()) :: struct()
+  def configure(module_or_config, opts \\ []), do: Processors.configure(module_or_config, opts)
+
+  # ---- plumbing ---------------------------------------------------------------------------------
+
+  defp start_request(%Session{} = session, input, opts, stream?) do
+    params =
+      input
+      |> Generation.params(opts, session.eos_token_ids)
+      |> Map.merge(%{"session" => session.name, "stream" => stream?})
+
+    request(session.conn, "generate", params, session.incarnation)
+  end
+
+  defp session_call(%Session{} = session, op, params, timeout) do
+    call(session.conn, op, Map.put(params, "session", session.name), session.incarnation, timeout)
+  end
+
+  defp call(conn, op, params, incarnation, timeout) do
+    with {:ok, request} <- request(conn, op, params, incarnation) do
+      case await_call(request, timeout) do
+        {:error, %Error{reason: :timeout}} = timed_out ->
+          GenServer.cast(conn, {:forget, request.id})
+          timed_out
+
+        other ->
+          other
+      end
+    end
+  end
+
+  defp await_call(%Request{ref: ref, monitor: monitor}, timeout) do
+    receive do
+      {Sidecar, ^ref, {:reply, reply}} ->
+        Process.demonitor(monitor, [:flush]) && reply
+
+      {:DOWN, ^monitor, :process, _, _} ->
+        {:error, Error.new(:sidecar_exited, "the sidecar connection went down")}
+    after
+      timeout ->
+        Process.demonitor(monitor, [:flush])
+        {:error, Error.new(:timeout, "no reply within #{timeout} ms")}
+    end
+  end
+
+  defp request(conn, op, params, incarnation) do
+    case whereis(conn) do
+      nil ->
+        lost(incarnation)
+
+      pid ->
+        monitor = Process.monitor(pid)
+
+        try do
+          case GenServer.call(pid, {:request, op, params, incarnation}, 30_000) do
+            {:ok, ref, id} -> {:ok, %Request{conn: pid, ref: ref, id: id, monitor: monitor}}
+            {:error, error} -> Process.demonitor(monitor, [:flush]) && {:error, error}
+          end
+        catch
+          :exit, _ -> Process.demonitor(monitor, [:flush]) && lost(incarnation)
+        end
+    end
+  end
+
+  defp lost(nil), do: {:error, Error.new(:not_running, "the sidecar connection is not running")}
+
+  defp lost(_),
+    do: {:error, Error.new(:session_lost, "the session belonged to a sidecar that has since exited")}
+
+  defp whereis(pid) when is_pid(pid), do: if(Process.alive?(pid), do: pid)
+  defp whereis(name), do: GenServer.whereis(name)
+
+  defp incarnation(conn) do
+    {:ok, info(conn)["incarnation"]}
+  catch
+    :exit, _ -> {:error, Error.new(:not_running, "the sidecar connection is not running")}
+  end
+
+  defp generation_result(
+         {:ok, %{"text" => text, "token_ids" => ids, "finish_reason" => finish, "stats" => stats}}
+       ) do
+    {:ok,
+     %{
+       text: text,
+       token_ids: ids,
+       finish_reason: finish,
+       stats: Map.new(stats, fn {k, v} -> {String.to_atom(k), v} end)
+     }}
+  end
+
+  defp generation_result({:error, _} = error), do: error
+
+  defp flush(ref) do
+    receive do
+      {Sidecar, ^ref, _} -> flush(ref)
+    after
+      0 -> :ok
+    end
+  end
+end

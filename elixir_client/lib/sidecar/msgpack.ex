@@ -1,0 +1,148 @@
+defmodule Sidecar.Msgpack do
+  @moduledoc """
+  A small msgpack codec, written to the protocol's needs (no hex dependency).
+
+  Encoding: `nil`, booleans, integers (smallest encoding, as the spec requires), floats (as float64),
+  binaries (as str), `%Sidecar.Msgpack.Bin{}` (as bin), other atoms (as str), lists and maps (keys in
+  sorted order, so bytes are reproducible). Decoding: str -> binary, bin -> `%Sidecar.Msgpack.Bin{}`,
+  float32/float64 -> float; ext types are rejected.
+  """
+
+  @behaviour Sidecar.Codec
+
+  defmodule Bin do
+    @moduledoc "Raw bytes that travel as msgpack bin rather than str."
+    defstruct data: <<>>
+    @type t :: %__MODULE__{data: binary()}
+  end
+
+  @impl true
+  @spec encode(term()) :: {:ok, iodata()} | {:error, {:unsupported, term()}}
+  def encode(term) do
+    {:ok, enc(term)}
+  catch
+    {:unsupported, value} -> {:error, {:unsupported, value}}
+  end
+
+  @impl true
+  @spec decode(binary()) :: {:ok, term()} | {:error, atom()}
+  def decode(binary) when is_binary(binary) do
+    case dec(binary) do
+      {value, <<>>} -> {:ok, value}
+      {_value, _rest} -> {:error, :trailing_bytes}
+    end
+  catch
+    {:invalid, reason} -> {:error, reason}
+  end
+
+  # ---- encoding -----------------------------------------------------------------------------
+
+  defp enc(nil), do: <<0xC0>>
+  defp enc(false), do: <<0xC2>>
+  defp enc(true), do: <<0xC3>>
+  defp enc(n) when is_integer(n) and n >= 0 and n < 128, do: <<n>>
+  defp enc(n) when is_integer(n) and n >= -32 and n < 0, do: <<n::signed-8>>
+  defp enc(n) when is_integer(n) and n >= 0 and n < 0x100, do: <<0xCC, n>>
+  defp enc(n) when is_integer(n) and n >= 0 and n < 0x10000, do: <<0xCD, n::16>>
+  defp enc(n) when is_integer(n) and n >= 0 and n < 0x100000000, do: <<0xCE, n::32>>
+  defp enc(n) when is_integer(n) and n >= 0 and n < 0x10000000000000000, do: <<0xCF, n::64>>
+  defp enc(n) when is_integer(n) and n >= -0x80, do: <<0xD0, n::signed-8>>
+  defp enc(n) when is_integer(n) and n >= -0x8000, do: <<0xD1, n::signed-16>>
+  defp enc(n) when is_integer(n) and n >= -0x80000000, do: <<0xD2, n::signed-32>>
+  defp enc(n) when is_integer(n) and n >= -0x8000000000000000, do: <<0xD3, n::signed-64>>
+  defp enc(f) when is_float(f), do: <<0xCB, f::float-64>>
+  defp enc(%Bin{data: data}) when is_binary(data), do: [bin_header(byte_size(data)), data]
+  defp enc(s) when is_binary(s), do: [str_header(byte_size(s)), s]
+  defp enc(a) when is_atom(a), do: enc(Atom.to_string(a))
+  defp enc(list) when is_list(list), do: [array_header(length(list)) | Enum.map(list, &enc/1)]
+
+  defp enc(map) when is_map(map) and not is_struct(map) do
+    entries = Enum.sort_by(map, fn {k, _} -> sort_key(k) end)
+    [map_header(map_size(map)) | Enum.map(entries, fn {k, v} -> [enc(k), enc(v)] end)]
+  end
+
+  defp enc(other), do: throw({:unsupported, other})
+
+  # Keys sort by their text (UTF-8 byte order is code point order, as in the Python side's sort).
+  defp sort_key(key) when is_atom(key) and key not in [nil, true, false], do: Atom.to_string(key)
+  defp sort_key(key), do: key
+
+  defp str_header(n) when n < 32, do: <<0b101::3, n::5>>
+  defp str_header(n) when n < 0x100, do: <<0xD9, n>>
+  defp str_header(n) when n < 0x10000, do: <<0xDA, n::16>>
+  defp str_header(n), do: <<0xDB, n::32>>
+
+  defp bin_header(n) when n < 0x100, do: <<0xC4, n>>
+  defp bin_header(n) when n < 0x10000, do: <<0xC5, n::16>>
+  defp bin_header(n), do: <<0xC6, n::32>>
+
+  defp array_header(n) when n < 16, do: <<0b1001::4, n::4>>
+  defp array_header(n) when n < 0x10000, do: <<0xDC, n::16>>
+  defp array_header(n), do: <<0xDD, n::32>>
+
+  defp map_header(n) when n < 16, do: <<0b1000::4, n::4>>
+  defp map_header(n) when n < 0x10000, do: <<0xDE, n::16>>
+  defp map_header(n), do: <<0xDF, n::32>>
+
+  # ---- decoding -----------------------------------------------------------------------------
+
+  defp dec(<<0xC0, rest::binary>>), do: {nil, rest}
+  defp dec(<<0xC2, rest::binary>>), do: {false, rest}
+  defp dec(<<0xC3, rest::binary>>), do: {true, rest}
+  defp dec(<<0::1, n::7, rest::binary>>), do: {n, rest}
+  defp dec(<<0b111::3, n::5, rest::binary>>), do: {n - 32, rest}
+  defp dec(<<0xCC, n, rest::binary>>), do: {n, rest}
+  defp dec(<<0xCD, n::16, rest::binary>>), do: {n, rest}
+  defp dec(<<0xCE, n::32, rest::binary>>), do: {n, rest}
+  defp dec(<<0xCF, n::64, rest::binary>>), do: {n, rest}
+  defp dec(<<0xD0, n::signed-8, rest::binary>>), do: {n, rest}
+  defp dec(<<0xD1, n::signed-16, rest::binary>>), do: {n, rest}
+  defp dec(<<0xD2, n::signed-32, rest::binary>>), do: {n, rest}
+  defp dec(<<0xD3, n::signed-64, rest::binary>>), do: {n, rest}
+  defp dec(<<0xCA, f::float-32, rest::binary>>), do: {f, rest}
+  defp dec(<<0xCB, f::float-64, rest::binary>>), do: {f, rest}
+  defp dec(<<0xCA, _::binary>>), do: throw({:invalid, :non_finite_float})
+  defp dec(<<0xCB, _::binary>>), do: throw({:invalid, :non_finite_float})
+  defp dec(<<0b101::3, n::5, rest::binary>>), do: take(rest, n, :str)
+  defp dec(<<0xD9, n, rest::binary>>), do: take(rest, n, :str)
+  defp dec(<<0xDA, n::16, rest::binary>>), do: take(rest, n, :str)
+  defp dec(<<0xDB, n::32, rest::binary>>), do: take(rest, n, :str)
+  defp dec(<<0xC4, n, rest::binary>>), do: take(rest, n, :bin)
+  defp dec(<<0xC5, n::16, rest::binary>>), do: take(rest, n, :bin)
+  defp dec(<<0xC6, n::32, rest::binary>>), do: take(rest, n, :bin)
+  defp dec(<<0b1001::4, n::4, rest::binary>>), do: array(rest, n, [])
+  defp dec(<<0xDC, n::16, rest::binary>>), do: array(rest, n, [])
+  defp dec(<<0xDD, n::32, rest::binary>>), do: array(rest, n, [])
+  defp dec(<<0b1000::4, n::4, rest::binary>>), do: map(rest, n, [])
+  defp dec(<<0xDE, n::16, rest::binary>>), do: map(rest, n, [])
+  defp dec(<<0xDF, n::32, rest::binary>>), do: map(rest, n, [])
+  defp dec(<<>>), do: throw({:invalid, :truncated})
+
+  defp dec(<<byte, _::binary>>) when byte in [0xC1, 0xC7, 0xC8, 0xC9] or byte in 0xD4..0xD8,
+    do: throw({:invalid, :unsupported_type})
+
+  defp dec(_), do: throw({:invalid, :truncated})
+
+  defp take(binary, n, kind) do
+    case binary do
+      <<data::binary-size(n), rest::binary>> when kind == :bin -> {%Bin{data: data}, rest}
+      <<data::binary-size(n), rest::binary>> -> {data, rest}
+      _ -> throw({:invalid, :truncated})
+    end
+  end
+
+  defp array(rest, 0, acc), do: {Enum.reverse(acc), rest}
+
+  defp array(binary, n, acc) do
+    {value, rest} = dec(binary)
+    array(rest, n - 1, [value | acc])
+  end
+
+  defp map(rest, 0, acc), do: {Map.new(acc), rest}
+
+  defp map(binary, n, acc) do
+    {key, rest} = dec(binary)
+    {value, rest} = dec(rest)
+    map(rest, n - 1, [{key, value} | acc])
+  end
+end

@@ -1,0 +1,104 @@
+defmodule Sidecar.Options do
+  @moduledoc """
+  Start options of `Sidecar.start_link/1`, declared once and validated before anything is spawned.
+  """
+
+  @definitions [
+    python: [doc: "the Python executable that has the sidecar installed", default: "python3"],
+    model: [
+      doc: ~s(a local model directory, or `:default` for the embedded tiny model, or `nil` to load none),
+      default: :default
+    ],
+    args: [doc: "extra command-line arguments for `python -m sidecar`", default: []],
+    env: [doc: "extra environment variables, as `[{name, value}]` strings", default: []],
+    cd: [doc: "working directory of the Python process", default: nil],
+    name: [doc: "a name to register the connection under (as in `GenServer.start_link/3`)", default: nil],
+    codec: [doc: "the payload codec, a `Sidecar.Codec` implementation", default: Sidecar.Msgpack],
+    startup_timeout: [
+      doc: "milliseconds to wait for the sidecar to load and answer `hello`",
+      default: 120_000
+    ],
+    call_timeout: [
+      doc: "default milliseconds for each call; generations past it are cancelled",
+      default: 60_000
+    ],
+    log_stderr: [doc: "forward the Python process's stderr lines to Logger", default: true]
+  ]
+
+  @doc false
+  def definitions, do: @definitions
+
+  @doc "Validates start options; raises `ArgumentError` naming the offending option."
+  @spec validate!(keyword()) :: keyword()
+  def validate!(opts) when is_list(opts) do
+    unless Keyword.keyword?(opts), do: raise(ArgumentError, "Sidecar start options must be a keyword list")
+    valid = Keyword.keys(@definitions)
+
+    for {key, _} <- opts, key not in valid do
+      raise ArgumentError,
+            "unknown Sidecar start option #{inspect(key)}; valid options: #{Enum.map_join(valid, ", ", &inspect/1)}"
+    end
+
+    options = Keyword.merge(Enum.map(@definitions, fn {k, d} -> {k, d[:default]} end), opts)
+    Enum.each(options, fn {key, value} -> check!(key, value) end)
+    Keyword.update!(options, :python, &resolve_python!/1)
+  end
+
+  defp check!(:python, v) when is_binary(v) and v != "", do: :ok
+  defp check!(:model, v) when v in [:default, nil] or (is_binary(v) and v != ""), do: :ok
+  defp check!(:args, v) when is_list(v), do: each!(:args, v, &is_binary/1)
+
+  defp check!(:env, v) when is_list(v),
+    do: each!(:env, v, &match?({k, val} when is_binary(k) and is_binary(val), &1))
+
+  defp check!(:cd, v) when is_nil(v) or is_binary(v), do: :ok
+
+  defp check!(:name, v) when is_nil(v) or is_atom(v) or (is_tuple(v) and elem(v, 0) in [:global, :via]),
+    do: :ok
+
+  defp check!(:codec, v) when is_atom(v), do: codec!(v)
+
+  defp check!(key, v)
+       when key in [:startup_timeout, :call_timeout] and ((is_integer(v) and v > 0) or v == :infinity),
+       do: :ok
+
+  defp check!(:log_stderr, v) when is_boolean(v), do: :ok
+
+  defp check!(key, v),
+    do:
+      raise(
+        ArgumentError,
+        "invalid value #{inspect(v)} for Sidecar option #{inspect(key)}: #{@definitions[key][:doc]}"
+      )
+
+  defp each!(key, list, ok?) do
+    unless Enum.all?(list, ok?),
+      do:
+        raise(
+          ArgumentError,
+          "invalid value #{inspect(list)} for Sidecar option #{inspect(key)}: #{@definitions[key][:doc]}"
+        )
+
+    :ok
+  end
+
+  defp codec!(module) do
+    Code.ensure_loaded(module)
+
+    unless function_exported?(module, :encode, 1) and function_exported?(module, :decode, 1) do
+      raise ArgumentError, "Sidecar option :codec: #{inspect(module)} does not implement Sidecar.Codec"
+    end
+
+    :ok
+  end
+
+  defp resolve_python!(python) do
+    found = if String.contains?(python, "/"), do: python, else: System.find_executable(python)
+
+    unless found && File.regular?(found) do
+      raise ArgumentError, "Sidecar option :python: executable #{inspect(python)} not found"
+    end
+
+    Path.expand(found)
+  end
+end

@@ -1,0 +1,93 @@
+defmodule Sidecar.MsgpackTest do
+  use ExUnit.Case, async: true
+  import Bitwise
+
+  import Sidecar.Test.Helpers
+  alias Sidecar.Msgpack
+
+  describe "golden vectors of the protocol" do
+    for vector <- Sidecar.Test.Helpers.vectors("codec.json")["vectors"] do
+      @vector vector
+      test "codec: #{vector["name"]}" do
+        value = from_json(@vector["value"])
+        bytes = Base.decode16!(@vector["hex"], case: :lower)
+        assert Msgpack.decode(bytes) == {:ok, value}
+        assert {:ok, iodata} = Msgpack.encode(value)
+        assert IO.iodata_to_binary(iodata) == bytes
+      end
+    end
+
+    test "every conformance request encodes to its golden frame" do
+      steps =
+        for script <- vectors("conformance.json")["scripts"],
+            step <- script["steps"],
+            Map.has_key?(step, "request"),
+            do: step
+
+      assert length(steps) == 39
+
+      for %{"request" => request, "send_hex" => hex} <- steps do
+        <<length::32, payload::binary>> = Base.decode16!(hex, case: :lower)
+        {:ok, iodata} = Msgpack.encode(from_json(request))
+        assert IO.iodata_to_binary(iodata) == payload
+        assert length == byte_size(payload)
+      end
+    end
+  end
+
+  test "round-trips random terms (seeded property test)" do
+    :rand.seed(:exsss, {1, 2, 3})
+
+    for _ <- 1..3_000 do
+      term = random_term(3)
+      assert {:ok, iodata} = Msgpack.encode(term)
+      assert Msgpack.decode(IO.iodata_to_binary(iodata)) == {:ok, term}
+    end
+  end
+
+  test "bad input is an error value, never a crash" do
+    assert Msgpack.decode(<<0xC1>>) == {:error, :unsupported_type}
+    assert Msgpack.decode(<<0x92, 0x01>>) == {:error, :truncated}
+    assert Msgpack.decode(<<0x01, 0x02>>) == {:error, :trailing_bytes}
+    assert Msgpack.decode(<<0xA5, "abc">>) == {:error, :truncated}
+    assert Msgpack.decode(<<0xD4, 1, 2>>) == {:error, :unsupported_type}
+    assert Msgpack.encode({:a, :tuple}) == {:error, {:unsupported, {:a, :tuple}}}
+
+    :rand.seed(:exsss, {4, 5, 6})
+
+    for _ <- 1..3_000 do
+      garbage = for _ <- 1..:rand.uniform(12), into: <<>>, do: <<:rand.uniform(256) - 1>>
+      assert match?({:ok, _}, Msgpack.decode(garbage)) or match?({:error, _}, Msgpack.decode(garbage))
+    end
+  end
+
+  defp random_term(0), do: random_scalar()
+
+  defp random_term(depth) do
+    case :rand.uniform(6) do
+      1 -> for _ <- 1..:rand.uniform(4), do: random_term(depth - 1)
+      2 -> Map.new(1..:rand.uniform(4), fn _ -> {random_string(), random_term(depth - 1)} end)
+      _ -> random_scalar()
+    end
+  end
+
+  defp random_scalar do
+    case :rand.uniform(8) do
+      1 -> nil
+      2 -> :rand.uniform(2) == 1
+      3 -> :rand.uniform(1 <<< 64) - 1
+      4 -> -:rand.uniform(1 <<< 63)
+      5 -> (:rand.uniform() - 0.5) * 1.0e6
+      6 -> random_string()
+      7 -> %Msgpack.Bin{data: :crypto.strong_rand_bytes(:rand.uniform(300) - 1)}
+      8 -> Enum.at([0, 127, 128, 255, 256, 65535, 65536, -32, -33, -128, -129], :rand.uniform(11) - 1)
+    end
+  end
+
+  defp random_string do
+    Enum.at(
+      ["", "a", "héllo", String.duplicate("x", 40), String.duplicate("é", 200), "日本"],
+      :rand.uniform(6) - 1
+    )
+  end
+end

@@ -1,0 +1,194 @@
+defmodule SidecarTest do
+  # Against the real Python sidecar with the tiny default model.
+  use ExUnit.Case, async: false
+
+  import Sidecar.Test.Helpers
+  alias Sidecar.Error
+  alias Sidecar.Processors.{SuppressTokens, TopK}
+
+  @moduletag timeout: 180_000
+
+  setup_all do
+    %{conn: start_supervised!({Sidecar, sidecar_opts()})}
+  end
+
+  defp tokens(seed, n), do: for(i <- 1..n, do: 7 + rem(seed * 31 + i * 17, 900))
+
+  defp fresh_generate(conn, input, opts) do
+    {:ok, session} = Sidecar.open_session(conn)
+    result = Sidecar.generate(session, input, opts)
+    :ok = Sidecar.close_session(session)
+    result
+  end
+
+  test "ping and info", %{conn: conn} do
+    assert :ok = Sidecar.ping(conn)
+    info = Sidecar.info(conn)
+    assert info["protocol_version"] == 1 and is_integer(info["os_pid"]) and info["models"] == ["default"]
+  end
+
+  test "every processor struct matches the sidecar's declaration", %{conn: conn} do
+    declared = Sidecar.info(conn)["processor_options"]
+    assert Map.keys(declared) |> Enum.sort() == Sidecar.Processors.all() |> Map.keys() |> Enum.sort()
+
+    for {name, module} <- Sidecar.Processors.all() do
+      fields =
+        module |> struct() |> Map.from_struct() |> Map.keys() |> Enum.map(&Atom.to_string/1) |> Enum.sort()
+
+      assert fields == declared[name] |> Enum.map(& &1["name"]) |> Enum.sort(), name
+      required = for %{"name" => n, "required" => true} <- declared[name], do: String.to_atom(n)
+      assert Enum.sort(required) == Enum.sort(module.__processor__().required), name
+    end
+  end
+
+  test "tokenize and detokenize", %{conn: conn} do
+    assert {:ok, ids} = Sidecar.tokenize(conn, "héllo wörld")
+    assert {:ok, "héllo wörld"} = Sidecar.detokenize(conn, ids)
+    assert {:error, %Error{reason: :unknown_model}} = Sidecar.tokenize(conn, "x", model: "nope")
+  end
+
+  describe "the three Petals cases reuse the cache and mean the same as a fresh session" do
+    setup %{conn: conn} do
+      pieces = for {marker, seed} <- Enum.zip([3, 4, 5, 6], 1..4), do: [marker | tokens(seed, 19)]
+      {:ok, session} = Sidecar.open_session(conn)
+      on_exit(fn -> Sidecar.close_session(session) end)
+      %{session: session, pieces: pieces}
+    end
+
+    for name <- [:prefix, :different_suffix, :rolling] do
+      test "#{name}", %{conn: conn, session: session, pieces: pieces} do
+        {first, second, reuse} = petals_case(unquote(name), pieces)
+        opts = [max_new_tokens: 8, eos_token_id: []]
+        assert {:ok, earlier} = Sidecar.generate(session, first, opts)
+        assert hd(earlier.token_ids) not in [4, 5]
+        assert {:ok, reused} = Sidecar.generate(session, second, opts)
+        assert {:ok, fresh} = fresh_generate(conn, second, opts)
+        assert reused.token_ids == fresh.token_ids and reused.text == fresh.text
+        assert reused.stats.reused_tokens == reuse
+        assert fresh.stats.reused_tokens == 0
+      end
+    end
+  end
+
+  # {first call, second call, tokens the second call must reuse}
+  defp petals_case(:prefix, [a, b, _, _]), do: {a, a ++ b, 20}
+  defp petals_case(:different_suffix, [a, b, c, _]), do: {a ++ b, a ++ c, 20}
+  defp petals_case(:rolling, [a, b, c, d]), do: {a ++ b ++ c, b ++ c ++ d, 0}
+
+  test "streaming chunks add up to the blocking result", %{conn: conn} do
+    {:ok, session} = Sidecar.open_session(conn)
+    chunks = Sidecar.stream(session, "The sidecar", max_new_tokens: 12, eos_token_id: []) |> Enum.to_list()
+    {:ok, result} = Sidecar.generate(session, "The sidecar", max_new_tokens: 12, eos_token_id: [])
+    assert length(chunks) == 12
+    assert Enum.flat_map(chunks, & &1.token_ids) == result.token_ids
+    assert Enum.map_join(chunks, & &1.text) == result.text
+  end
+
+  test "halting a stream early cancels the generation", %{conn: conn} do
+    {:ok, session} = Sidecar.open_session(conn)
+
+    assert [_, _, _] =
+             Sidecar.stream(session, [5, 6], max_new_tokens: 1_800, eos_token_id: []) |> Enum.take(3)
+
+    assert eventually(fn -> match?({:ok, %{"active_generations" => 0}}, Sidecar.stats(conn)) end)
+    assert {:ok, %{finish_reason: "length"}} = Sidecar.generate(session, [5, 6], max_new_tokens: 2)
+  end
+
+  test "50 concurrent generates across 10 sessions each reach their own caller", %{conn: conn} do
+    sessions = for _ <- 1..10, do: elem(Sidecar.open_session(conn), 1)
+    opts = [max_new_tokens: 6, eos_token_id: []]
+
+    results =
+      1..50
+      |> Enum.map(fn i ->
+        Task.async(fn ->
+          {i, Sidecar.generate(Enum.at(sessions, rem(i, 10)), tokens(i, 5 + rem(i, 7)), opts)}
+        end)
+      end)
+      |> Task.await_many(120_000)
+
+    for {i, {:ok, result}} <- results do
+      assert {:ok, expected} = fresh_generate(conn, tokens(i, 5 + rem(i, 7)), opts)
+      assert result.token_ids == expected.token_ids, "request #{i} got someone else's reply"
+    end
+
+    assert length(results) == 50
+  end
+
+  test "cancel returns the tokens produced so far", %{conn: conn} do
+    {:ok, session} = Sidecar.open_session(conn)
+    {:ok, request} = Sidecar.start_generate(session, [5, 6], max_new_tokens: 1_800, eos_token_id: [])
+    ref = request.ref
+    for _ <- 1..3, do: assert_receive({Sidecar, ^ref, {:event, _}}, 10_000)
+    :ok = Sidecar.cancel(request)
+    assert {:error, %Error{reason: :cancelled, details: %{"token_ids" => ids}}} = Sidecar.await(request)
+    assert length(ids) >= 3 and length(ids) < 1_800
+  end
+
+  test "a timeout cancels the generation", %{conn: conn} do
+    {:ok, session} = Sidecar.open_session(conn)
+
+    assert {:error, %Error{reason: :timeout}} =
+             Sidecar.generate(session, [5, 6], max_new_tokens: 1_900, eos_token_id: [], timeout: 50)
+
+    assert eventually(fn -> match?({:ok, %{"active_generations" => 0}}, Sidecar.stats(conn)) end)
+  end
+
+  test "a dead caller's generation is cancelled", %{conn: conn} do
+    {:ok, session} = Sidecar.open_session(conn)
+    caller = spawn(fn -> Sidecar.generate(session, [5, 6], max_new_tokens: 1_900, eos_token_id: []) end)
+    assert eventually(fn -> match?({:ok, %{"active_generations" => 1}}, Sidecar.stats(conn)) end)
+    Process.exit(caller, :kill)
+    assert eventually(fn -> match?({:ok, %{"active_generations" => 0}}, Sidecar.stats(conn)) end)
+  end
+
+  test "errors are values", %{conn: conn} do
+    {:ok, session} = Sidecar.open_session(conn)
+
+    assert {:error, %Error{reason: :context_overflow, message: message}} =
+             Sidecar.generate(session, [5], max_new_tokens: 100_000)
+
+    assert message =~ "2048"
+    assert {:error, %Error{reason: :empty_input}} = Sidecar.generate(session, [])
+
+    assert {:error, %Error{reason: :invalid_processor, message: m}} =
+             Sidecar.generate(session, "x", processors: [Sidecar.configure(TopK, k: 0)])
+
+    assert m =~ "'k'"
+    :ok = Sidecar.close_session(session)
+    assert {:error, %Error{reason: :unknown_session}} = Sidecar.generate(session, "x")
+  end
+
+  test "processor configs and Bumblebee options reach the decode loop", %{conn: conn} do
+    opts = [max_new_tokens: 10, eos_token_id: []]
+    {:ok, plain} = fresh_generate(conn, [9, 10, 11], opts)
+    banned = Enum.uniq(plain.token_ids)
+
+    {:ok, suppressed} =
+      fresh_generate(
+        conn,
+        [9, 10, 11],
+        opts ++ [processors: [Sidecar.configure(SuppressTokens, token_ids: banned)]]
+      )
+
+    assert MapSet.disjoint?(MapSet.new(suppressed.token_ids), MapSet.new(banned))
+    {:ok, same} = fresh_generate(conn, [9, 10, 11], opts ++ [suppressed_token_ids: banned])
+    assert same.token_ids == suppressed.token_ids
+
+    sampling = opts ++ [strategy: %{type: :multinomial_sampling, top_k: 20}, temperature: 1.5, seed: 5]
+    {:ok, one} = fresh_generate(conn, [9, 10, 11], sampling)
+    {:ok, two} = fresh_generate(conn, [9, 10, 11], sampling)
+    assert one.token_ids == two.token_ids
+  end
+
+  test "the sidecar's stderr goes to Logger" do
+    log =
+      ExUnit.CaptureLog.capture_log(fn ->
+        {:ok, conn} = Sidecar.start_link(sidecar_opts(model: nil))
+        :ok = Sidecar.ping(conn)
+        GenServer.stop(conn)
+      end)
+
+    assert log =~ "[sidecar]" and log =~ "serving on fds 3,4"
+  end
+end
