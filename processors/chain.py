@@ -15,7 +15,7 @@ Item = Union[LogitsProcessor, Callable[[torch.Tensor, Context], torch.Tensor]]
 class Chain:
     """An ordered list of processors; plain callables `f(logits, context) -> logits` become stateless ones."""
 
-    __slots__ = ("processors", "_max_token_id")
+    __slots__ = ("processors", "max_token_id")
 
     def __init__(self, processors: Iterable[Item] = ()):
         items = []
@@ -27,7 +27,8 @@ class Chain:
             else:
                 raise InvalidOption(f"a chain holds processors or callables f(logits, context), got {p!r}")
         self.processors: tuple[LogitsProcessor, ...] = tuple(items)
-        self._max_token_id = max((p.max_token_id() for p in items), default=-1)
+        # the largest token id any processor names (-1 for none): checked against the vocabulary
+        self.max_token_id = max((p.max_token_id() for p in items), default=-1)
 
     def __len__(self) -> int:
         return len(self.processors)
@@ -41,7 +42,7 @@ class Chain:
 
     def process(self, states: tuple, logits: torch.Tensor, context: Context) -> tuple[tuple, torch.Tensor]:
         """Runs one step. Inputs are checked first and never modified, so a rejected step changes nothing."""
-        check_step(logits, context, self._max_token_id)
+        check_step(logits, context, self.max_token_id)
         new_states = []
         for processor, state in zip(self.processors, states):
             state, logits = processor.process(state, logits, context)

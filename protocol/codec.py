@@ -25,7 +25,7 @@ def pack(message) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
-def unpack(payload: bytes, *, max_bytes: int | None = None):
+def unpack(payload: bytes):
     """Decodes one msgpack value that must fill the payload exactly; anything else is `invalid_msgpack`."""
     try:
         return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)

@@ -19,7 +19,6 @@ SESSION_EXISTS = "session_exists"
 UNKNOWN_MODEL = "unknown_model"
 MODEL_EXISTS = "model_exists"
 CANCELLED = "cancelled"
-SHUTTING_DOWN = "shutting_down"
 TOO_MANY_REQUESTS = "too_many_requests"
 INTERNAL = "internal"
 

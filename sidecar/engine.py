@@ -59,9 +59,6 @@ class Engine:
         self._sessions[session.id] = session
         return session
 
-    def get_session(self, session_id: int) -> Session | None:
-        return self._sessions.get(session_id)
-
     @property
     def default_eos_token_ids(self) -> frozenset[int]:
         eos = self.model.generation_config.eos_token_id
@@ -132,8 +129,8 @@ class Engine:
             chain = processors if isinstance(processors, proc.Chain) else proc.Chain(processors)
         except proc.ProcessorError as error:
             raise InvalidProcessor(str(error)) from error
-        if chain._max_token_id >= self.vocab_size:
-            raise InvalidProcessor(f"a processor names token id {chain._max_token_id}, outside the vocabulary of {self.vocab_size}")
+        if chain.max_token_id >= self.vocab_size:
+            raise InvalidProcessor(f"a processor names token id {chain.max_token_id}, outside the vocabulary of {self.vocab_size}")
         return Request(input_ids, int(max_new_tokens), strategy == "greedy", seed, chain, tuple(stop), eos)
 
     def _touch(self, session: Session) -> None:

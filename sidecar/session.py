@@ -22,10 +22,7 @@ from transformers import DynamicCache
 import processors as proc
 
 from .decode import decode_step, prefill, sample
-from .errors import (
-    SessionBusy,
-    SessionClosed,
-)
+from .errors import SessionBusy, SessionClosed
 from .text import Detokenizer, StopMatcher
 
 STRATEGIES = ("greedy", "sample")

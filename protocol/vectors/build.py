@@ -15,7 +15,6 @@ from protocol.codec import pack
 from protocol.framing import frame
 
 HERE = Path(__file__).parent
-FILES = ("conformance.json", "codec.json")
 
 
 def canonical(value):

@@ -14,7 +14,7 @@ defmodule Sidecar.Error do
   @type t :: %__MODULE__{reason: atom(), message: String.t(), details: map()}
 
   @server_codes ~w(frame_too_large invalid_msgpack invalid_message invalid_id unknown_op invalid_params
-    duplicate_id unknown_session session_exists unknown_model model_exists cancelled shutting_down
+    duplicate_id unknown_session session_exists unknown_model model_exists cancelled
     too_many_requests internal model_not_found not_causal_lm no_tokenizer remote_code_required
     invalid_argument empty_input token_out_of_range context_overflow unknown_strategy session_closed
     session_busy invalid_processor)
