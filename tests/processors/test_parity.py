@@ -96,6 +96,28 @@ def test_top_p_large_nucleus_grows_the_slice(p):
         assert torch.equal(got, hf.TopPLogitsWarper(p)(None, logits.clone()))
 
 
+def test_top_p_stress_against_transformers():
+    """Many shapes of row: peaked and flat, p up to 1 (whose cut sits in the tiny tail), ties, -inf, min_keep.
+
+    Flat rows with wide nuclei go through the bucketed path; cuts within float32 summation error of
+    1 - p go to the reference sort. Every row must come out bit-identical to transformers.
+    """
+    g = torch.Generator().manual_seed(11)
+    for case in range(120):
+        vocab = (300, 4000)[case % 2]
+        logits = torch.randn(4, vocab, generator=g) * (0.01, 0.3, 1.0, 3.0, 10.0)[case % 5]
+        if case % 4 == 1:
+            logits = torch.round(logits * 4) / 4
+        elif case % 4 == 2:
+            logits[torch.rand(4, vocab, generator=g) < 0.5] = float("-inf")
+        elif case % 4 == 3:
+            logits[:, : vocab // 3] = logits[:, :1]
+        p = (0.1, 0.5, 0.9, 0.99, 1.0)[(case // 2) % 5]
+        keep = (1, 3)[case % 3 == 0]
+        got = P.TopP(p, min_tokens_to_keep=keep).transform(logits, None)
+        assert torch.equal(got, hf.TopPLogitsWarper(p, min_tokens_to_keep=keep)(None, logits.clone())), (case, p)
+
+
 def test_top_p_ties_straddling_the_cut_follow_the_sort():
     """The cut falls inside a group of equal logits: which of them stay is decided by transformers' sort."""
     logits = torch.zeros(3, 1000)
