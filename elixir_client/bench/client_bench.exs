@@ -29,7 +29,7 @@ rtts =
   end
 
 {:ok, session} = Sidecar.open_session(conn)
-Sidecar.generate(session, [5, 6], max_new_tokens: 8, eos_token_id: [])
+Sidecar.generate(conn, session, [5, 6], max_new_tokens: 8, eos_token_id: [])
 
 python_run = fn ->
   {out, 0} =
@@ -48,10 +48,11 @@ elixir_run = fn ->
   t = System.monotonic_time(:nanosecond)
 
   ^tokens =
-    Sidecar.stream(s, [5, 6], max_new_tokens: tokens, eos_token_id: [], timeout: 120_000) |> Enum.count()
+    Sidecar.stream(conn, s, [5, 6], max_new_tokens: tokens, eos_token_id: [], timeout: 120_000)
+    |> Enum.count()
 
   seconds = (System.monotonic_time(:nanosecond) - t) / 1.0e9
-  :ok = Sidecar.close_session(s)
+  :ok = Sidecar.close_session(conn, s)
   seconds
 end
 

@@ -11,7 +11,10 @@ defmodule Sidecar do
   then open sessions and generate as you would with Bumblebee:
 
       {:ok, session} = Sidecar.open_session(MyApp.Sidecar)
-      {:ok, %{text: text}} = Sidecar.generate(session, "Once upon a time", max_new_tokens: 32)
+      {:ok, %{text: text}} = Sidecar.generate(MyApp.Sidecar, session, "Once upon a time", max_new_tokens: 32)
+
+  A session is the `%Sidecar.Session{}` that `open_session/2` returns, or just its name (a string).
+  With the struct, calls on a session of a sidecar that has since died return `:session_lost`.
 
   Every failure is a value, `{:error, %Sidecar.Error{}}`. If the Python process dies, in-flight
   callers get `reason: :sidecar_exited` and the connection stops for its supervisor to restart it.
@@ -25,11 +28,16 @@ defmodule Sidecar do
   @type result :: %{text: String.t(), token_ids: [non_neg_integer()], finish_reason: String.t(), stats: map()}
 
   defmodule Session do
-    @moduledoc "A session of a sidecar: a KV cache reused by prefix across `generate` calls."
-    @enforce_keys [:conn, :name, :model, :eos_token_ids, :incarnation]
-    defstruct [:conn, :name, :model, :eos_token_ids, :incarnation]
+    @moduledoc """
+    A session of a sidecar: a KV cache reused by prefix across `generate` calls. `incarnation`
+    identifies the sidecar process it lives in.
+    """
+    @enforce_keys [:name, :model, :eos_token_ids, :incarnation]
+    defstruct [:name, :model, :eos_token_ids, :incarnation]
     @type t :: %__MODULE__{}
   end
+
+  @type session :: Session.t() | String.t()
 
   defmodule Request do
     @moduledoc "A generation started with `Sidecar.start_generate/3`."
@@ -73,7 +81,6 @@ defmodule Sidecar do
            call(conn, "open_session", params, nil, Keyword.get(opts, :timeout, 60_000)) do
       {:ok,
        %Session{
-         conn: conn,
          name: name,
          model: model,
          eos_token_ids: model["eos_token_ids"],
@@ -83,25 +90,25 @@ defmodule Sidecar do
   end
 
   @doc "Closes a session and frees its cache."
-  @spec close_session(Session.t(), timeout()) :: :ok | {:error, Error.t()}
-  def close_session(%Session{} = session, timeout \\ 60_000) do
-    with {:ok, _} <- session_call(session, "close_session", %{}, timeout), do: :ok
+  @spec close_session(conn(), session(), timeout()) :: :ok | {:error, Error.t()}
+  def close_session(conn, session, timeout \\ 60_000) do
+    with {:ok, _} <- session_call(conn, session, "close_session", %{}, timeout), do: :ok
   end
 
   @doc "What the session holds: history and cached token counts, cache bytes."
-  @spec session_info(Session.t(), timeout()) :: {:ok, map()} | {:error, Error.t()}
-  def session_info(%Session{} = session, timeout \\ 60_000),
-    do: session_call(session, "session_info", %{}, timeout)
+  @spec session_info(conn(), session(), timeout()) :: {:ok, map()} | {:error, Error.t()}
+  def session_info(conn, session, timeout \\ 60_000),
+    do: session_call(conn, session, "session_info", %{}, timeout)
 
   @doc """
   Generates from `input` (a string or a list of token ids) and waits for the result. Options are
   Bumblebee's generation options, listed in `Sidecar.Generation`. Past `:timeout` the generation
   is cancelled and `{:error, %Sidecar.Error{reason: :timeout}}` returned.
   """
-  @spec generate(Session.t(), String.t() | [non_neg_integer()], keyword()) ::
+  @spec generate(conn(), session(), String.t() | [non_neg_integer()], keyword()) ::
           {:ok, result()} | {:error, Error.t()}
-  def generate(%Session{} = session, input, opts \\ []) do
-    with {:ok, request} <- start_request(session, input, opts, false) do
+  def generate(conn, session, input, opts \\ []) do
+    with {:ok, request} <- start_request(conn, session, input, opts, false) do
       await(request, Keyword.get(opts, :timeout, 60_000))
     end
   end
@@ -110,9 +117,9 @@ defmodule Sidecar do
   Starts a generation without waiting. The caller receives `{Sidecar, ref, {:event, map}}` for each
   token and one `{Sidecar, ref, {:reply, result}}`. Pass the request to `await/2` or `cancel/1`.
   """
-  @spec start_generate(Session.t(), String.t() | [non_neg_integer()], keyword()) ::
+  @spec start_generate(conn(), session(), String.t() | [non_neg_integer()], keyword()) ::
           {:ok, Request.t()} | {:error, Error.t()}
-  def start_generate(%Session{} = session, input, opts \\ []), do: start_request(session, input, opts, true)
+  def start_generate(conn, session, input, opts \\ []), do: start_request(conn, session, input, opts, true)
 
   @doc "Waits for a started generation; past `timeout` it is cancelled."
   @spec await(Request.t(), timeout()) :: {:ok, result()} | {:error, Error.t()}
@@ -152,13 +159,13 @@ defmodule Sidecar do
   consumer. The generation starts when the stream is run; halting it early (`Enum.take/2`, a
   `:halt` in `Stream.transform/3` ...) cancels the generation. An error raises `Sidecar.Error`.
   """
-  @spec stream(Session.t(), String.t() | [non_neg_integer()], keyword()) :: Enumerable.t()
-  def stream(%Session{} = session, input, opts \\ []) do
+  @spec stream(conn(), session(), String.t() | [non_neg_integer()], keyword()) :: Enumerable.t()
+  def stream(conn, session, input, opts \\ []) do
     timeout = Keyword.get(opts, :timeout, 60_000)
 
     Stream.resource(
       fn ->
-        case start_generate(session, input, opts) do
+        case start_generate(conn, session, input, opts) do
           {:ok, request} -> {request, false}
           {:error, error} -> raise error
         end
@@ -237,18 +244,27 @@ defmodule Sidecar do
 
   # ---- plumbing ---------------------------------------------------------------------------------
 
-  defp start_request(%Session{} = session, input, opts, stream?) do
+  defp start_request(conn, session, input, opts, stream?) do
+    {name, eos_token_ids, incarnation} = identify(session)
+
     params =
       input
-      |> Generation.params(opts, session.eos_token_ids)
-      |> Map.merge(%{"session" => session.name, "stream" => stream?})
+      |> Generation.params(opts, eos_token_ids)
+      |> Map.merge(%{"session" => name, "stream" => stream?})
 
-    request(session.conn, "generate", params, session.incarnation)
+    request(conn, "generate", params, incarnation)
   end
 
-  defp session_call(%Session{} = session, op, params, timeout) do
-    call(session.conn, op, Map.put(params, "session", session.name), session.incarnation, timeout)
+  defp session_call(conn, session, op, params, timeout) do
+    {name, _eos, incarnation} = identify(session)
+    call(conn, op, Map.put(params, "session", name), incarnation, timeout)
   end
+
+  # A bare name has no incarnation (no :session_lost detection) and leaves EOS to the sidecar's default.
+  defp identify(%Session{name: name, eos_token_ids: eos, incarnation: incarnation}),
+    do: {name, eos, incarnation}
+
+  defp identify(name) when is_binary(name), do: {name, nil, nil}
 
   defp call(conn, op, params, incarnation, timeout) do
     with {:ok, request} <- request(conn, op, params, incarnation) do

@@ -16,8 +16,8 @@ defmodule SidecarTest do
 
   defp fresh_generate(conn, input, opts) do
     {:ok, session} = Sidecar.open_session(conn)
-    result = Sidecar.generate(session, input, opts)
-    :ok = Sidecar.close_session(session)
+    result = Sidecar.generate(conn, session, input, opts)
+    :ok = Sidecar.close_session(conn, session)
     result
   end
 
@@ -51,7 +51,7 @@ defmodule SidecarTest do
     setup %{conn: conn} do
       pieces = for {marker, seed} <- Enum.zip([3, 4, 5, 6], 1..4), do: [marker | tokens(seed, 19)]
       {:ok, session} = Sidecar.open_session(conn)
-      on_exit(fn -> Sidecar.close_session(session) end)
+      on_exit(fn -> Sidecar.close_session(conn, session) end)
       %{session: session, pieces: pieces}
     end
 
@@ -59,9 +59,9 @@ defmodule SidecarTest do
       test "#{name}", %{conn: conn, session: session, pieces: pieces} do
         {first, second, reuse} = petals_case(unquote(name), pieces)
         opts = [max_new_tokens: 8, eos_token_id: []]
-        assert {:ok, earlier} = Sidecar.generate(session, first, opts)
+        assert {:ok, earlier} = Sidecar.generate(conn, session, first, opts)
         assert hd(earlier.token_ids) not in [4, 5]
-        assert {:ok, reused} = Sidecar.generate(session, second, opts)
+        assert {:ok, reused} = Sidecar.generate(conn, session, second, opts)
         assert {:ok, fresh} = fresh_generate(conn, second, opts)
         assert reused.token_ids == fresh.token_ids and reused.text == fresh.text
         assert reused.stats.reused_tokens == reuse
@@ -77,8 +77,11 @@ defmodule SidecarTest do
 
   test "streaming chunks add up to the blocking result", %{conn: conn} do
     {:ok, session} = Sidecar.open_session(conn)
-    chunks = Sidecar.stream(session, "The sidecar", max_new_tokens: 12, eos_token_id: []) |> Enum.to_list()
-    {:ok, result} = Sidecar.generate(session, "The sidecar", max_new_tokens: 12, eos_token_id: [])
+
+    chunks =
+      Sidecar.stream(conn, session, "The sidecar", max_new_tokens: 12, eos_token_id: []) |> Enum.to_list()
+
+    {:ok, result} = Sidecar.generate(conn, session, "The sidecar", max_new_tokens: 12, eos_token_id: [])
     assert length(chunks) == 12
     assert Enum.flat_map(chunks, & &1.token_ids) == result.token_ids
     assert Enum.map_join(chunks, & &1.text) == result.text
@@ -88,10 +91,10 @@ defmodule SidecarTest do
     {:ok, session} = Sidecar.open_session(conn)
 
     assert [_, _, _] =
-             Sidecar.stream(session, [5, 6], max_new_tokens: 1_800, eos_token_id: []) |> Enum.take(3)
+             Sidecar.stream(conn, session, [5, 6], max_new_tokens: 1_800, eos_token_id: []) |> Enum.take(3)
 
     assert eventually(fn -> match?({:ok, %{"active_generations" => 0}}, Sidecar.stats(conn)) end)
-    assert {:ok, %{finish_reason: "length"}} = Sidecar.generate(session, [5, 6], max_new_tokens: 2)
+    assert {:ok, %{finish_reason: "length"}} = Sidecar.generate(conn, session, [5, 6], max_new_tokens: 2)
   end
 
   test "50 concurrent generates across 10 sessions each reach their own caller", %{conn: conn} do
@@ -102,7 +105,7 @@ defmodule SidecarTest do
       1..50
       |> Enum.map(fn i ->
         Task.async(fn ->
-          {i, Sidecar.generate(Enum.at(sessions, rem(i, 10)), tokens(i, 5 + rem(i, 7)), opts)}
+          {i, Sidecar.generate(conn, Enum.at(sessions, rem(i, 10)), tokens(i, 5 + rem(i, 7)), opts)}
         end)
       end)
       |> Task.await_many(120_000)
@@ -117,7 +120,7 @@ defmodule SidecarTest do
 
   test "cancel returns the tokens produced so far", %{conn: conn} do
     {:ok, session} = Sidecar.open_session(conn)
-    {:ok, request} = Sidecar.start_generate(session, [5, 6], max_new_tokens: 1_800, eos_token_id: [])
+    {:ok, request} = Sidecar.start_generate(conn, session, [5, 6], max_new_tokens: 1_800, eos_token_id: [])
     ref = request.ref
     for _ <- 1..3, do: assert_receive({Sidecar, ^ref, {:event, _}}, 10_000)
     :ok = Sidecar.cancel(request)
@@ -129,34 +132,51 @@ defmodule SidecarTest do
     {:ok, session} = Sidecar.open_session(conn)
 
     assert {:error, %Error{reason: :timeout}} =
-             Sidecar.generate(session, [5, 6], max_new_tokens: 1_900, eos_token_id: [], timeout: 50)
+             Sidecar.generate(conn, session, [5, 6], max_new_tokens: 1_900, eos_token_id: [], timeout: 50)
 
     assert eventually(fn -> match?({:ok, %{"active_generations" => 0}}, Sidecar.stats(conn)) end)
   end
 
   test "a dead caller's generation is cancelled", %{conn: conn} do
     {:ok, session} = Sidecar.open_session(conn)
-    caller = spawn(fn -> Sidecar.generate(session, [5, 6], max_new_tokens: 1_900, eos_token_id: []) end)
+    caller = spawn(fn -> Sidecar.generate(conn, session, [5, 6], max_new_tokens: 1_900, eos_token_id: []) end)
     assert eventually(fn -> match?({:ok, %{"active_generations" => 1}}, Sidecar.stats(conn)) end)
     Process.exit(caller, :kill)
     assert eventually(fn -> match?({:ok, %{"active_generations" => 0}}, Sidecar.stats(conn)) end)
+  end
+
+  test "a session can be named and used by its name", %{conn: conn} do
+    assert {:ok, %Sidecar.Session{name: "chat-1"}} = Sidecar.open_session(conn, name: "chat-1")
+    assert {:error, %Error{reason: :session_exists}} = Sidecar.open_session(conn, name: "chat-1")
+
+    assert {:ok, %{token_ids: [_, _]}} =
+             Sidecar.generate(conn, "chat-1", [5, 6], max_new_tokens: 2, eos_token_id: [])
+
+    assert {:ok, %{"history_tokens" => 4, "cached_tokens" => 3}} = Sidecar.session_info(conn, "chat-1")
+
+    assert_raise ArgumentError, ~r/:min_new_tokens needs :eos_token_id/, fn ->
+      Sidecar.generate(conn, "chat-1", "x", min_new_tokens: 2)
+    end
+
+    assert :ok = Sidecar.close_session(conn, "chat-1")
+    assert {:error, %Error{reason: :unknown_session}} = Sidecar.generate(conn, "chat-1", "x")
   end
 
   test "errors are values", %{conn: conn} do
     {:ok, session} = Sidecar.open_session(conn)
 
     assert {:error, %Error{reason: :context_overflow, message: message}} =
-             Sidecar.generate(session, [5], max_new_tokens: 100_000)
+             Sidecar.generate(conn, session, [5], max_new_tokens: 100_000)
 
     assert message =~ "2048"
-    assert {:error, %Error{reason: :empty_input}} = Sidecar.generate(session, [])
+    assert {:error, %Error{reason: :empty_input}} = Sidecar.generate(conn, session, [])
 
     assert {:error, %Error{reason: :invalid_processor, message: m}} =
-             Sidecar.generate(session, "x", processors: [Sidecar.configure(TopK, k: 0)])
+             Sidecar.generate(conn, session, "x", processors: [Sidecar.configure(TopK, k: 0)])
 
     assert m =~ "'k'"
-    :ok = Sidecar.close_session(session)
-    assert {:error, %Error{reason: :unknown_session}} = Sidecar.generate(session, "x")
+    :ok = Sidecar.close_session(conn, session)
+    assert {:error, %Error{reason: :unknown_session}} = Sidecar.generate(conn, session, "x")
   end
 
   test "processor configs and Bumblebee options reach the decode loop", %{conn: conn} do

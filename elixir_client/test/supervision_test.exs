@@ -13,7 +13,12 @@ defmodule Sidecar.SupervisionTest do
     old = Process.whereis(:crashing_sidecar)
     old_os_pid = Sidecar.info(:crashing_sidecar)["os_pid"]
     {:ok, session} = Sidecar.open_session(:crashing_sidecar)
-    task = Task.async(fn -> Sidecar.generate(session, [5, 6], max_new_tokens: 1_900, eos_token_id: []) end)
+
+    task =
+      Task.async(fn ->
+        Sidecar.generate(:crashing_sidecar, session, [5, 6], max_new_tokens: 1_900, eos_token_id: [])
+      end)
+
     assert eventually(fn -> match?({:ok, %{"active_generations" => 1}}, Sidecar.stats(:crashing_sidecar)) end)
 
     System.cmd("kill", ["-9", Integer.to_string(old_os_pid)])
@@ -25,9 +30,15 @@ defmodule Sidecar.SupervisionTest do
            )
 
     assert Sidecar.info(:crashing_sidecar)["os_pid"] != old_os_pid
-    assert {:error, %Error{reason: :session_lost}} = Sidecar.generate(session, [5, 6], max_new_tokens: 2)
+
+    assert {:error, %Error{reason: :session_lost}} =
+             Sidecar.generate(:crashing_sidecar, session, [5, 6], max_new_tokens: 2)
+
     {:ok, fresh} = Sidecar.open_session(:crashing_sidecar)
-    assert {:ok, %{token_ids: [_, _]}} = Sidecar.generate(fresh, [5, 6], max_new_tokens: 2, eos_token_id: [])
+
+    assert {:ok, %{token_ids: [_, _]}} =
+             Sidecar.generate(:crashing_sidecar, fresh, [5, 6], max_new_tokens: 2, eos_token_id: [])
+
     Supervisor.stop(supervisor)
   end
 

@@ -7,7 +7,7 @@ defmodule Sidecar.Generation do
     * `:strategy` - `%{type: :greedy_search}` (default) or
       `%{type: :multinomial_sampling, top_k: ..., top_p: ...}` (both optional)
     * `:temperature`, `:no_repeat_ngram_length`, `:suppressed_token_ids`, `:forced_bos_token_id`
-    * `:eos_token_id` - an id or a list of ids (default: the model's)
+    * `:eos_token_id` - an id or a list of ids (default: the model's; `[]` never stops early)
     * `:seed` - makes sampling reproducible
     * `:stop` - stop strings, trimmed from the text (not in Bumblebee)
     * `:processors` - more processor structs (`Sidecar.Processors`), applied after the ones above
@@ -35,14 +35,19 @@ defmodule Sidecar.Generation do
   ]
 
   @doc "The `generate` parameters for `input` (a string or a list of token ids). Raises on bad options."
-  @spec params(String.t() | [non_neg_integer()], keyword(), [non_neg_integer()]) :: map()
+  @spec params(String.t() | [non_neg_integer()], keyword(), [non_neg_integer()] | nil) :: map()
   def params(input, opts, model_eos_ids) do
     for {key, _} <- opts, key not in @options do
       raise ArgumentError,
             "unknown generation option #{inspect(key)}; valid options: #{Enum.map_join(@options, ", ", &inspect/1)}"
     end
 
-    eos_ids = opts |> Keyword.get(:eos_token_id, model_eos_ids) |> List.wrap()
+    eos_ids = Keyword.get(opts, :eos_token_id, model_eos_ids)
+
+    if opts[:min_new_tokens] && eos_ids == nil do
+      raise ArgumentError, ":min_new_tokens needs :eos_token_id when the session is given by name"
+    end
+
     {strategy, sampling} = strategy(Keyword.get(opts, :strategy, %{type: :greedy_search}))
 
     processors =
@@ -52,7 +57,7 @@ defmodule Sidecar.Generation do
         opts[:min_new_tokens] &&
           Processors.configure(Processors.MinNewTokens,
             min_new_tokens: opts[:min_new_tokens],
-            eos_token_ids: eos_ids
+            eos_token_ids: List.wrap(eos_ids)
           ),
         non_empty(opts[:suppressed_token_ids]) &&
           Processors.configure(Processors.SuppressTokens, token_ids: opts[:suppressed_token_ids]),
@@ -67,9 +72,9 @@ defmodule Sidecar.Generation do
       "max_new_tokens" => Keyword.get(opts, :max_new_tokens, 16),
       "strategy" => strategy,
       "processors" => for(p <- processors, p, do: Processors.to_wire(p)),
-      "stop" => List.wrap(Keyword.get(opts, :stop, [])),
-      "eos_token_ids" => eos_ids
+      "stop" => List.wrap(Keyword.get(opts, :stop, []))
     })
+    |> put_present("eos_token_ids", eos_ids && List.wrap(eos_ids))
     |> put_present("seed", opts[:seed])
   end
 
