@@ -115,6 +115,12 @@ class Session:
         return cache_bytes(self.cache)
 
     def generate(self, prompt: str | None = None, **options) -> Result:
+        """Generates to the end and returns the `Result`.
+
+        Options (declared once, in `Engine.validate`): `token_ids` (instead of `prompt`),
+        `max_new_tokens=16`, `strategy="greedy" | "sample"`, `seed`, `processors` (configs or callables),
+        `stop` (strings), `eos_token_ids` (default: the model's; `[]` never stops early).
+        """
         generation = self.stream(prompt, **options)
         for _ in generation:
             pass
