@@ -23,7 +23,7 @@ from . import __version__
 from .engine import Engine
 from .errors import InvalidProcessor, SidecarError
 from .session import Generation
-from .transport import EOF_MARK
+from .transport import EOF_MARK, FATAL_PROTOCOL_STATUS
 
 log = logging.getLogger("sidecar")
 
@@ -90,7 +90,7 @@ class Server:
                 raise Shutdown(0)
             if isinstance(item, ProtocolError):
                 self.writer.send(error(None, item.code, item.message, **item.details))
-                raise Shutdown(3)
+                raise Shutdown(FATAL_PROTOCOL_STATUS)
             self.handle_payload(item)
 
     def handle_payload(self, payload: bytes) -> None:

@@ -21,6 +21,7 @@ log = logging.getLogger("sidecar")
 EOF_MARK = object()
 READ_SIZE = 1 << 16
 INBOX_FRAMES = 1024
+FATAL_PROTOCOL_STATUS = 3  # exit status after a frame that breaks the stream (PROTOCOL.md)
 
 
 class FrameReader:
@@ -35,6 +36,7 @@ class FrameReader:
         self.thread.start()
 
     def _run(self) -> None:
+        status = 0
         try:
             while True:
                 data = os.read(self.fd, READ_SIZE)
@@ -44,11 +46,13 @@ class FrameReader:
                     self.inbox.put(payload)
         except ProtocolError as fatal:  # the stream cannot be resynchronised after a bad header
             self.inbox.put(fatal)
+            status = FATAL_PROTOCOL_STATUS
         except OSError as error:
             log.info("input closed: %s", error)
         self.inbox.put(EOF_MARK)
-        # The peer is gone (or the stream is broken): whatever the main thread is doing, stop soon.
-        timer = threading.Timer(self.exit_grace_s, lambda: os._exit(0))
+        # The peer is gone (or the stream is broken): whatever the main thread is doing, stop soon,
+        # with the status the main thread would have given.
+        timer = threading.Timer(self.exit_grace_s, lambda: os._exit(status))
         timer.daemon = True
         timer.start()
 

@@ -60,6 +60,15 @@ def test_serves_on_fds_3_and_4_like_nouse_stdio(default_dir):
     assert process.wait(10) == 0 and process.stdout.read() == b""
 
 
+def test_a_busy_main_thread_still_exits_with_the_fatal_status():
+    """The reader's watchdog ends the process when the main thread is stuck: with status 3, not 0."""
+    code = (
+        "import os, time; from sidecar.transport import FrameReader; r, w = os.pipe(); "
+        "os.write(w, b'\\xff\\xff\\xff\\xff'); FrameReader(r, 1024, exit_grace_s=0.2).start(); time.sleep(30)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], timeout=20).returncode == 3
+
+
 def test_eof_mid_generation_ends_the_process(peer):
     peer.call("open_session", session="a")
     generate(peer, 9, session="a", token_ids=[5, 6], max_new_tokens=1900, eos_token_ids=[], stream=True)
