@@ -54,11 +54,11 @@ class TopP(StatelessProcessor):
     """Nucleus sampling: keeps the most likely tokens until their mass reaches `p`.
 
     transformers sorts the whole vocabulary in ascending order and drops every token whose ascending
-    cumulative mass is <= 1 - p. The cumulative mass below a token equals the total minus the mass above
-    it, so the cut can be found without sorting everything. A small descending top slice is enough for
-    a peaked distribution. For a wide nucleus, bucketing the row by value shows which bucket the cut
-    falls in, and only that bucket is sorted. The float32 comparison is made on the same rounded value
-    transformers compares (cumsum accumulates in double on the CPU), so the kept sets agree.
+    cumulative mass (the mass at and below it) is <= 1 - p. That mass can be found without sorting
+    everything: for a peaked distribution, a small descending top slice plus the sum of the rest; for
+    a wide nucleus, by bucketing the row by value and sorting only the bucket the cut falls in. The
+    float32 comparison is made on the same rounded value transformers compares (cumsum accumulates in
+    double on the CPU). Where the answer hinges on tie order or on rounding, the reference sort decides.
     """
 
     name: ClassVar[str] = "top_p"
@@ -98,12 +98,15 @@ def _top_p_fast(logits: torch.Tensor, p: float, min_keep: int, first: int) -> to
     kept = (~drop).sum(dim=-1)
     cut_in_slice = (kept < width) | (width == vocab)
     boundary = torch.stack([kept - 1, kept.clamp(max=width - 1)], dim=1).clamp(min=0)
-    near = _near_tie(low_mass.gather(1, boundary), 1 - p)
+    # A cut inside a group of equal logits keeps whichever of them the unstable sort put last, and a
+    # cut within rounding error of 1 - p depends on transformers' summation order: the sort decides both.
+    straddles = (kept < width) & (top.gather(1, boundary[:, :1]) == top.gather(1, boundary[:, 1:])).squeeze(1)
+    undecided = straddles | _near_tie(low_mass.gather(1, boundary), 1 - p)
     out = torch.full_like(logits, NEG_INF)
     rows = torch.arange(logits.shape[0])
-    sliced = cut_in_slice & ~near
-    _write_nucleus(out, logits, p, min_keep, rows[sliced], top[sliced], index[sliced], drop[sliced], kept[sliced])
-    for r in rows[cut_in_slice & near].tolist():
+    sliced = rows[cut_in_slice & ~undecided]
+    out[sliced.unsqueeze(1), index[sliced]] = top[sliced].masked_fill(drop[sliced], NEG_INF)
+    for r in rows[cut_in_slice & undecided].tolist():
         out[r] = _top_p_sorted(logits[r : r + 1], p, min_keep)[0]
     for r in rows[~cut_in_slice].tolist():
         out[r] = _top_p_wide_row(logits[r], probs[r], threshold, p, min_keep)
@@ -157,19 +160,6 @@ def _top_p_wide_row(logits: torch.Tensor, probs: torch.Tensor, threshold, p, min
     if kept == 0 or bool(drop[0]) or start + kept < min_keep or straddles or near:
         return _top_p_sorted(logits[None], p, min_keep)[0]
     return logits.masked_fill(logits < values[kept - 1], NEG_INF)
-
-
-def _write_nucleus(out, logits, p, min_keep, rows, top, index, drop, kept) -> None:
-    """Writes the kept slice entries of finished rows; a cut inside a tie defers to the sort."""
-    if not rows.numel():
-        return
-    out[rows.unsqueeze(1), index] = top.masked_fill(drop, NEG_INF)
-    width = top.shape[1]
-    cut = kept.clamp(max=width - 1).unsqueeze(1)
-    # A cut inside a group of equal logits keeps whichever of them the unstable sort put last.
-    straddles = (kept < width) & (top.gather(1, cut - 1) == top.gather(1, cut)).squeeze(1)
-    for r in rows[straddles].tolist():
-        out[r] = _top_p_sorted(logits[r : r + 1], p, min_keep)[0]
 
 
 @dataclass(frozen=True)

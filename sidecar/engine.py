@@ -89,19 +89,13 @@ class Engine:
                 raise InvalidArgument(f"prompt must be a string, got {type(prompt).__name__}", option="prompt")
             input_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
-            if not isinstance(token_ids, (list, tuple)) or not all(
-                isinstance(t, Integral) and not isinstance(t, bool) for t in token_ids
-            ):
+            if not isinstance(token_ids, (list, tuple)) or not all(_is_int(t) for t in token_ids):
                 raise InvalidArgument("token_ids must be a list of integers", option="token_ids")
             input_ids = [int(t) for t in token_ids]
         if not input_ids:
             raise EmptyInput("the input is empty: give at least one token")
-        outside = [t for t in input_ids if not 0 <= t < self.vocab_size]
-        if outside:
-            raise TokenOutOfRange(
-                f"token ids {outside[:5]} are outside the vocabulary [0, {self.vocab_size})", token_ids=outside[:5]
-            )
-        if not isinstance(max_new_tokens, Integral) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
+        self.check_token_ids(input_ids)
+        if not _is_int(max_new_tokens) or max_new_tokens < 0:
             raise InvalidArgument(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}", option="max_new_tokens")
         if self.max_context is not None and len(input_ids) + max_new_tokens > self.max_context:
             raise ContextOverflow(
@@ -111,7 +105,7 @@ class Engine:
             )
         if strategy not in STRATEGIES:
             raise UnknownStrategy(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
-        if seed is not None and (not isinstance(seed, Integral) or isinstance(seed, bool) or seed < 0):
+        if seed is not None and (not _is_int(seed) or seed < 0):
             raise InvalidArgument(f"seed must be an integer >= 0, got {seed!r}", option="seed")
         if isinstance(stop, str):
             stop = (stop,)
@@ -120,10 +114,11 @@ class Engine:
         if eos_token_ids is None:
             eos = self.default_eos_token_ids
         else:
-            if isinstance(eos_token_ids, Integral):
+            if _is_int(eos_token_ids):
                 eos_token_ids = [eos_token_ids]
-            if not all(isinstance(t, Integral) and 0 <= t < self.vocab_size for t in eos_token_ids):
-                raise TokenOutOfRange(f"eos_token_ids {list(eos_token_ids)} must be token ids in [0, {self.vocab_size})")
+            if not all(_is_int(t) for t in eos_token_ids):
+                raise InvalidArgument("eos_token_ids must be a token id or a list of them", option="eos_token_ids")
+            self.check_token_ids(eos_token_ids, "eos_token_ids")
             eos = frozenset(int(t) for t in eos_token_ids)
         try:
             chain = processors if isinstance(processors, proc.Chain) else proc.Chain(processors)
@@ -132,6 +127,12 @@ class Engine:
         if chain.max_token_id >= self.vocab_size:
             raise InvalidProcessor(f"a processor names token id {chain.max_token_id}, outside the vocabulary of {self.vocab_size}")
         return Request(input_ids, int(max_new_tokens), strategy == "greedy", seed, chain, tuple(stop), eos)
+
+    def check_token_ids(self, token_ids, what: str = "token ids") -> None:
+        """Raises `TokenOutOfRange` naming the ids outside the vocabulary (the first five)."""
+        outside = [t for t in token_ids if not 0 <= t < self.vocab_size][:5]
+        if outside:
+            raise TokenOutOfRange(f"{what} {outside} are outside the vocabulary [0, {self.vocab_size})", token_ids=outside)
 
     def _touch(self, session: Session) -> None:
         self._sessions.move_to_end(session.id)
@@ -145,8 +146,12 @@ class Engine:
         for session in [s for s in self._sessions.values() if s is not active] + [active]:
             if total <= self.cache_budget_bytes:
                 return
-            if session.cache is None or (session.running is not None and not session.running.done):
+            if session.cache is None or session.busy:
                 continue
             total -= session.cache_bytes
             session.drop_cache()
             self.evictions += 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)

@@ -89,7 +89,7 @@ class Server:
                 self._cancel_all(reply=False)
                 raise Shutdown(0)
             if isinstance(item, ProtocolError):
-                self.writer.send(error(None, item.code, item.message, **item.details))
+                self.writer.send(problem_reply(None, item))
                 raise Shutdown(FATAL_PROTOCOL_STATUS)
             self.handle_payload(item)
 
@@ -99,12 +99,10 @@ class Server:
             message = unpack(payload)
             self.dispatch(parse_request(message))
         except ProtocolError as problem:
-            self.writer.send(error(problem.request_id, problem.code, problem.message, **problem.details))
+            self.writer.send(problem_reply(problem.request_id, problem))
         except SidecarError as problem:
-            self.writer.send(error(request_id_of(message), problem.code, problem.message, **problem.details))
-        except Shutdown:
-            raise
-        except BrokenPipeError:
+            self.writer.send(problem_reply(request_id_of(message), problem))
+        except (Shutdown, BrokenPipeError):
             raise
         except Exception as bug:  # a defect of ours: report it on this request, keep serving the others
             log.exception("internal error")
@@ -139,10 +137,10 @@ class Server:
                     self._start_generation(job)
                     return
                 result = getattr(self, f"op_{job.request.op}")(job.request.params, job.request.id)
-                self._finish(job, ok(job.request.id, result))
+                self._retire(job, ok(job.request.id, result))
             except (ProtocolError, SidecarError) as problem:
-                self._finish(job, error(job.request.id, problem.code, problem.message, **problem.details))
-            jobs = self.queues.get(name)
+                self._retire(job, problem_reply(job.request.id, problem))
+            jobs = self.queues.get(name)  # close_session removes the queue
 
     def _start_generation(self, job: Job) -> None:
         p = job.request.params
@@ -160,7 +158,7 @@ class Server:
         except StopIteration:
             self._finish(job, generation_reply(job))
         except SidecarError as problem:
-            self._finish(job, error(job.request.id, problem.code, problem.message, **problem.details))
+            self._finish(job, problem_reply(job.request.id, problem))
         except Exception as bug:
             log.exception("internal error during generation")
             self._finish(job, error(job.request.id, codes.INTERNAL, f"{type(bug).__name__}: {bug}"))
@@ -171,18 +169,22 @@ class Server:
                 # the first token goes out at once (time to first token); later ones may be coalesced
                 self.writer.send(event(job.request.id, "token", token_ids=[token.token_id], text=token.text), urgent=first)
 
-    def _finish(self, job: Job, reply: dict | None) -> None:
-        """Takes a job out of every table, sends its reply, and starts what waits behind it."""
+    def _retire(self, job: Job, reply: dict | None) -> None:
+        """Takes a job out of every table and sends its reply."""
         self.in_flight.pop(job.request.id, None)
         if job in self.active:
             self.active.remove(job)
-        name = job.request.params.get("session")
-        jobs = self.queues.get(name)
+        jobs = self.queues.get(job.request.params.get("session"))
         if jobs and job in jobs:
             jobs.remove(job)
         if reply is not None:
             self.writer.send(reply)
-        if jobs is not None:
+
+    def _finish(self, job: Job, reply: dict | None) -> None:
+        """Retires a job and starts what waits behind it in its session."""
+        self._retire(job, reply)
+        name = job.request.params.get("session")
+        if name in self.queues:
             self._advance(name)
 
     def _cancel(self, job: Job, reply: bool = True) -> None:
@@ -286,11 +288,8 @@ class Server:
 
     def op_detokenize(self, params, rid):
         engine = self._engine(params["model"], rid)
-        ids = params["token_ids"]
-        outside = [t for t in ids if not 0 <= t < engine.vocab_size]
-        if outside:
-            raise ProtocolError("token_out_of_range", f"token ids {outside[:5]} are outside the vocabulary [0, {engine.vocab_size})", rid)
-        return {"text": engine.tokenizer.decode(ids, skip_special_tokens=params["skip_special_tokens"])}
+        engine.check_token_ids(params["token_ids"])
+        return {"text": engine.tokenizer.decode(params["token_ids"], skip_special_tokens=params["skip_special_tokens"])}
 
     def op_stats(self, params, rid):
         return {"models": {name: engine.stats() for name, engine in self.engines.items()},
@@ -325,6 +324,10 @@ def build_processors(specs: list[dict], rid: int) -> list:
         except proc.ProcessorError as problem:
             raise InvalidProcessor(f"processors[{i}] ({name}): {problem}", index=i) from problem
     return built
+
+
+def problem_reply(request_id: int | None, problem: ProtocolError | SidecarError) -> dict:
+    return error(request_id, problem.code, problem.message, **problem.details)
 
 
 def generation_reply(job: Job) -> dict:

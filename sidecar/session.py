@@ -111,6 +111,11 @@ class Session:
         self.cache, self.cached = None, 0
 
     @property
+    def busy(self) -> bool:
+        """A generation of this session has started and not finished."""
+        return self.running is not None and not self.running.done
+
+    @property
     def cache_bytes(self) -> int:
         return cache_bytes(self.cache)
 
@@ -133,7 +138,7 @@ class Session:
         """
         if self.closed:
             raise SessionClosed(f"session {self.id} is closed")
-        if self.running is not None and not self.running.done:
+        if self.busy:
             raise SessionBusy(f"session {self.id} is already generating; finish or cancel that generation first")
         request = self.engine.validate(prompt, **options)
         self.running = Generation(self, request)

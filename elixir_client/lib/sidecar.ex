@@ -124,27 +124,13 @@ defmodule Sidecar do
   @doc "Waits for a started generation; past `timeout` it is cancelled."
   @spec await(Request.t(), timeout()) :: {:ok, result()} | {:error, Error.t()}
   def await(%Request{} = request, timeout \\ 60_000) do
-    deadline = if timeout == :infinity, do: :infinity, else: System.monotonic_time(:millisecond) + timeout
-    await_reply(request, deadline)
-  end
-
-  defp await_reply(%Request{ref: ref, monitor: monitor} = request, deadline) do
-    wait =
-      if deadline == :infinity, do: :infinity, else: max(0, deadline - System.monotonic_time(:millisecond))
-
-    receive do
-      {Sidecar, ^ref, {:event, _}} ->
-        await_reply(request, deadline)
-
-      {Sidecar, ^ref, {:reply, reply}} ->
-        Process.demonitor(monitor, [:flush]) && generation_result(reply)
-
-      {:DOWN, ^monitor, :process, _, _} ->
-        {:error, Error.new(:sidecar_exited, "the sidecar connection went down")}
-    after
-      wait ->
+    case receive_reply(request, deadline(timeout)) do
+      :timeout ->
         cancel(request)
         {:error, Error.new(:timeout, "the generation did not finish in time and was cancelled")}
+
+      reply ->
+        generation_result(reply)
     end
   end
 
@@ -268,30 +254,42 @@ defmodule Sidecar do
 
   defp call(conn, op, params, incarnation, timeout) do
     with {:ok, request} <- request(conn, op, params, incarnation) do
-      case await_call(request, timeout) do
-        {:error, %Error{reason: :timeout}} = timed_out ->
-          GenServer.cast(conn, {:forget, request.id})
-          timed_out
+      case receive_reply(request, deadline(timeout)) do
+        :timeout ->
+          GenServer.cast(request.conn, {:forget, request.id})
+          {:error, Error.new(:timeout, "no reply within #{timeout} ms")}
 
-        other ->
-          other
+        reply ->
+          reply
       end
     end
   end
 
-  defp await_call(%Request{ref: ref, monitor: monitor}, timeout) do
+  # The final reply of a request (its events are skipped), an error if the connection went down,
+  # or :timeout, leaving what to do about the request to the caller.
+  defp receive_reply(%Request{ref: ref, monitor: monitor} = request, deadline) do
+    wait =
+      if deadline == :infinity, do: :infinity, else: max(0, deadline - System.monotonic_time(:millisecond))
+
     receive do
+      {Sidecar, ^ref, {:event, _}} ->
+        receive_reply(request, deadline)
+
       {Sidecar, ^ref, {:reply, reply}} ->
-        Process.demonitor(monitor, [:flush]) && reply
+        Process.demonitor(monitor, [:flush])
+        reply
 
       {:DOWN, ^monitor, :process, _, _} ->
         {:error, Error.new(:sidecar_exited, "the sidecar connection went down")}
     after
-      timeout ->
+      wait ->
         Process.demonitor(monitor, [:flush])
-        {:error, Error.new(:timeout, "no reply within #{timeout} ms")}
+        :timeout
     end
   end
+
+  defp deadline(:infinity), do: :infinity
+  defp deadline(timeout), do: System.monotonic_time(:millisecond) + timeout
 
   defp request(conn, op, params, incarnation) do
     case whereis(conn) do
