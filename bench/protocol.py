@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import percentile, print_table  # noqa: E402
 from protocol.peer import Peer  # noqa: E402
 
-STUB = [sys.executable, str(Path(__file__).parent / "stub_server.py"), "--model", "default", "--log-level", "WARNING"]
+STUB = [sys.executable, str(Path(__file__).parent / "stub_server.py"), "--model", "default", "--log-level", "WARNING",
+        "--max-new-tokens", "1000000"]
 
 
 class JsonLinesPeer(Peer):

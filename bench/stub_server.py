@@ -49,8 +49,9 @@ Engine.load = classmethod(load_without_context_limit)
 
 
 class JsonLinesReader:
-    def __init__(self, fd: int, max_frame_bytes: int):
+    def __init__(self, fd: int, max_frame_bytes: int, closed):
         self.fd = fd
+        self.closed = closed
         self.inbox = __import__("queue").Queue(maxsize=1024)
 
     def start(self) -> None:
@@ -60,6 +61,7 @@ class JsonLinesReader:
         with os.fdopen(self.fd, "rb", buffering=1 << 16) as stream:
             for line in stream:
                 self.inbox.put(line)
+        self.closed.set()
         self.inbox.put(EOF_MARK)
 
 

@@ -115,13 +115,14 @@ def options_of(cls: type[LogitsProcessor]) -> dict[str, dataclasses.Field]:
 
 
 def describe(cls: type[LogitsProcessor]) -> list[dict[str, Any]]:
-    """The declared options of a processor: name, doc and default (None when required)."""
+    """The declared options of a processor: name, doc, default (None when required) and JSON Schema."""
     return [
         {
             "name": f.name,
             "doc": f.metadata.get("doc", ""),
             "required": f.default is dataclasses.MISSING,
             "default": None if f.default is dataclasses.MISSING else f.default,
+            "schema": getattr(f.metadata.get("check"), "schema", {}),
         }
         for f in options_of(cls).values()
     ]
@@ -138,8 +139,9 @@ def configure(cls_or_config, **options) -> LogitsProcessor:
     valid = options_of(cls)
     unknown = sorted(set(options) - set(valid))
     if unknown:
+        shown = ", ".join(repr(name if len(name) <= 64 else name[:61] + "...") for name in unknown[:5])
         raise InvalidOption(
-            f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} for {cls.__name__}; "
+            f"unknown option{'s' if len(unknown) > 1 else ''} {shown}{', ...' if len(unknown) > 5 else ''} for {cls.__name__}; "
             f"valid options: {', '.join(valid) or '(none)'}"
         )
     if isinstance(cls_or_config, type):

@@ -32,7 +32,7 @@ def from_name(name: str, options: dict | None = None) -> LogitsProcessor:
     """Configures the built-in called `name`; an unknown name is rejected with the list of known ones."""
     cls = BUILTINS.get(name)
     if cls is None:
-        raise InvalidOption(f"unknown processor {name!r}; known processors: {', '.join(sorted(BUILTINS))}")
+        raise InvalidOption(f"unknown processor {name[:64]!r}; known processors: {', '.join(sorted(BUILTINS))}")
     return configure(cls, **(options or {}))
 
 

@@ -29,8 +29,29 @@ def unpack(payload: bytes):
     """Decodes one msgpack value that must fill the payload exactly; anything else is `invalid_msgpack`."""
     try:
         return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except TypeError as error:  # a map or list used as a map key: valid msgpack, but no Python map can hold it
+        raise ProtocolError(INVALID_MSGPACK, f"map keys must be strings, numbers, booleans or nil ({error})") from error
     except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError, msgpack.exceptions.StackError) as error:
         raise ProtocolError(INVALID_MSGPACK, f"the frame is not one valid msgpack value ({type(error).__name__}: {error or 'malformed data'})") from error
+
+
+def peek_request_id(head: bytes) -> int | None:
+    """The "id" of a request map from the first bytes of its payload, if it can be read there; else None.
+
+    Used for a frame too large to read: its body is discarded, but the error still reaches the request's
+    caller whenever the id comes before any large value (Elixir and most encoders put short keys first).
+    """
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(len(head), 1))
+    unpacker.feed(head)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            if unpacker.unpack() == "id":
+                rid = unpacker.unpack()
+                return rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**64 else None
+            unpacker.skip()
+    except (msgpack.exceptions.OutOfData, ValueError, TypeError, msgpack.exceptions.StackError):
+        pass
+    return None
 
 
 @dataclass(frozen=True)

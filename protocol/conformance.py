@@ -36,6 +36,8 @@ def run_script(peer: Peer, script: dict, timeout: float) -> str | None:
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
             peer.send_bytes(bytes.fromhex(step["send_hex"]))
+            if step.get("pad_zeros"):
+                peer.send_bytes(bytes(step["pad_zeros"]))
             for expected in step["expect"]:
                 events, reply = peer.reply_for(expected["id"])
                 problem = mismatch(expected["reply"], reply, f"{where} reply") or (

@@ -20,6 +20,8 @@ UNKNOWN_MODEL = "unknown_model"
 MODEL_EXISTS = "model_exists"
 CANCELLED = "cancelled"
 TOO_MANY_REQUESTS = "too_many_requests"
+LIMIT_EXCEEDED = "limit_exceeded"
+FORBIDDEN = "forbidden"
 INTERNAL = "internal"
 
 

@@ -5,7 +5,7 @@ the protocol can grow); a list matches element by element. Special forms:
   {"$type": "int" | "uint" | "str" | "bool" | "map" | "list" | "null" | "number" | "bin"}
   {"$each": M}             a list whose every element matches M
   {"$len": N}, {"$min_len": N}
-  {"$contains": [v, ...]}  a list holding each v
+  {"$contains": [M, ...]}  a list holding, for each M, an element that matches it
   {"$one_of": [v, ...]}    equal to one of the v
   {"$all": [M, ...]}       matches every M
 """
@@ -68,7 +68,7 @@ def _special(form: str, arg, value, path: str) -> str | None:
     if form == "$min_len":
         return None if isinstance(value, (list, str)) and len(value) >= arg else f"{path}: expected length >= {arg}, got {value!r}"
     if form == "$contains":
-        missing = [v for v in arg if not isinstance(value, list) or v not in value]
+        missing = [m for m in arg if not isinstance(value, list) or all(mismatch(m, v) for v in value)]
         return f"{path}: missing {missing!r}" if missing else None
     if form == "$one_of":
         return None if value in arg else f"{path}: expected one of {arg!r}, got {value!r}"

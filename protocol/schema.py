@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import INVALID_ID, INVALID_MESSAGE, INVALID_PARAMS, UNKNOWN_OP, ProtocolError
+from .limits import Limits, check_depth, check_params
 
 PROTOCOL_VERSION = 1
 MAX_ID = 2**64 - 1
@@ -20,7 +21,7 @@ MAX_ID = 2**64 - 1
 
 @dataclass(frozen=True)
 class Param:
-    kind: str  # str | int | uint | bool | map | list[int] | list[str] | list[map], optionally "|null"
+    kind: str  # str | uint | bool | map | list[uint] | list[str] | list[map], optionally "|null"
     required: bool = False
     default: Any = None
     doc: str = ""
@@ -30,13 +31,19 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_uint(v) -> bool:
+    return _is_int(v) and v >= 0
+
+
+# Lists are checked in two passes: the container first (so that a size limit can bite before the
+# elements are looked at), then the elements.
+CONTAINERS = {"list[uint]": list, "list[str]": list, "list[map]": list}
 CHECKS = {
     "str": lambda v: isinstance(v, str),
-    "int": _is_int,
-    "uint": lambda v: _is_int(v) and v >= 0,
+    "uint": _is_uint,
     "bool": lambda v: isinstance(v, bool),
     "map": lambda v: isinstance(v, dict),
-    "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) for x in v),
+    "list[uint]": lambda v: isinstance(v, list) and all(_is_uint(x) for x in v),
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "list[map]": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
 }
@@ -64,13 +71,13 @@ OPS: dict[str, dict[str, Param]] = {
     "generate": {
         "session": SESSION,
         "prompt": Param("str|null", doc="text input (exactly one of prompt and token_ids)"),
-        "token_ids": Param("list[int]|null", doc="token-id input"),
+        "token_ids": Param("list[uint]|null", doc="token-id input"),
         "max_new_tokens": Param("uint", default=16, doc="tokens to generate at most"),
         "strategy": Param("str", default="greedy", doc="greedy | sample"),
         "seed": Param("uint|null", doc="seed of sampling; the same seed gives the same tokens"),
         "processors": Param("list[map]", default=[], doc='[{"name": "top_k", "options": {"k": 50}}, ...]'),
         "stop": Param("list[str]", default=[], doc="stop strings, trimmed from the text"),
-        "eos_token_ids": Param("list[int]|null", doc="default: the model's EOS ids"),
+        "eos_token_ids": Param("list[uint]|null", doc="default: the model's EOS ids"),
         "stream": Param("bool", default=False, doc="emit a token event per generated token"),
     },
     "cancel": {"target": Param("uint", required=True, doc="the id of the request to cancel")},
@@ -81,7 +88,7 @@ OPS: dict[str, dict[str, Param]] = {
     },
     "detokenize": {
         "model": MODEL,
-        "token_ids": Param("list[int]", required=True),
+        "token_ids": Param("list[uint]", required=True),
         "skip_special_tokens": Param("bool", default=True),
     },
     "stats": {},
@@ -105,8 +112,15 @@ def request_id_of(message) -> int | None:
     return None
 
 
-def parse_request(message) -> Request:
-    """Checks the envelope and the op's parameters; fills defaults. Raises ProtocolError."""
+DEFAULT_LIMITS = Limits()
+
+
+def parse_request(message, limits: Limits = DEFAULT_LIMITS) -> Request:
+    """Checks the envelope, the op's parameters and their sizes; fills defaults. Raises ProtocolError.
+
+    Sizes are checked before the elements of a list are typed, and the depth of maps before anything
+    recurses into them.
+    """
     if not isinstance(message, dict):
         raise ProtocolError(INVALID_MESSAGE, f"a request must be a map, got {type(message).__name__}")
     rid = request_id_of(message)
@@ -117,18 +131,28 @@ def parse_request(message) -> Request:
         raise ProtocolError(INVALID_MESSAGE, 'a request needs an "op" string', rid)
     schema = OPS.get(op)
     if schema is None:
-        raise ProtocolError(UNKNOWN_OP, f"unknown op {op!r}; known ops: {', '.join(OPS)}", rid, op=op)
+        raise ProtocolError(UNKNOWN_OP, f"unknown op {_short(op)!r}; known ops: {', '.join(OPS)}", rid, op=_short(op))
     params = {}
     for key, value in message.items():
         if key in ("id", "op"):
             continue
         param = schema.get(key) if isinstance(key, str) else None
         if param is None:
-            raise ProtocolError(INVALID_PARAMS, f"{op} has no parameter {key!r}; valid: {', '.join(schema) or '(none)'}", rid, param=key)
+            shown = _short(key) if isinstance(key, str) else _show(key)
+            raise ProtocolError(INVALID_PARAMS, f"{op} has no parameter {shown!r}; valid: {', '.join(schema) or '(none)'}", rid, param=shown)
         kind, nullable = param.kind.removesuffix("|null"), param.kind.endswith("|null")
-        if not (CHECKS[kind](value) or (nullable and value is None)):
-            raise ProtocolError(INVALID_PARAMS, f"{op}: parameter {key!r} must be {param.kind}, got {_show(value)}", rid, param=key)
+        shallow = (lambda v: isinstance(v, CONTAINERS[kind])) if kind in CONTAINERS else CHECKS[kind]
+        if not (shallow(value) or (nullable and value is None)):
+            raise _mistyped(op, key, param, value, rid)
         params[key] = value
+    for key, value in params.items():
+        if "map" in schema[key].kind:
+            check_depth(value, limits.max_depth, rid, start=2)  # the request map itself is level 1
+    check_params(op, params, limits, rid)
+    for key, value in params.items():
+        kind = schema[key].kind.removesuffix("|null")
+        if kind in CONTAINERS and value is not None and not CHECKS[kind](value):
+            raise _mistyped(op, key, schema[key], value, rid)
     for key, param in schema.items():
         if key not in params:
             if param.required:
@@ -137,8 +161,20 @@ def parse_request(message) -> Request:
     return Request(rid, op, params)
 
 
+def _mistyped(op: str, key: str, param: Param, value, rid: int) -> ProtocolError:
+    return ProtocolError(INVALID_PARAMS, f"{op}: parameter {key!r} must be {param.kind}, got {_show(value)}", rid, param=key)
+
+
+def _short(name: str) -> str:
+    """A client's name quoted back to it, cut to a size that always fits in a reply."""
+    return name if len(name) <= 64 else name[:61] + "..."
+
+
 def _show(value) -> str:
-    text = repr(value)
+    """A short description of a value; never the repr of a whole large (or deep) value."""
+    if isinstance(value, (list, dict)):
+        return f"{type(value).__name__} of {len(value)}"
+    text = repr(value[:41] if isinstance(value, (str, bytes)) else value)
     return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
 
 

@@ -2,18 +2,23 @@
 
 In stdio mode the frames go to a private duplicate of fd 1, and fd 1 itself is pointed at stderr, so
 nothing any Python code prints can reach the protocol stream. Logs go to stderr.
-Exit status: 0 after EOF or `shutdown`, 2 for bad arguments or a model that fails to load at startup,
-3 after a fatal protocol error (a frame over the size limit).
+The process never contacts a model hub: offline mode is set here, before transformers is imported.
+Exit status: 0 after EOF or `shutdown`, 2 for bad arguments or a model that fails to load at startup.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
-import sys
 
-from protocol import DEFAULT_MAX_FRAME_BYTES
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import argparse  # noqa: E402  (offline mode must be set before anything below can import transformers)
+import dataclasses  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+from protocol import Limits  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -21,14 +26,20 @@ def parse_args(argv=None):
     parser.add_argument("--model", help='a local model directory loaded at startup as "default"; "default" for the embedded tiny model')
     parser.add_argument("--dtype", help="dtype of the startup model: f32 | f16 | bf16")
     parser.add_argument("--fds", help="IN,OUT file descriptors to serve on instead of stdin/stdout (Erlang's :nouse_stdio uses 3,4)")
-    parser.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES, help="largest accepted frame (default 64 MiB)")
-    parser.add_argument("--max-in-flight", type=int, default=1024, help="requests in flight at once")
+    parser.add_argument("--model-root", action="append", default=[], metavar="DIR",
+                        help="load_model may load directories under DIR (repeatable); --model is always allowed")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let load_model run code shipped inside a model directory (off by default)")
     parser.add_argument("--cache-budget-bytes", type=int, help="KV cache budget per model (default 2 GiB)")
     parser.add_argument("--prefill-chunk", type=int, help="tokens per prefill forward pass (default 512)")
     parser.add_argument("--stream-interval-ms", type=float, default=10.0,
                         help="token events may be held this long and written together (default 10; 0 writes each at once)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--stderr", help="send this process's stderr (logs, stray writes) to PATH, e.g. a FIFO the client reads")
+    limits = parser.add_argument_group("limits (each reported in hello's limits, and named in the error it causes)")
+    for name, doc in Limits.docs().items():
+        limits.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(Limits(), name), metavar="N",
+                            help=f"{doc} (default %(default)s)")
     args = parser.parse_args(argv)
     if args.fds:
         try:
@@ -36,8 +47,12 @@ def parse_args(argv=None):
             assert len(args.fds) == 2
         except (ValueError, AssertionError):
             parser.error("--fds takes two descriptors: IN,OUT")
-    if args.max_frame_bytes < 16:
-        parser.error("--max-frame-bytes must be at least 16")
+    try:
+        args.limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
+    except ValueError as problem:
+        parser.error(str(problem))
+    if args.limits.max_frame_bytes < 1024:
+        parser.error("--max-frame-bytes must be at least 1024, or no error reply would fit")
     return args
 
 
@@ -60,18 +75,24 @@ def main(argv=None) -> int:
     logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .errors import SidecarError
     from .server import Server
-    from .transport import FrameReader, FrameWriter
+    from .transport import FrameReader, FrameWriter, InputClosed
 
     engine_options = {k: v for k, v in (("cache_budget_bytes", args.cache_budget_bytes), ("prefill_chunk", args.prefill_chunk)) if v is not None}
-    server = Server(FrameWriter(out_fd, coalesce_s=args.stream_interval_ms / 1000), max_frame_bytes=args.max_frame_bytes, max_in_flight=args.max_in_flight, engine_options=engine_options)
+    closed = InputClosed()
+    writer = FrameWriter(out_fd, max_frame_bytes=args.limits.max_frame_bytes, closed=closed,
+                         coalesce_s=args.stream_interval_ms / 1000)
+    server = Server(writer, limits=args.limits, model_roots=args.model_root, trust_remote_code=args.trust_remote_code,
+                    engine_options=engine_options)
     if args.model:
+        path = None if args.model == "default" else args.model
+        if path is not None:
+            server.allow_path(path)
         try:
-            server.op_load_model({"name": "default", "path": None if args.model == "default" else args.model,
-                                  "dtype": args.dtype, "trust_remote_code": False}, None)
+            server.op_load_model({"name": "default", "path": path, "dtype": args.dtype, "trust_remote_code": False}, None)
         except SidecarError as problem:
             logging.getLogger("sidecar").error("cannot load --model %s: %s (%s)", args.model, problem.message, problem.code)
             return 2
-    reader = FrameReader(in_fd, args.max_frame_bytes)
+    reader = FrameReader(in_fd, args.limits.max_frame_bytes, closed)
     reader.start()
     logging.getLogger("sidecar").info("serving on fds %d,%d", in_fd, out_fd)
     return server.serve(reader.inbox)

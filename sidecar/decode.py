@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import InvalidLogits
+
 
 def _forward(model, cache, token_ids: list[int], start: int, logits_to_keep: int = 1) -> torch.Tensor:
     device = model.device
@@ -34,6 +36,23 @@ def prefill(model, cache, token_ids: list[int], start: int, chunk_size: int) -> 
 
 def decode_step(model, cache, token_id: int, position: int) -> torch.Tensor:
     return _forward(model, cache, [token_id], position)
+
+
+def check_logits(logits: torch.Tensor, chain) -> None:
+    """Raises `InvalidLogits` unless the processed logits have a finite maximum to sample or argmax from.
+
+    One reduction per step: the maximum is -inf when every token was removed, and +inf or NaN when any
+    logit is (NaN propagates through max).
+    """
+    top = float(logits.max())
+    if top == float("-inf"):
+        problem = "every token was removed (all logits are -inf)"
+    elif top != top or top == float("inf"):
+        problem = "a logit is +inf or NaN (a scale overflowed float32?)"
+    else:
+        return
+    names = ", ".join(p.name for p in chain.processors) or "none"
+    raise InvalidLogits(f"nothing to sample from after the processors ({names}): {problem}", processors=names)
 
 
 def sample(logits: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> int:

@@ -87,6 +87,11 @@ class Engine:
         if prompt is not None:
             if not isinstance(prompt, str):
                 raise InvalidArgument(f"prompt must be a string, got {type(prompt).__name__}", option="prompt")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise InvalidArgument(f"prompt is not valid Unicode text: a lone surrogate at index {error.start}",
+                                      option="prompt") from error
             input_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             if not isinstance(token_ids, (list, tuple)) or not all(_is_int(t) for t in token_ids):

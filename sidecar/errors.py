@@ -1,6 +1,8 @@
 """Every error the engine raises. Each has a stable `code`, which the protocol puts in its error replies.
 
-A request that fails with one of these changed nothing: validation runs before any session state moves.
+A request that fails with one of these changed nothing: validation runs before any session state moves,
+and a generation that fails later (for example `invalid_logits` at some step) puts its session back as
+it was before the call.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ class RemoteCodeRequired(SidecarError):
     code = "remote_code_required"
 
 
+class InvalidModel(SidecarError):
+    """A model directory whose config or weights cannot be read (missing, malformed, or refused as unsafe)."""
+
+    code = "invalid_model"
+
+
 class InvalidArgument(SidecarError):
     code = "invalid_argument"
 
@@ -59,6 +67,12 @@ class InvalidProcessor(SidecarError):
     """A processor name or option was rejected by `processors.configure` (its message names which)."""
 
     code = "invalid_processor"
+
+
+class InvalidLogits(SidecarError):
+    """The processors left nothing to sample from: every token removed, or a +inf / NaN logit."""
+
+    code = "invalid_logits"
 
 
 class SessionBusy(SidecarError):

@@ -4,6 +4,10 @@ One main thread does all the work. It owns the output, drains incoming frames be
 and advances every active generation by one step in turn, so a long generation in one session does
 not delay a ping or a generation in another. Requests for one session wait in that session's queue
 and run in arrival order.
+
+Every request gets exactly one reply, whatever happens to it or to its session: a failure while it
+starts or runs is an error on that request alone, and a session closed or unloaded under queued
+requests answers each of them before the closing op's own reply.
 """
 
 from __future__ import annotations
@@ -13,22 +17,25 @@ import queue
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import processors as proc
-from protocol import OPS, PROTOCOL_VERSION, ProtocolError, Request, error, event, ok, parse_request, unpack
+from protocol import (
+    OPS, PROTOCOL_VERSION, Limits, OversizedFrame, ProtocolError, Request, error, event, ok, parse_request,
+    peek_request_id, unpack,
+)
 from protocol import errors as codes
 from protocol.schema import request_id_of
 
 from . import __version__
 from .engine import Engine
-from .errors import InvalidProcessor, SidecarError
-from .session import Generation
-from .transport import EOF_MARK, FATAL_PROTOCOL_STATUS
+from .errors import InvalidArgument, InvalidProcessor, SessionClosed, SidecarError
+from .session import Generation, Stats
+from .transport import EOF_MARK, Hangup
 
 log = logging.getLogger("sidecar")
 
 SESSION_OPS = ("generate", "close_session", "session_info")
-DEFAULT_MAX_IN_FLIGHT = 1024
 
 
 @dataclass
@@ -46,10 +53,20 @@ class Shutdown(Exception):
 
 
 class Server:
-    def __init__(self, writer, *, max_frame_bytes: int, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, engine_options=None):
+    """The protocol's ops over engines and sessions.
+
+    `model_roots`: `load_model` may only load directories under these (the embedded model, and paths
+    given to `allow_path`, such as the CLI's `--model`, are always allowed). `trust_remote_code`: whether
+    `load_model` may run code shipped inside a model directory at all.
+    """
+
+    def __init__(self, writer, *, limits: Limits = Limits(), model_roots=(), trust_remote_code: bool = False,
+                 engine_options=None):
         self.writer = writer
-        self.max_frame_bytes = max_frame_bytes
-        self.max_in_flight = max_in_flight
+        self.limits = limits
+        self.model_roots = tuple(Path(root).resolve() for root in model_roots)
+        self.allowed_paths: set[Path] = set()
+        self.trust_remote_code = trust_remote_code
         self.engine_options = engine_options or {}
         self.engines: dict[str, Engine] = {}
         self.sessions: dict[str, tuple[str, object]] = {}  # name -> (model name, Session)
@@ -73,8 +90,8 @@ class Server:
                     self._drain(inbox, block=False)
         except Shutdown as stop:
             return stop.status
-        except BrokenPipeError:
-            log.info("output closed; exiting")
+        except (BrokenPipeError, Hangup):
+            log.info("the client is gone; exiting")
             return 0
 
     def _drain(self, inbox: queue.Queue, block: bool) -> None:
@@ -88,25 +105,24 @@ class Server:
                 log.info("input closed; cancelling %d request(s) and exiting", len(self.in_flight))
                 self._cancel_all(reply=False)
                 raise Shutdown(0)
-            if isinstance(item, ProtocolError):
-                self.writer.send(problem_reply(None, item))
-                raise Shutdown(FATAL_PROTOCOL_STATUS)
-            self.handle_payload(item)
+            if isinstance(item, OversizedFrame):
+                self.writer.send(oversized_frame_reply(item, self.limits.max_frame_bytes))
+            else:
+                self.handle_payload(item)
 
     def handle_payload(self, payload: bytes) -> None:
         message = None
         try:
             message = unpack(payload)
-            self.dispatch(parse_request(message))
+            self.dispatch(parse_request(message, self.limits))
         except ProtocolError as problem:
             self.writer.send(problem_reply(problem.request_id, problem))
         except SidecarError as problem:
             self.writer.send(problem_reply(request_id_of(message), problem))
-        except (Shutdown, BrokenPipeError):
+        except (Shutdown, BrokenPipeError, Hangup):
             raise
         except Exception as bug:  # a defect of ours: report it on this request, keep serving the others
-            log.exception("internal error")
-            self.writer.send(error(request_id_of(message), codes.INTERNAL, f"{type(bug).__name__}: {bug}"))
+            self.writer.send(internal_reply(request_id_of(message), bug))
 
     # ---- dispatch --------------------------------------------------------------------------------
 
@@ -114,8 +130,9 @@ class Server:
         if request.id in self.in_flight:
             raise ProtocolError(codes.DUPLICATE_ID, f"request id {request.id} is already in flight", request.id)
         if request.op in SESSION_OPS:
-            if len(self.in_flight) >= self.max_in_flight:
-                raise ProtocolError(codes.TOO_MANY_REQUESTS, f"{self.max_in_flight} requests in flight (max_in_flight)", request.id)
+            if len(self.in_flight) >= self.limits.max_in_flight:
+                raise ProtocolError(codes.TOO_MANY_REQUESTS, f"{self.limits.max_in_flight} requests in flight (max_in_flight)",
+                                    request.id, limit="max_in_flight", max=self.limits.max_in_flight)
             name = request.params["session"]
             if name not in self.sessions:
                 raise ProtocolError(codes.UNKNOWN_SESSION, f"no open session {name!r}", request.id, session=name)
@@ -128,7 +145,10 @@ class Server:
         self.writer.send(ok(request.id, handler(request.params, request.id)))
 
     def _advance(self, name: str) -> None:
-        """Starts whatever is at the head of a session's queue, unless a generation is running there."""
+        """Starts whatever is at the head of a session's queue, unless a generation is running there.
+
+        A request that fails to start is answered and retired here, so it can never block its queue.
+        """
         jobs = self.queues.get(name)
         while jobs and jobs[0].generation is None:
             job = jobs[0]
@@ -136,10 +156,12 @@ class Server:
                 if job.request.op == "generate":
                     self._start_generation(job)
                     return
-                result = getattr(self, f"op_{job.request.op}")(job.request.params, job.request.id)
-                self._retire(job, ok(job.request.id, result))
+                reply = ok(job.request.id, getattr(self, f"op_{job.request.op}")(job.request.params, job.request.id, job))
             except (ProtocolError, SidecarError) as problem:
-                self._retire(job, problem_reply(job.request.id, problem))
+                reply = problem_reply(job.request.id, problem)
+            except Exception as bug:
+                reply = internal_reply(job.request.id, bug)
+            self._retire(job, reply)
             jobs = self.queues.get(name)  # close_session removes the queue
 
     def _start_generation(self, job: Job) -> None:
@@ -160,8 +182,7 @@ class Server:
         except SidecarError as problem:
             self._finish(job, problem_reply(job.request.id, problem))
         except Exception as bug:
-            log.exception("internal error during generation")
-            self._finish(job, error(job.request.id, codes.INTERNAL, f"{type(bug).__name__}: {bug}"))
+            self._finish(job, internal_reply(job.request.id, bug))
         else:
             if job.request.params["stream"]:
                 first = not job.streamed
@@ -187,17 +208,14 @@ class Server:
         if name in self.queues:
             self._advance(name)
 
-    def _cancel(self, job: Job, reply: bool = True) -> None:
-        if job.generation is not None:
-            job.generation.cancel()
-            message = generation_reply(job)
-        else:
-            message = error(job.request.id, codes.CANCELLED, "cancelled before it started", token_ids=[], text="")
-        self._finish(job, message if reply else None)
+    def _cancel(self, job: Job) -> None:
+        """Cancels one request and starts what waits behind it."""
+        self._finish(job, cancelled_reply(job))
 
     def _cancel_all(self, reply: bool) -> None:
+        """Cancels everything, starting nothing: the server is about to exit."""
         for job in list(self.in_flight.values()):
-            self._cancel(job, reply)
+            self._retire(job, cancelled_reply(job) if reply else None)
 
     # ---- lookups ---------------------------------------------------------------------------------
 
@@ -222,32 +240,53 @@ class Server:
             "server": "beam-sidecar",
             "server_version": __version__,
             "capabilities": {"ops": list(OPS), "processors": sorted(proc.BUILTINS), "stream": True, "cancel": True,
-                             "strategies": ["greedy", "sample"]},
-            "processor_options": {name: [{"name": o["name"], "required": o["required"]} for o in options]
+                             "strategies": ["greedy", "sample"], "trust_remote_code": self.trust_remote_code},
+            "processor_options": {name: [{k: o[k] for k in ("name", "required", "default", "schema", "doc")} for o in options]
                                   for name, options in proc.catalogue().items()},
-            "limits": {"max_frame_bytes": self.max_frame_bytes, "max_in_flight": self.max_in_flight},
+            "limits": self.limits.as_dict(),
             "models": list(self.engines),
         }
 
     def op_ping(self, params, rid):
         return {}
 
+    def allow_path(self, path: str) -> None:
+        """Lets `load_model` load this directory whatever the model roots (the operator named it)."""
+        self.allowed_paths.add(Path(path).resolve())
+
     def op_load_model(self, params, rid):
         name = params["name"]
         if name in self.engines:
             raise ProtocolError(codes.MODEL_EXISTS, f"a model named {name!r} is already loaded", rid, model=name)
+        if len(self.engines) >= self.limits.max_models:
+            raise self.limits.exceeded("max_models", len(self.engines) + 1, rid)
+        self._check_load_allowed(params, rid)
         engine = Engine.load(params["path"], dtype=params["dtype"], trust_remote_code=params["trust_remote_code"],
                              **self.engine_options)
         self.engines[name] = engine
         return model_info(name, engine)
+
+    def _check_load_allowed(self, params, rid) -> None:
+        if params["trust_remote_code"] and not self.trust_remote_code:
+            raise ProtocolError(codes.FORBIDDEN, "trust_remote_code is refused: the server was not started with "
+                                "--trust-remote-code", rid, param="trust_remote_code")
+        if params["path"] is None:  # the embedded model ships with the server
+            return
+        try:
+            path = Path(params["path"]).resolve()
+        except (ValueError, OSError) as problem:
+            raise InvalidArgument(f"path is not a usable file system path: {problem}", option="path") from problem
+        if path in self.allowed_paths or any(path.is_relative_to(root) for root in self.model_roots):
+            return
+        roots = ", ".join(map(str, self.model_roots)) or "none"
+        raise ProtocolError(codes.FORBIDDEN, f"{params['path']!r} is outside the model roots the server was started "
+                            f"with (--model-root: {roots})", rid, param="path")
 
     def op_unload_model(self, params, rid):
         name = params["model"]
         self._engine(name, rid)
         for session_name, (model, _) in list(self.sessions.items()):
             if model == name:
-                for job in list(self.queues[session_name]):
-                    self._cancel(job)
                 self._close(session_name)
         del self.engines[name]
         return {}
@@ -258,19 +297,21 @@ class Server:
     def op_open_session(self, params, rid):
         engine = self._engine(params["model"], rid)
         name = params["session"]
+        if name is not None and name in self.sessions:
+            raise ProtocolError(codes.SESSION_EXISTS, f"a session named {name!r} is already open", rid, session=name)
+        if len(self.sessions) >= self.limits.max_sessions:
+            raise self.limits.exceeded("max_sessions", len(self.sessions) + 1, rid)
         if name is None:
             name = self._fresh_session_name()
-        elif name in self.sessions:
-            raise ProtocolError(codes.SESSION_EXISTS, f"a session named {name!r} is already open", rid, session=name)
         self.sessions[name] = (params["model"], engine.session())
         self.queues[name] = deque()
         return {"session": name, "model": model_info(params["model"], engine)}
 
-    def op_close_session(self, params, rid):
-        self._close(params["session"])
+    def op_close_session(self, params, rid, job):
+        self._close(params["session"], closer=job)
         return {}
 
-    def op_session_info(self, params, rid):
+    def op_session_info(self, params, rid, job):
         model, session = self._session(params["session"], rid)
         return {"session": params["session"], "model": model, "history_tokens": len(session.history),
                 "cached_tokens": session.cached, "cache_bytes": session.cache_bytes}
@@ -301,9 +342,18 @@ class Server:
         self.writer.send(ok(rid, {}))
         raise Shutdown(0)
 
-    def _close(self, name: str) -> None:
+    def _close(self, name: str, closer: Job | None = None) -> None:
+        """Closes a session, first answering every other request queued on it: a running generation
+        with its `cancelled` reply (it carries the tokens so far), the rest with `session_closed`."""
         _, session = self.sessions.pop(name)
-        self.queues.pop(name, None)
+        for job in self.queues.pop(name):
+            if job is closer:
+                continue
+            if job.generation is not None:
+                self._retire(job, cancelled_reply(job))
+            else:
+                self._retire(job, problem_reply(job.request.id, SessionClosed(
+                    f"session {name!r} was closed before this request ran", session=name)))
         session.close()
 
     def _fresh_session_name(self) -> str:
@@ -317,17 +367,41 @@ def build_processors(specs: list[dict], rid: int) -> list:
     built = []
     for i, spec in enumerate(specs):
         name, options = spec.get("name"), spec.get("options", {})
-        if not isinstance(name, str) or not isinstance(options, dict) or set(spec) - {"name", "options"}:
-            raise ProtocolError(codes.INVALID_PARAMS, f'processors[{i}] must be {{"name": str, "options": map}}', rid, param="processors")
+        if (not isinstance(name, str) or not isinstance(options, dict) or set(spec) - {"name", "options"}
+                or not all(isinstance(key, str) for key in options)):
+            raise ProtocolError(codes.INVALID_PARAMS, f'processors[{i}] must be {{"name": str, "options": map with string keys}}',
+                                rid, param="processors", index=i)
         try:
             built.append(proc.from_name(name, options))
         except proc.ProcessorError as problem:
-            raise InvalidProcessor(f"processors[{i}] ({name}): {problem}", index=i) from problem
+            raise InvalidProcessor(f"processors[{i}] ({name[:64]}): {problem}", index=i) from problem
     return built
 
 
 def problem_reply(request_id: int | None, problem: ProtocolError | SidecarError) -> dict:
     return error(request_id, problem.code, problem.message, **problem.details)
+
+
+def internal_reply(request_id: int | None, bug: Exception) -> dict:
+    """A defect of ours: logged with its traceback on stderr, reported on its request, never fatal."""
+    log.error("internal error on request %s", request_id, exc_info=bug)
+    return error(request_id, codes.INTERNAL, f"{type(bug).__name__}: {str(bug)[:200]}")
+
+
+def oversized_frame_reply(item: OversizedFrame, limit: int) -> dict:
+    return error(peek_request_id(item.head), codes.FRAME_TOO_LARGE,
+                 f"the frame declares {item.declared} bytes, over the limit max_frame_bytes = {limit}; it was discarded",
+                 limit="max_frame_bytes", max=limit, value=item.declared)
+
+
+def cancelled_reply(job: Job) -> dict:
+    if job.generation is not None:
+        job.generation.cancel()
+        return generation_reply(job)
+    if job.request.op == "generate":
+        return error(job.request.id, codes.CANCELLED, "the generation was cancelled before it started", text="",
+                     token_ids=[], finish_reason="cancelled", stats=asdict(Stats()))
+    return error(job.request.id, codes.CANCELLED, f"the {job.request.op} request was cancelled before it ran")
 
 
 def generation_reply(job: Job) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 import processors as proc
 
-from .decode import decode_step, prefill, sample
+from .decode import check_logits, decode_step, prefill, sample
 from .errors import SessionBusy, SessionClosed
 from .text import Detokenizer, StopMatcher
 
@@ -63,6 +63,21 @@ class Request:
     chain: proc.Chain
     stop: tuple[str, ...]
     eos_token_ids: frozenset[int]
+
+
+@dataclass
+class Checkpoint:
+    """What a session held before a call, enough to put it back exactly if the call fails.
+
+    Only the tail of the cache that the call crops away is copied (nothing, when the new input extends
+    what is cached); the kept prefix is never written in place, so cropping back to it restores it.
+    """
+
+    history: list[int]
+    cache: object
+    cached: int
+    keep: int = 0
+    tail: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def cache_bytes(cache) -> int:
@@ -144,16 +159,32 @@ class Session:
         self.running = Generation(self, request)
         return self.running
 
-    def _reuse(self, input_ids: list[int]) -> int:
-        """Crops the cache to the longest reusable prefix of `input_ids` and returns its length."""
+    def _reuse(self, input_ids: list[int]) -> Checkpoint:
+        """Crops the cache to the longest reusable prefix of `input_ids`; the checkpoint's `keep` is its length."""
+        saved = Checkpoint(self.history, self.cache, self.cached)
         if self.cache is None:
             self.cache = DynamicCache()
             self.cached = 0
-        keep = min(common_prefix(self.history[: self.cached], input_ids), len(input_ids) - 1)
+        saved.keep = keep = min(common_prefix(self.history[: self.cached], input_ids), len(input_ids) - 1)
         if self.cached > keep:
+            saved.tail = [(layer.keys[..., keep : self.cached, :].clone(), layer.values[..., keep : self.cached, :].clone())
+                          for layer in self.cache.layers]
             self.cache.crop(keep - self.cached)
         self.cached = keep
-        return keep
+        return saved
+
+    def _restore(self, saved: Checkpoint) -> None:
+        """Puts back what `_reuse` saved: the history, and the cache cropped to the kept prefix plus its old tail."""
+        self.history, self.cache, self.cached = saved.history, saved.cache, saved.cached
+        if saved.cache is None:
+            return
+        for i, layer in enumerate(saved.cache.layers):
+            if getattr(layer, "keys", None) is None:
+                continue
+            keys, values = layer.keys[..., : saved.keep, :], layer.values[..., : saved.keep, :]
+            if saved.tail:
+                keys, values = torch.cat([keys, saved.tail[i][0]], dim=-2), torch.cat([values, saved.tail[i][1]], dim=-2)
+            layer.keys, layer.values = keys, values
 
 
 class Generation:
@@ -188,14 +219,17 @@ class Generation:
         stats = Stats(prompt_tokens=len(request.input_ids))
         generated: list[int] = []
         pieces: list[str] = []
-        finish = "length"
+        finish = "cancelled"  # cancelled before its first step: nothing ran, nothing changed
+        saved = None
         try:
             session.engine._touch(session)
-            if request.max_new_tokens > 0:
-                finish = yield from self._decode(started, stats, generated, pieces)
+            if not self._cancelled:
+                saved = session._reuse(request.input_ids)
+                finish = yield from self._decode(saved.keep, started, stats, generated, pieces)
         except BaseException:
-            # A half-written cache must never be reused: drop it, and the history is recomputed next time.
-            session.drop_cache()
+            # A failed call leaves the session exactly as it was, half-written cache and history undone.
+            if saved is not None:
+                session._restore(saved)
             raise
         finally:
             self.done = True
@@ -204,8 +238,11 @@ class Generation:
         self.result = Result("".join(pieces), generated, finish, stats)
         session.engine._settle(session)
 
-    def _decode(self, started: float, stats: Stats, generated: list[int], pieces: list[str]):
-        """Prefill, then sample / decode-step until a finish reason; returns that reason."""
+    def _decode(self, reused: int, started: float, stats: Stats, generated: list[int], pieces: list[str]):
+        """Prefill, then sample / decode-step until a finish reason; returns that reason.
+
+        With `max_new_tokens` 0 it only prefills: the input is then cached for the next call.
+        """
         session, request, engine = self.session, self.request, self.session.engine
         detokenizer, stops = Detokenizer(engine.tokenizer), StopMatcher(request.stop)
         generator = None
@@ -213,13 +250,15 @@ class Generation:
             generator = torch.Generator(device=engine.model.device)
             generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
 
-        stats.reused_tokens = session._reuse(request.input_ids)
-        fresh = request.input_ids[stats.reused_tokens :]
+        stats.reused_tokens = reused
+        fresh = request.input_ids[reused:]
         stats.prefill_tokens = len(fresh)
         session.history = list(request.input_ids)
         with torch.inference_mode():
-            logits = prefill(engine.model, session.cache, fresh, stats.reused_tokens, engine.prefill_chunk)
+            logits = prefill(engine.model, session.cache, fresh, reused, engine.prefill_chunk)
         session.cached = len(request.input_ids)
+        if request.max_new_tokens == 0:
+            return "length"
 
         prompt_length = len(request.input_ids)
         sequence = torch.empty(1, prompt_length + request.max_new_tokens, dtype=torch.long)
@@ -228,6 +267,7 @@ class Generation:
         states = request.chain.init(context)
         while not self._cancelled:
             states, logits = request.chain.process(states, logits, context)
+            check_logits(logits, request.chain)
             token = sample(logits, request.greedy, generator)
             if stats.ttft_s is None:
                 stats.ttft_s = time.perf_counter() - started
@@ -249,6 +289,8 @@ class Generation:
             yield TokenEvent(token, text)
             if finish is not None:
                 return finish
+            if self._cancelled:  # no forward pass for a token nobody will see
+                break
             with torch.inference_mode():
                 logits = decode_step(engine.model, session.cache, token, session.cached)
             session.cached += 1

@@ -4,6 +4,11 @@ writer of the output fd.
 The reader only splits frames; everything else happens on the main thread, which is the single owner
 of the output. The inbound queue is bounded, so a client that keeps writing while it stops reading
 cannot grow the server's memory without bound.
+
+End of file on the input means the client is gone, and the process must be gone soon after (PROTOCOL.md:
+within 500 ms). The main thread notices between steps; a writer blocked on a client that no longer
+reads notices through `Hangup`; and a watchdog ends the process if the main thread is stuck in a long
+forward pass.
 """
 
 from __future__ import annotations
@@ -11,24 +16,46 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import select
 import threading
 import time
 
-from protocol import FrameDecoder, ProtocolError, frame, pack
+from protocol import FrameDecoder, error, frame, pack
+from protocol import errors as codes
 
 log = logging.getLogger("sidecar")
 
 EOF_MARK = object()
 READ_SIZE = 1 << 16
 INBOX_FRAMES = 1024
-FATAL_PROTOCOL_STATUS = 3  # exit status after a frame that breaks the stream (PROTOCOL.md)
+EXIT_GRACE_S = 0.3  # after EOF, how long the main thread has to finish before the watchdog exits
+
+
+class Hangup(Exception):
+    """The input reached EOF while the writer was waiting to write: the client is gone."""
+
+
+class InputClosed:
+    """Set by the reader at EOF. Its fd becomes readable then, so a writer can wait on both at once."""
+
+    def __init__(self):
+        self._read, self._write = os.pipe()
+        self.at: float | None = None
+
+    def set(self) -> None:
+        self.at = time.monotonic()
+        os.write(self._write, b"x")
+
+    def fileno(self) -> int:
+        return self._read
 
 
 class FrameReader:
-    def __init__(self, fd: int, max_frame_bytes: int, *, exit_grace_s: float = 0.8):
+    def __init__(self, fd: int, max_frame_bytes: int, closed: InputClosed, *, exit_grace_s: float = EXIT_GRACE_S):
         self.fd = fd
         self.decoder = FrameDecoder(max_frame_bytes)
         self.inbox: queue.Queue = queue.Queue(maxsize=INBOX_FRAMES)
+        self.closed = closed
         self.exit_grace_s = exit_grace_s
         self.thread = threading.Thread(target=self._run, name="frame-reader", daemon=True)
 
@@ -36,40 +63,48 @@ class FrameReader:
         self.thread.start()
 
     def _run(self) -> None:
-        status = 0
         try:
             while True:
                 data = os.read(self.fd, READ_SIZE)
                 if not data:
                     break
-                for payload in self.decoder.feed(data):
-                    self.inbox.put(payload)
-        except ProtocolError as fatal:  # the stream cannot be resynchronised after a bad header
-            self.inbox.put(fatal)
-            status = FATAL_PROTOCOL_STATUS
+                for item in self.decoder.feed(data):
+                    self.inbox.put(item)
         except OSError as error:
             log.info("input closed: %s", error)
+        self.closed.set()
         self.inbox.put(EOF_MARK)
-        # The peer is gone (or the stream is broken): whatever the main thread is doing, stop soon,
-        # with the status the main thread would have given.
-        timer = threading.Timer(self.exit_grace_s, lambda: os._exit(status))
+        # The peer is gone: whatever the main thread is doing, the process ends soon.
+        timer = threading.Timer(self.exit_grace_s, lambda: os._exit(0))
         timer.daemon = True
         timer.start()
 
 
 class FrameWriter:
-    """Writes whole frames with blocking writes: a peer that stops reading pauses the server.
+    """Writes whole frames: a peer that stops reading pauses the server (backpressure).
 
     Frames sent with `urgent=False` (token events) may wait up to `coalesce_s` and go out together
     with later ones in one write. Each write wakes the reader, and on a small machine that costs the
     model a few percent of its speed. Order is always kept: an urgent frame flushes everything before it.
+
+    The fd is non-blocking and the writer waits with poll, on it and on `closed`: once the input is
+    closed, no new write starts, and one already begun is given until the exit grace to complete.
+    A reply larger than `max_frame_bytes` is replaced by a `limit_exceeded` error for the same request.
     """
 
-    def __init__(self, fd: int, *, coalesce_s: float = 0.0):
+    def __init__(self, fd: int, *, max_frame_bytes: int, closed: InputClosed, coalesce_s: float = 0.0):
         self.fd = fd
+        self.max_frame_bytes = max_frame_bytes
+        self.closed = closed
         self.coalesce_s = coalesce_s
         self._pending: list[bytes] = []
         self._since = 0.0
+        os.set_blocking(fd, False)
+        self._poll = select.poll()  # the output, and the input's closing
+        self._poll.register(fd, select.POLLOUT)
+        self._poll.register(closed.fileno(), select.POLLIN)
+        self._poll_output = select.poll()  # the output alone, once the input is known to be closed
+        self._poll_output.register(fd, select.POLLOUT)
 
     def send(self, message: dict, *, urgent: bool = True) -> None:
         if not self._pending:
@@ -79,12 +114,38 @@ class FrameWriter:
             self.flush()
 
     def _encode(self, message: dict) -> bytes:
-        return frame(pack(message))
+        payload = pack(message)
+        if len(payload) > self.max_frame_bytes:
+            payload = pack(oversized_reply(message, len(payload), self.max_frame_bytes))
+        return frame(payload)
 
     def flush(self) -> None:
         if not self._pending:
             return
         view = memoryview(b"".join(self._pending))
         self._pending.clear()
+        started = False
         while view:
-            view = view[os.write(self.fd, view) :]
+            try:
+                written = os.write(self.fd, view)
+            except BlockingIOError:
+                written = 0
+            view = view[written:]
+            started = started or written > 0
+            if view:
+                self._wait(started)
+
+    def _wait(self, started: bool) -> None:
+        """Waits until the fd takes more bytes; raises `Hangup` if the client is gone."""
+        while self.closed.at is None:
+            if any(fd == self.fd for fd, _ in self._poll.poll()):
+                return
+        left = self.closed.at + EXIT_GRACE_S - time.monotonic()
+        if not started or left <= 0 or not self._poll_output.poll(left * 1000):
+            raise Hangup()
+
+
+def oversized_reply(message: dict, size: int, limit: int) -> dict:
+    """What goes out instead of a reply that would not fit in a frame."""
+    return error(message.get("id"), codes.LIMIT_EXCEEDED, f"the reply would be {size} bytes, over the limit max_frame_bytes = {limit}",
+                 limit="max_frame_bytes", max=limit, value=size)

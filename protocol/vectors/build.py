@@ -3,7 +3,8 @@
     python -m protocol.vectors.build
 
 Maps are encoded with their keys sorted, recursively, so that any client can reproduce the bytes
-(Elixir iterates small maps in key order). Steps that send raw bytes keep their hand-written hex.
+(Elixir iterates small maps in key order). Steps that send raw bytes keep their hand-written hex. An
+`oversized` step becomes the start of a frame of `frame_bytes` and a count of zero bytes to send after it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 from pathlib import Path
 
 from protocol.codec import pack
-from protocol.framing import frame
+from protocol.framing import HEADER, frame
 
 HERE = Path(__file__).parent
 
@@ -46,12 +47,25 @@ def value_hex(value) -> str:
     return pack(canonical(from_json(value))).hex()
 
 
+def oversized_hex(request, frame_bytes: int) -> tuple[str, int]:
+    """The start of a frame of `frame_bytes` holding `request` plus a "pad" bin that fills it; and the pad's size.
+
+    Only the header and the map up to the pad's length are spelled out; the runner sends the pad as zeros.
+    """
+    fields = sorted(from_json(request).items())
+    prefix = bytes([0x80 | (len(fields) + 1)]) + b"".join(pack(k) + pack(v) for k, v in fields) + pack("pad") + b"\xc6"
+    pad = frame_bytes - len(prefix) - 4
+    return (HEADER.pack(frame_bytes) + prefix + pad.to_bytes(4, "big")).hex(), pad
+
+
 def build() -> None:
     conformance = json.loads((HERE / "conformance.json").read_text())
     for script in conformance["scripts"]:
         for step in script["steps"]:
             if "request" in step:
                 step["send_hex"] = request_hex(step["request"])
+            if "oversized" in step:
+                step["send_hex"], step["pad_zeros"] = oversized_hex(step["oversized"], step["frame_bytes"])
     (HERE / "conformance.json").write_text(json.dumps(conformance, indent=1, ensure_ascii=False) + "\n")
     codec = json.loads((HERE / "codec.json").read_text())
     for vector in codec["vectors"]:

@@ -2,7 +2,10 @@
 
 import dataclasses
 
+import jsonschema
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 import processors as P
@@ -22,7 +25,12 @@ def test_unknown_option_is_named_with_the_valid_ones():
         (P.TopK, {"k": 0}, "'k' must be an integer >= 1"),
         (P.TopK, {"k": True}, "'k' must be an integer"),
         (P.TopK, {"k": 2.5}, "'k' must be an integer"),
-        (P.Temperature, {"temperature": 0}, "'temperature' must be a finite number > 0"),
+        (P.Temperature, {"temperature": 0}, r"'temperature' must be a number in \[1.175e-38, 3.403e\+38\]"),
+        (P.Temperature, {"temperature": 1e-300}, "representable in float32"),
+        (P.Temperature, {"temperature": float("inf")}, "'temperature'"),
+        (P.Temperature, {"temperature": 10**400}, "'temperature'"),
+        (P.SuppressTokens, {"token_ids": [2**63]}, r"'token_ids' must be a token id \(an integer in \[0, 2\^63\)\)"),
+        (P.SequenceBias, {"sequence_bias": [[[1], float("inf")]]}, "finite or -inf"),
         (P.Temperature, {"temperature": -1.0}, "'temperature'"),
         (P.Temperature, {"temperature": "hot"}, "'temperature' must be a number"),
         (P.RepetitionPenalty, {"penalty": 0.0}, "'penalty'"),
@@ -64,7 +72,8 @@ def test_registry_configures_by_name():
         P.from_name("top_z", {})
     catalogue = P.catalogue()
     assert set(catalogue) == set(P.BUILTINS) and len(P.BUILTINS) == 17
-    assert {"name": "k", "doc": "how many tokens to keep, >= 1", "required": True, "default": None} in catalogue["top_k"]
+    assert {"name": "k", "doc": "how many tokens to keep, >= 1", "required": True, "default": None,
+            "schema": {"type": "integer", "minimum": 1}} in catalogue["top_k"]
 
 
 def _good_step():
@@ -93,3 +102,50 @@ def test_bad_input_raises_and_mutates_nothing(bad, message):
         chain.process(states, logits, context)
     assert torch.equal(before[0], context.sequence) and torch.equal(before[1], logits)
     assert all(torch.equal(a, s["tally"]) for a, s in zip(before[2], [s for s in states if s]))
+
+
+# One valid set of options per built-in, so that each option can be varied alone.
+VALID = {
+    "temperature": {"temperature": 0.7}, "top_k": {"k": 5}, "top_p": {"p": 0.9}, "min_p": {"p": 0.1},
+    "typical_p": {"p": 0.9}, "repetition_penalty": {"penalty": 1.1}, "frequency_penalty": {"penalty": 0.5},
+    "presence_penalty": {"penalty": 0.5}, "no_repeat_ngram": {"ngram_size": 2},
+    "min_length": {"min_length": 3, "eos_token_ids": [2]}, "min_new_tokens": {"min_new_tokens": 3, "eos_token_ids": 2},
+    "suppress_tokens": {"token_ids": [1, 2]}, "suppress_tokens_at_begin": {"token_ids": [1]},
+    "forced_bos": {"token_id": 1}, "forced_eos": {"max_length": 5, "eos_token_ids": [2]},
+    "sequence_bias": {"sequence_bias": [[[1, 2], -1.5]]}, "no_bad_words": {"bad_words_ids": [[1, 2]]},
+}
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**64), max_value=2**64) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from([0, 1, 2, -1, 0.5, 1.0, 2**63 - 1, 2**63, 1e-39, 3.5e38]) | st.text(max_size=3),
+    lambda inner: st.lists(inner, max_size=3),
+    max_leaves=8,
+)
+
+
+# msgpack tells integers from floats, and options typed "integer" take integers only: 2.0 is refused.
+STRICT = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda checker, v: isinstance(v, int) and not isinstance(v, bool)),
+)
+
+
+def test_every_builtin_has_a_valid_example():
+    assert set(VALID) == set(P.BUILTINS)
+    for name, options in VALID.items():
+        P.from_name(name, options)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(sorted(VALID)), st.data())
+def test_the_published_schema_accepts_exactly_what_configure_accepts(name, data):
+    """hello publishes each option's JSON Schema; a client validating with it must agree with the server."""
+    option = data.draw(st.sampled_from(P.catalogue()[name]))
+    value = data.draw(JSON)
+    accepted_by_schema = STRICT(option["schema"]).is_valid(value)
+    try:
+        P.from_name(name, {**VALID[name], option["name"]: value})
+        accepted = True
+    except P.InvalidOption:
+        accepted = False
+    assert accepted == accepted_by_schema, (option, value)

@@ -60,13 +60,15 @@ def test_serves_on_fds_3_and_4_like_nouse_stdio(default_dir):
     assert process.wait(10) == 0 and process.stdout.read() == b""
 
 
-def test_a_busy_main_thread_still_exits_with_the_fatal_status():
-    """The reader's watchdog ends the process when the main thread is stuck: with status 3, not 0."""
+def test_a_busy_main_thread_still_exits_soon_after_eof():
+    """The reader's watchdog ends the process when the main thread is stuck (say, in a long forward pass)."""
     code = (
-        "import os, time; from sidecar.transport import FrameReader; r, w = os.pipe(); "
-        "os.write(w, b'\\xff\\xff\\xff\\xff'); FrameReader(r, 1024, exit_grace_s=0.2).start(); time.sleep(30)"
+        "import os, time; from sidecar.transport import FrameReader, InputClosed; r, w = os.pipe(); os.close(w); "
+        "t = time.monotonic(); FrameReader(r, 1024, InputClosed()).start(); time.sleep(30)"
     )
-    assert subprocess.run([sys.executable, "-c", code], timeout=20).returncode == 3
+    started = time.monotonic()
+    assert subprocess.run([sys.executable, "-c", code], timeout=20).returncode == 0
+    assert time.monotonic() - started < 10
 
 
 def test_eof_mid_generation_ends_the_process(peer):
@@ -128,7 +130,9 @@ def test_cancel_of_a_queued_request_and_shutdown_with_work_in_flight(peer):
     generate(peer, 61, session="q", token_ids=[5, 6], max_new_tokens=3, eos_token_ids=[])
     generate(peer, 62, session="q", token_ids=[5, 6], max_new_tokens=3, eos_token_ids=[])
     peer.send({"id": 63, "op": "cancel", "target": 61})
-    assert peer.reply_for(61)[1]["error"] == {"code": "cancelled", "message": "cancelled before it started", "token_ids": [], "text": ""}
+    zero = {"prompt_tokens": 0, "reused_tokens": 0, "prefill_tokens": 0, "generated_tokens": 0, "ttft_s": None, "total_s": 0.0}
+    assert peer.reply_for(61)[1]["error"] == {"code": "cancelled", "message": "the generation was cancelled before it started",
+                                              "token_ids": [], "text": "", "finish_reason": "cancelled", "stats": zero}
     assert peer.reply_for(63)[1]["result"] == {"cancelled": True}
     peer.send({"id": 64, "op": "shutdown"})
     assert peer.reply_for(60)[1]["error"]["code"] == "cancelled"

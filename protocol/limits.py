@@ -1,0 +1,134 @@
+"""The server's limits, declared once: default, meaning, and which request values each one bounds.
+
+Every resource a client can grow has a limit here. The size limits are checked in `parse_request`,
+before any element of an oversized value is even looked at, so an oversized request costs nothing
+but its frame. The counting limits (sessions, models, requests in flight) are checked by the server
+before the work starts. `hello` reports them all, and the CLI makes a flag of each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import LIMIT_EXCEEDED, ProtocolError
+
+
+def _limit(default: int, doc: str, *, bounds: tuple[tuple[str, str], ...] = (), measure: str = "") -> int:
+    """One limit: `bounds` lists the (op, param) values it applies to ("*" for every op), measured as `measure`."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "bounds": bounds, "measure": measure})
+
+
+NAMES = (("*", "session"), ("*", "model"), ("load_model", "name"), ("load_model", "path"))
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_frame_bytes: int = _limit(16 * 1024 * 1024, "largest frame read or written, in bytes")
+    max_in_flight: int = _limit(1024, "requests queued or running at once (generate, session_info, close_session)")
+    max_depth: int = _limit(32, "nesting depth of maps and lists in one request")
+    max_prompt_bytes: int = _limit(
+        1024 * 1024, "UTF-8 bytes of a generate prompt or a tokenize text, checked before tokenizing",
+        bounds=(("generate", "prompt"), ("tokenize", "text")), measure="bytes")
+    max_input_tokens: int = _limit(
+        262_144, "token ids in one list: generate's token_ids and eos_token_ids, detokenize's token_ids",
+        bounds=(("generate", "token_ids"), ("generate", "eos_token_ids"), ("detokenize", "token_ids")), measure="items")
+    max_new_tokens: int = _limit(
+        32_768, "max_new_tokens of one generate (the model's context bounds it further)",
+        bounds=(("generate", "max_new_tokens"),), measure="value")
+    max_stop_bytes: int = _limit(
+        4096, "UTF-8 bytes of all stop strings of one generate together",
+        bounds=(("generate", "stop"),), measure="bytes")
+    max_processors: int = _limit(64, "processors in one generate", bounds=(("generate", "processors"),), measure="items")
+    max_processor_values: int = _limit(
+        65_536, "numbers and strings in the options of one generate's processors together",
+        bounds=(("generate", "processors"),), measure="leaves")
+    max_name_bytes: int = _limit(4096, "UTF-8 bytes of a session or model name or a model path", bounds=NAMES, measure="bytes")
+    max_sessions: int = _limit(1024, "open sessions, over all models")
+    max_models: int = _limit(4, "loaded models")
+
+    def __post_init__(self):
+        for name, value in self.as_dict().items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"limit {name} must be an integer >= 1, got {value!r}")
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def docs() -> dict[str, str]:
+        return {f.name: f.metadata["doc"] for f in dataclasses.fields(Limits)}
+
+    def exceeded(self, name: str, value: int, request_id: int | None, **details) -> ProtocolError:
+        """The error for `value` over the limit `name`: code `limit_exceeded`, naming the limit and both numbers."""
+        limit = getattr(self, name)
+        return ProtocolError(LIMIT_EXCEEDED, f"{value} is over the limit {name} = {limit} ({Limits.docs()[name]})",
+                             request_id, limit=name, max=limit, value=value, **details)
+
+
+def _measure(how: str, value, cap: int) -> int:
+    """The size of `value`; stops counting once past `cap`, so a huge value costs no more than a small one."""
+    if how == "value":
+        return value
+    if how == "items":
+        return len(value)
+    if how == "bytes":
+        if isinstance(value, str):
+            return _utf8_bytes(value, cap)
+        total = 0
+        for text in value[: cap + 1]:
+            total += _utf8_bytes(text, cap) if isinstance(text, str) else 0
+            if total > cap:
+                break
+        return total
+    if how == "leaves":
+        return _leaves(value, cap)
+    raise ValueError(f"unknown measure {how!r}")
+
+
+def _utf8_bytes(text: str, cap: int) -> int:
+    if len(text) > cap:  # a character is at least one byte: over without encoding anything
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _leaves(value, cap: int) -> int:
+    count, stack = 0, [value]
+    while stack and count <= cap:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        else:
+            count += 1
+    return count
+
+
+def check_params(op: str, params: dict, limits: Limits, request_id: int) -> None:
+    """Raises `limit_exceeded` for the first parameter value over a limit; values are assumed well-typed."""
+    for field in dataclasses.fields(Limits):
+        cap = getattr(limits, field.name)
+        for bound_op, param in field.metadata["bounds"]:
+            value = params.get(param)
+            if value is None or bound_op not in ("*", op):
+                continue
+            size = _measure(field.metadata["measure"], value, cap)
+            if size > cap:
+                raise limits.exceeded(field.name, size, request_id, param=param)
+
+
+def check_depth(value, max_depth: int, request_id: int | None, *, start: int = 1) -> None:
+    """Raises `limit_exceeded` (max_depth) for maps and lists nested deeper than `max_depth`, without recursing.
+
+    `start` is the level of `value` itself inside the request.
+    """
+    stack = [(value, start)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > max_depth:
+                raise ProtocolError(LIMIT_EXCEEDED, f"the request nests maps and lists deeper than max_depth = {max_depth}",
+                                    request_id, limit="max_depth", max=max_depth, value=depth)
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
