@@ -132,7 +132,8 @@ def token_sequences(name, value) -> tuple[tuple[int, ...], ...]:
 
 
 @_with_schema({"type": "array", "minItems": 1, "items": {
-    "type": "array", "prefixItems": [TOKEN_LIST, {"type": "number"}], "minItems": 2, "maxItems": 2}})
+    "type": "array", "prefixItems": [TOKEN_LIST, {"type": "number", "minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX}],
+    "minItems": 2, "maxItems": 2}})
 def sequence_biases(name, value) -> tuple[tuple[tuple[int, ...], float], ...]:
     """A non-empty list of [token_ids, bias] pairs (transformers' list form of `sequence_bias`)."""
     if not isinstance(value, (list, tuple)) or not value:
@@ -143,7 +144,8 @@ def sequence_biases(name, value) -> tuple[tuple[tuple[int, ...], float], ...]:
             raise InvalidOption(f"option {name!r}: each entry must be a [token_ids, bias] pair, got {_shown(pair)}")
         seq, bias = pair
         bias = real(name, bias)
-        if bias == math.inf:
-            raise InvalidOption(f"option {name!r}: a bias must be finite or -inf (to forbid), got inf")
+        if not (abs(bias) <= FLOAT32_MAX or bias == -math.inf):
+            raise InvalidOption(f"option {name!r}: a bias must be -inf (to forbid) or within float32's range "
+                                f"[{-FLOAT32_MAX:.4g}, {FLOAT32_MAX:.4g}], got {bias!r}")
         out.append((token_sequences(name, [seq])[0], bias))
     return tuple(out)

@@ -30,6 +30,10 @@ BUILTINS: dict[str, type[LogitsProcessor]] = {
 
 def from_name(name: str, options: dict | None = None) -> LogitsProcessor:
     """Configures the built-in called `name`; an unknown name is rejected with the list of known ones."""
+    if not isinstance(name, str):
+        raise InvalidOption(f"a processor name is a string, got {type(name).__name__}")
+    if options is not None and not (isinstance(options, dict) and all(isinstance(k, str) for k in options)):
+        raise InvalidOption("processor options are a map with string keys")
     cls = BUILTINS.get(name)
     if cls is None:
         raise InvalidOption(f"unknown processor {name[:64]!r}; known processors: {', '.join(sorted(BUILTINS))}")

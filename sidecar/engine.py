@@ -110,8 +110,8 @@ class Engine:
             )
         if strategy not in STRATEGIES:
             raise UnknownStrategy(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
-        if seed is not None and (not _is_int(seed) or seed < 0):
-            raise InvalidArgument(f"seed must be an integer >= 0, got {seed!r}", option="seed")
+        if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
+            raise InvalidArgument(f"seed must be an integer in [0, 2^64), got {seed!r}", option="seed")
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
@@ -121,10 +121,12 @@ class Engine:
         else:
             if _is_int(eos_token_ids):
                 eos_token_ids = [eos_token_ids]
-            if not all(_is_int(t) for t in eos_token_ids):
+            if not isinstance(eos_token_ids, (list, tuple)) or not all(_is_int(t) for t in eos_token_ids):
                 raise InvalidArgument("eos_token_ids must be a token id or a list of them", option="eos_token_ids")
             self.check_token_ids(eos_token_ids, "eos_token_ids")
             eos = frozenset(int(t) for t in eos_token_ids)
+        if not isinstance(processors, (list, tuple, proc.Chain)):
+            raise InvalidProcessor(f"processors must be a list of processors, got {type(processors).__name__}")
         try:
             chain = processors if isinstance(processors, proc.Chain) else proc.Chain(processors)
         except proc.ProcessorError as error:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -25,15 +26,26 @@ hf_logging.disable_progress_bar()
 def resolve_dtype(dtype) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InvalidArgument(f"unknown dtype {dtype!r}; valid: {', '.join(sorted(DTYPES))}", option="dtype")
     return DTYPES[dtype]
 
 
 def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remote_code: bool = False):
-    """Returns (model, tokenizer, path) for a local directory, or for the embedded default when path is None."""
-    path = Path(path) if path is not None else default_model.materialise()
+    """Returns (model, tokenizer, path) for a local directory, or for the embedded default when path is None.
+
+    Everything the caller gives is checked before anything is read, and every failure is a typed error.
+    Code shipped in a directory (with trust_remote_code) that exits the interpreter is `invalid_model` too:
+    one load must not end the process that serves every other session.
+    """
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise InvalidArgument(f"path must be a string or a path, got {type(path).__name__}", option="path")
     torch_dtype = resolve_dtype(dtype)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise InvalidArgument(f"unknown device {device!r}: {error}", option="device") from error
+    path = Path(path) if path is not None else default_model.materialise()
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ModelNotFound(f"no model directory with a config.json at {str(path)!r}", path=str(path))
     _check_remote_code(path, trust_remote_code)
@@ -41,7 +53,7 @@ def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remo
         config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except ValueError as error:
         raise NotCausalLM(f"{str(path)!r} is not a model transformers can load: {error}", path=str(path)) from error
-    except Exception as error:  # unreadable or malformed files: OSError, JSON errors, ... depending on what is wrong
+    except (Exception, SystemExit) as error:  # unreadable or malformed files: OSError, JSON errors, ...
         raise InvalidModel(f"cannot read the config in {str(path)!r}: {_brief(error)}", path=str(path)) from error
     if type(config) not in AutoModelForCausalLM._model_mapping and not _has_remote_causal_lm(config):
         raise NotCausalLM(
@@ -50,7 +62,7 @@ def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remo
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    except Exception as error:  # transformers raises OSError, ValueError or TypeError depending on what is missing
+    except (Exception, SystemExit) as error:  # OSError, ValueError or TypeError depending on what is missing
         raise NoTokenizer(f"no usable tokenizer in {str(path)!r}: {error}", path=str(path)) from error
     if tokenizer is None or not hasattr(tokenizer, "decode"):
         raise NoTokenizer(f"no usable tokenizer in {str(path)!r}", path=str(path))
@@ -58,7 +70,7 @@ def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remo
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch_dtype
         )
-    except Exception as error:  # no weights, truncated or mismatched ones, a pickle refused as unsafe, ...
+    except (Exception, SystemExit) as error:  # no weights, truncated or mismatched ones, a pickle refused as unsafe, ...
         raise InvalidModel(f"cannot load the weights in {str(path)!r}: {_brief(error)}", path=str(path)) from error
     return model.to(device).eval(), tokenizer, path
 
@@ -69,21 +81,27 @@ def _brief(error: Exception) -> str:
 
 
 def _check_remote_code(path: Path, trust_remote_code: bool) -> None:
-    """A config that maps to code needs explicit consent before anything is imported, and that code must
-    live inside the directory: an `auto_map` entry naming another repository ("repo--module.Class")
-    would be fetched from a hub."""
+    """A config or tokenizer config that maps to code needs explicit consent before anything is imported,
+    and that code must live inside the directory: an `auto_map` entry naming another repository
+    ("repo--module.Class") would be fetched from a hub."""
+    for name in ("config.json", "tokenizer_config.json"):
+        if name == "config.json" or (path / name).is_file():
+            _check_auto_map(path, name, trust_remote_code)
+
+
+def _check_auto_map(path: Path, name: str, trust_remote_code: bool) -> None:
     try:
-        config = json.loads((path / "config.json").read_text())
+        config = json.loads((path / name).read_text())
     except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise InvalidModel(f"cannot read {str(path / 'config.json')!r}: {_brief(error)}", path=str(path)) from error
+        raise InvalidModel(f"cannot read {str(path / name)!r}: {_brief(error)}", path=str(path)) from error
     if not isinstance(config, dict):
-        raise InvalidModel(f"{str(path / 'config.json')!r} is not a JSON object", path=str(path))
+        raise InvalidModel(f"{str(path / name)!r} is not a JSON object", path=str(path))
     auto_map = config.get("auto_map")
     if not auto_map:
         return
     if not trust_remote_code:
         raise RemoteCodeRequired(
-            f"{str(path)!r} ships its own model code (auto_map); load it with trust_remote_code=True to run that code",
+            f"{str(path)!r} ships its own code ({name} has an auto_map); load it with trust_remote_code=True to run that code",
             path=str(path),
         )
     references = auto_map.values() if isinstance(auto_map, dict) else [auto_map]

@@ -30,7 +30,7 @@ def test_unknown_option_is_named_with_the_valid_ones():
         (P.Temperature, {"temperature": float("inf")}, "'temperature'"),
         (P.Temperature, {"temperature": 10**400}, "'temperature'"),
         (P.SuppressTokens, {"token_ids": [2**63]}, r"'token_ids' must be a token id \(an integer in \[0, 2\^63\)\)"),
-        (P.SequenceBias, {"sequence_bias": [[[1], float("inf")]]}, "finite or -inf"),
+        (P.SequenceBias, {"sequence_bias": [[[1], float("inf")]]}, r"-inf \(to forbid\) or within float32.s range"),
         (P.Temperature, {"temperature": -1.0}, "'temperature'"),
         (P.Temperature, {"temperature": "hot"}, "'temperature' must be a number"),
         (P.RepetitionPenalty, {"penalty": 0.0}, "'penalty'"),

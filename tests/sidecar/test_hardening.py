@@ -1,0 +1,275 @@
+"""No request can poison a session or the server, and every request is answered exactly once.
+
+Each test replays a failure found from the outside (a fuzz, a client written from PROTOCOL.md alone, a
+catalogue of bad inputs) and checks it against an independent reference: a fresh session's tokens, the
+session's own state before the failed call, or the request ids that were sent.
+"""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import processors as P
+from protocol import frame, pack, unpack
+from protocol.peer import Peer
+from sidecar import errors
+
+SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "ERROR"]
+POISON = {"name": "suppress_tokens", "options": {"token_ids": [2**63]}}
+
+
+@pytest.fixture
+def peer(default_dir):
+    with Peer(SERVER, stderr=subprocess.DEVNULL) as p:
+        yield p
+
+
+def finals(peer, ids) -> dict:
+    """The final reply of each id (events skipped)."""
+    return {rid: peer.reply_for(rid)[1] for rid in ids}
+
+
+def replies_in_order(peer, count: int) -> list[dict]:
+    """The next `count` final replies, in the order they arrive (events skipped)."""
+    replies = []
+    while len(replies) < count:
+        message = peer.read_message()
+        if "event" not in message:
+            replies.append(message)
+    return replies
+
+
+def fresh_tokens(engine, **request) -> list[int]:
+    with engine.session() as session:
+        return session.generate(**request).token_ids
+
+
+# ---- poisoning -------------------------------------------------------------------------------------
+
+def test_a_bad_processor_option_does_not_poison_the_session(peer, engine):
+    peer.call("open_session", session="p")
+    bad = peer.call("generate", session="p", token_ids=[5, 6], processors=[POISON])
+    assert bad["error"]["code"] == "invalid_processor" and bad["error"]["index"] == 0
+    assert "2^63" in bad["error"]["message"]
+    request = dict(token_ids=[5, 6, 7], max_new_tokens=4, eos_token_ids=[])
+    assert peer.call("generate", session="p", **request)["result"]["token_ids"] == fresh_tokens(engine, **request)
+    assert peer.call("session_info", session="p")["ok"]
+    assert peer.call("close_session", session="p")["ok"]
+    assert peer.call("stats")["result"]["in_flight"] == 0
+
+
+def test_a_bad_request_queued_behind_a_running_generation_is_answered_and_the_server_lives(peer):
+    peer.call("open_session", session="q")
+    peer.send({"id": 10, "op": "generate", "session": "q", "token_ids": [5, 6], "max_new_tokens": 20, "eos_token_ids": []})
+    peer.send({"id": 11, "op": "generate", "session": "q", "token_ids": [5, 6], "processors": [POISON]})
+    deep = bytes([0x91]) * 1000 + b"\x01"  # a list nested 1,000 deep, as option k
+    body = pack({"id": 12, "op": "generate", "session": "q", "prompt": "x"})
+    body = bytes([body[0] + 1]) + body[1:] + pack("processors") + b"\x91\x82" + pack("name") + pack("top_k") + pack("options") + b"\x81" + pack("k") + deep
+    peer.send_bytes(frame(body))
+    peer.send({"id": 13, "op": "session_info", "session": "q"})
+    got = finals(peer, [10, 11, 12, 13])
+    assert got[10]["ok"] and len(got[10]["result"]["token_ids"]) == 20
+    assert got[11]["error"]["code"] == "invalid_processor"
+    assert got[12]["error"]["code"] == "limit_exceeded" and got[12]["error"]["limit"] == "max_depth"
+    assert got[13]["result"]["history_tokens"] == 22
+    assert peer.call("ping")["ok"] and peer.process.poll() is None
+
+
+# ---- every request answered ------------------------------------------------------------------------
+
+def test_requests_queued_behind_close_session_are_answered(peer):
+    peer.call("open_session", session="c")
+    peer.send({"id": 20, "op": "generate", "session": "c", "token_ids": [5, 6], "max_new_tokens": 30, "eos_token_ids": []})
+    peer.send({"id": 21, "op": "close_session", "session": "c"})
+    peer.send({"id": 22, "op": "session_info", "session": "c"})
+    peer.send({"id": 23, "op": "generate", "session": "c", "token_ids": [5], "max_new_tokens": 2})
+    replies = replies_in_order(peer, 4)
+    order, got = [m["id"] for m in replies], {m["id"]: m for m in replies}
+    assert got[20]["ok"] and got[21] == {"id": 21, "ok": True, "result": {}}
+    for rid in (22, 23):
+        assert got[rid]["error"]["code"] == "session_closed" and got[rid]["error"]["session"] == "c"
+    assert order == [20, 22, 23, 21], "requests a close ends are answered before the close itself"
+    assert peer.call("stats")["result"]["in_flight"] == 0
+    assert peer.call("session_info", session="c")["error"]["code"] == "unknown_session"
+
+
+def test_unload_model_answers_every_request_of_its_sessions_first(peer):
+    assert peer.call("load_model", name="m2", path=None)["ok"]
+    peer.call("open_session", model="m2", session="u1")
+    peer.call("open_session", model="m2", session="u2")
+    peer.send({"id": 30, "op": "generate", "session": "u1", "token_ids": [5, 6], "max_new_tokens": 1500,
+               "eos_token_ids": [], "stream": True})
+    assert peer.next_for(30)["event"] == "token"
+    peer.send({"id": 31, "op": "generate", "session": "u1", "token_ids": [5], "max_new_tokens": 2})
+    peer.send({"id": 32, "op": "close_session", "session": "u1"})
+    peer.send({"id": 33, "op": "session_info", "session": "u2"})
+    peer.send({"id": 34, "op": "unload_model", "model": "m2"})
+    replies = replies_in_order(peer, 5)
+    got = {m["id"]: m for m in replies}
+    assert got[30]["error"]["code"] == "cancelled" and got[30]["error"]["finish_reason"] == "cancelled"
+    assert got[31]["error"]["code"] == got[32]["error"]["code"] == "session_closed"
+    assert got[33]["ok"]  # session_info on an idle session ran before the unload
+    assert replies[-1] == {"id": 34, "ok": True, "result": {}}
+    stats = peer.call("stats")["result"]
+    assert stats["in_flight"] == 0 and stats["sessions"] == 0 and "m2" not in stats["models"]
+
+
+def test_too_many_requests_is_answered_and_counts_only_queued_work(default_dir):
+    with Peer(SERVER + ["--max-in-flight", "2"], stderr=subprocess.DEVNULL) as peer:
+        peer.call("open_session", session="t")
+        for rid in (40, 41, 42):
+            peer.send({"id": rid, "op": "generate", "session": "t", "token_ids": [5], "max_new_tokens": 3, "eos_token_ids": []})
+        peer.send({"id": 43, "op": "ping"})
+        got = finals(peer, [40, 41, 42, 43])
+        assert got[40]["ok"] and got[41]["ok"] and got[43]["ok"]
+        assert got[42]["error"]["code"] == "too_many_requests" and got[42]["error"]["limit"] == "max_in_flight"
+
+
+# ---- a failed call leaves the session exactly as it was -------------------------------------------
+
+def snapshot(session):
+    tensors = [(layer.keys.clone(), layer.values.clone()) for layer in session.cache.layers] if session.cache else []
+    return list(session.history), session.cached, tensors
+
+
+def assert_same(before, after):
+    assert after[0] == before[0] and after[1] == before[1]
+    assert len(after[2]) == len(before[2])
+    for (k0, v0), (k1, v1) in zip(before[2], after[2]):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+class FailsAtStep:
+    """A processor that raises at a given step: a stand-in for any failure in the middle of a generation."""
+
+    def __init__(self, step):
+        self.step, self.calls = step, 0
+
+    def __call__(self, logits, context):
+        self.calls += 1
+        if self.calls == self.step:
+            raise RuntimeError("boom")
+        return logits
+
+
+@pytest.mark.parametrize("failure", ["all suppressed", "raises at step 4"])
+@pytest.mark.parametrize("follow_up", ["extends", "diverges"])
+def test_a_failed_generation_restores_history_and_cache(any_engine, failure, follow_up):
+    history = list(range(10, 40))
+    with any_engine.session() as session:
+        session.generate(token_ids=history, max_new_tokens=6, eos_token_ids=[])
+        before = snapshot(session)
+        prompt = before[0] + [7, 8] if follow_up == "extends" else history[:12] + [9, 9, 9]
+        if failure == "all suppressed":
+            chain, expected = [P.configure(P.SuppressTokens, token_ids=list(range(any_engine.vocab_size)))], errors.InvalidLogits
+        else:
+            chain, expected = [FailsAtStep(4)], RuntimeError
+        with pytest.raises(expected):
+            session.generate(token_ids=prompt, max_new_tokens=8, eos_token_ids=[], processors=chain)
+        assert_same(before, snapshot(session))
+        again = session.generate(token_ids=prompt, max_new_tokens=5, eos_token_ids=[])
+    with any_engine.session() as fresh:
+        fresh.generate(token_ids=history, max_new_tokens=6, eos_token_ids=[])
+        reference = fresh.generate(token_ids=prompt, max_new_tokens=5, eos_token_ids=[])
+    assert again.token_ids == reference.token_ids
+    assert again.stats.reused_tokens == reference.stats.reused_tokens
+
+
+def test_invalid_logits_names_the_processors(engine):
+    with engine.session() as session:
+        with pytest.raises(errors.InvalidLogits, match=r"processors \(temperature, suppress_tokens\): every token was removed"):
+            session.generate(token_ids=[5, 6], processors=[
+                P.configure(P.Temperature, temperature=0.5), P.configure(P.SuppressTokens, token_ids=list(range(1024)))])
+        assert session.history == [] and session.cached == 0
+
+
+def test_cancel_before_the_first_step_runs_nothing(engine):
+    with engine.session() as session:
+        session.generate(token_ids=[5, 6, 7], max_new_tokens=2, eos_token_ids=[])
+        before = snapshot(session)
+        generation = session.stream(token_ids=[9, 9, 9, 9], max_new_tokens=4)
+        generation.cancel()
+        assert generation.result.finish_reason == "cancelled" and generation.result.stats.prefill_tokens == 0
+        assert_same(before, snapshot(session))
+
+
+def test_max_new_tokens_zero_prefills_the_input_for_the_next_call(engine):
+    with engine.session() as session:
+        warm = session.generate(token_ids=list(range(10, 50)), max_new_tokens=0)
+        assert (warm.token_ids, warm.finish_reason, warm.stats.prefill_tokens) == ([], "length", 40)
+        assert session.cached == 40
+        follow = session.generate(token_ids=list(range(10, 50)) + [7], max_new_tokens=3, eos_token_ids=[])
+        assert follow.stats.reused_tokens == 40
+    assert follow.token_ids == fresh_tokens(engine, token_ids=list(range(10, 50)) + [7], max_new_tokens=3, eos_token_ids=[])
+
+
+def test_a_lone_surrogate_in_a_prompt_is_a_typed_error(engine):
+    with engine.session() as session:
+        with pytest.raises(errors.InvalidArgument, match="lone surrogate at index 1"):
+            session.generate("a\udcffb")
+
+
+# ---- sizes: nothing over a limit is worked on, no reply over the frame limit ----------------------
+
+def test_an_oversized_prompt_is_refused_by_its_id_and_the_connection_stays_usable(default_dir):
+    with Peer(SERVER + ["--max-frame-bytes", "65536"], stderr=subprocess.DEVNULL) as peer:
+        peer.send({"id": 50, "op": "generate", "session": "none", "prompt": "x" * 5_000_000})
+        error = peer.reply_for(50)[1]["error"]
+        assert error["code"] == "frame_too_large" and error["limit"] == "max_frame_bytes"
+        assert error["max"] == 65536 and error["value"] > 5_000_000
+        assert peer.call("ping")["ok"]
+
+
+def test_a_reply_over_the_frame_limit_becomes_a_typed_error(default_dir):
+    with Peer(SERVER + ["--max-frame-bytes", "4096"], stderr=subprocess.DEVNULL) as peer:
+        text = "".join(chr(0x4E00 + i) for i in range(1300))  # CJK: several tokens per character
+        reply = peer.call("tokenize", text=text)
+        assert reply["error"]["code"] == "limit_exceeded" and reply["error"]["limit"] == "max_frame_bytes"
+        assert reply["error"]["value"] > 4096
+        assert peer.call("ping")["ok"]
+
+
+# ---- the client going away ---------------------------------------------------------------------------
+
+def test_eof_while_blocked_writing_to_a_client_that_stopped_reading_ends_the_process(default_dir):
+    """The client closes our input but keeps our output open without reading: we must not wait forever."""
+    process = subprocess.Popen(SERVER, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    import fcntl
+
+    fcntl.fcntl(process.stdout.fileno(), 1031, 4096)  # F_SETPIPE_SZ: fills after a few dozen events
+    process.stdin.write(frame(pack({"id": 1, "op": "open_session", "session": "w"})))
+    process.stdin.write(frame(pack({"id": 2, "op": "generate", "session": "w", "token_ids": [5, 6],
+                                    "max_new_tokens": 1900, "eos_token_ids": [], "stream": True})))
+    process.stdin.flush()
+    time.sleep(1.0)  # the server fills the pipe and blocks
+    assert process.poll() is None
+    process.stdin.close()
+    assert process.wait(timeout=10) == 0
+    process.stdout.close()
+
+
+def test_frames_written_after_eof_are_whole(default_dir):
+    """A client that half-closes and keeps reading sees only whole frames, then EOF."""
+    process = subprocess.Popen(SERVER, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    process.stdin.write(frame(pack({"id": 1, "op": "open_session", "session": "h"})))
+    process.stdin.write(frame(pack({"id": 2, "op": "generate", "session": "h", "token_ids": [5, 6],
+                                    "max_new_tokens": 1900, "eos_token_ids": [], "stream": True})))
+    process.stdin.close()
+    data = process.stdout.read()
+    assert process.wait(timeout=10) == 0
+    while data:
+        size = int.from_bytes(data[:4], "big")
+        assert len(data) >= 4 + size, "a truncated frame"
+        unpack(data[4 : 4 + size])
+        data = data[4 + size :]
+
+
+def test_offline_mode_is_set_before_transformers_is_imported():
+    code = ("import sys, sidecar; assert 'transformers' not in sys.modules; import sidecar.__main__; "
+            "import huggingface_hub.constants as c; print(c.HF_HUB_OFFLINE)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "0"})
+    assert done.stdout.strip() == "True", done.stderr

@@ -1,0 +1,274 @@
+"""Loading safety: broken or hostile model directories get typed errors through `Engine.load` and through
+the server's `load_model`, nothing shipped in a directory runs without consent, `load_model` stays inside
+the model roots, and nothing reaches for the network.
+"""
+
+import itertools
+import json
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from protocol.peer import Peer
+from sidecar import Engine
+from sidecar.errors import SidecarError
+
+FAST_S = 5.0  # refusing remote code needs no download and no weights: anything slower is waiting on something
+LLAMA = "LlamaForCausalLM"
+
+
+def copy_model(default_dir, target, *, weights=True):
+    target.mkdir(parents=True)
+    for source in default_dir.iterdir():
+        if weights or source.suffix != ".safetensors":
+            shutil.copy(source, target / source.name)
+    return target
+
+
+def edit_json(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+class Evil:
+    """Unpickling this runs a shell command: what a hostile pytorch_model.bin does."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {shlex.quote(str(self.marker))}",)
+
+
+# Each builder fills an empty directory `d`, given the default model and a directory for markers.
+
+def no_weights(default, d, markers):
+    copy_model(default, d, weights=False)
+
+
+def config_not_json(default, d, markers):
+    copy_model(default, d)
+    (d / "config.json").write_text('{"model_type": "llama",')
+
+
+def config_a_list(default, d, markers):
+    copy_model(default, d)
+    (d / "config.json").write_text("[1, 2, 3]")
+
+
+def truncated_safetensors(default, d, markers):
+    copy_model(default, d)
+    weights = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+
+
+def malicious_pickle(default, d, markers):
+    copy_model(default, d, weights=False)
+    torch.save({"model.embed_tokens.weight": Evil(markers / "pickle-ran")}, d / "pytorch_model.bin")
+
+
+def auto_map_local(default, d, markers):
+    copy_model(default, d)
+    edit_json(d / "config.json", auto_map={"AutoModelForCausalLM": "modeling_x.XModel"})
+
+
+def auto_map_other_repo(default, d, markers):
+    copy_model(default, d)
+    edit_json(d / "config.json", auto_map={"AutoModelForCausalLM": "someone/repo--modeling_x.Model"})
+
+
+def tokenizer_auto_map_other_repo(default, d, markers):
+    copy_model(default, d)
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    del config["tokenizer_class"]
+    config["auto_map"] = {"AutoTokenizer": ["someone/repo--tokenization_x.XTok", "someone/repo--tokenization_x.XTokFast"]}
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def shipped_code(default, d, markers):
+    """A model whose configuration module leaves a marker when imported: a working remote-code model."""
+    copy_model(default, d)
+    (d / "configuration_x.py").write_text(
+        f"import pathlib\npathlib.Path({str(markers / d.name)!r}).touch()\n"
+        "from transformers import LlamaConfig\n\n\nclass XConfig(LlamaConfig):\n    model_type = 'x_llama'\n")
+    (d / "modeling_x.py").write_text(
+        "from transformers import LlamaForCausalLM\n\nfrom .configuration_x import XConfig\n\n\n"
+        "class XModel(LlamaForCausalLM):\n    config_class = XConfig\n")
+    edit_json(d / "config.json", model_type="x_llama",
+              auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"})
+
+
+BROKEN = [  # (kind, builder, trust_remote_code, code)
+    ("config.json but no weights", no_weights, False, "invalid_model"),
+    ("config.json not JSON", config_not_json, False, "invalid_model"),
+    ("config.json a JSON list", config_a_list, False, "invalid_model"),
+    ("truncated safetensors", truncated_safetensors, False, "invalid_model"),
+    ("malicious pickle as pytorch_model.bin", malicious_pickle, False, "invalid_model"),
+    ("auto_map without trust", auto_map_local, False, "remote_code_required"),
+    ("auto_map naming another repository, trusted", auto_map_other_repo, True, "invalid_model"),
+    ("tokenizer auto_map naming another repository, trusted", tokenizer_auto_map_other_repo, True, "invalid_model"),
+]
+IDS = [getattr(row, "id", None) or row[0] for row in BROKEN]
+BUILDERS = [no_weights, config_not_json, config_a_list, truncated_safetensors, malicious_pickle, auto_map_local,
+            auto_map_other_repo, tokenizer_auto_map_other_repo, shipped_code]
+SERVER = [sys.executable, "-m", "sidecar", "--log-level", "WARNING", "--max-models", "16"]
+
+
+@pytest.fixture(scope="module")
+def dirs(default_dir, tmp_path_factory):
+    """The model root with one directory per builder, a copy of the default model outside it, and markers."""
+    root = tmp_path_factory.mktemp("root")
+    markers = tmp_path_factory.mktemp("markers")
+    for build in BUILDERS:
+        build(default_dir, root / build.__name__, markers)
+    copy_model(default_dir, root / "good")
+    (root / "escape").symlink_to(default_dir, target_is_directory=True)
+    outside = copy_model(default_dir, tmp_path_factory.mktemp("outside") / "model")
+    return {"root": root, "markers": markers, "outside": outside, "default": default_dir,
+            "modules": tmp_path_factory.mktemp("hf-modules")}
+
+
+@pytest.fixture(scope="module")
+def servers(dirs):
+    """`plain`: the outside copy as --model, no remote code. `trusted`: --trust-remote-code, no startup model."""
+    # remote code is copied into HF_MODULES_CACHE; one thread, because a thread team is slow on a busy machine
+    env = {**os.environ, "HF_MODULES_CACHE": str(dirs["modules"]), "OMP_NUM_THREADS": "1"}
+    roots = ["--model-root", str(dirs["root"])]
+    with Peer(SERVER + roots + ["--model", str(dirs["outside"])], env=env, stderr=subprocess.DEVNULL) as plain, \
+            Peer(SERVER + roots + ["--trust-remote-code"], env=env, stderr=subprocess.DEVNULL) as trusted:
+        yield {"plain": plain, "trusted": trusted}
+
+
+NAMES = (f"m{i}" for i in itertools.count())
+
+
+def load_model(peer, path, **params):
+    return peer.call("load_model", name=next(NAMES), path=path if path is None else str(path), **params)
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Records (and refuses) every attempt of this process to resolve a host name or open a network connection."""
+    attempts = []
+
+    def refuse(self, address, *args):
+        if self.family in (socket.AF_INET, socket.AF_INET6):
+            attempts.append(address)
+            raise OSError(f"the test refuses network access (to {address})")
+        return connect(self, address, *args)
+
+    def refuse_lookup(host, *args, **kwargs):
+        attempts.append(host)
+        raise socket.gaierror(f"the test refuses network access (looking up {host})")
+
+    connect = socket.socket.connect
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse_lookup)
+    return attempts
+
+
+@pytest.mark.parametrize("kind, build, trust, code", BROKEN, ids=IDS)
+def test_engine_load(dirs, no_network, kind, build, trust, code):
+    started = time.monotonic()
+    with pytest.raises(SidecarError) as caught:
+        Engine.load(dirs["root"] / build.__name__, trust_remote_code=trust)
+    assert (caught.value.code, no_network) == (code, []), caught.value
+    assert not trust or time.monotonic() - started < FAST_S
+    assert not list(dirs["markers"].iterdir())
+
+
+@pytest.mark.parametrize("kind, build, trust, code", BROKEN, ids=IDS)
+def test_load_model(dirs, servers, kind, build, trust, code):
+    started = time.monotonic()
+    reply = load_model(servers["trusted" if trust else "plain"], dirs["root"] / build.__name__, trust_remote_code=trust)
+    assert reply["ok"] is False and reply["error"]["code"] == code, reply
+    assert not trust or time.monotonic() - started < FAST_S
+    assert not list(dirs["markers"].iterdir())
+
+
+def test_shipped_code_runs_only_with_consent_from_both_sides(dirs, servers):
+    path, marker = dirs["root"] / "shipped_code", dirs["markers"] / "shipped_code"
+    with pytest.raises(SidecarError) as caught:
+        Engine.load(path)
+    assert caught.value.code == "remote_code_required"
+    refused = load_model(servers["plain"], path, trust_remote_code=True)
+    assert refused["error"]["code"] == "forbidden" and refused["error"]["param"] == "trust_remote_code", refused
+    assert load_model(servers["plain"], path)["error"]["code"] == "remote_code_required"
+    assert load_model(servers["trusted"], path)["error"]["code"] == "remote_code_required"
+    assert not marker.exists()
+    # the marker works: with consent from the operator and the client, the code is imported and loads
+    loaded = load_model(servers["trusted"], path, trust_remote_code=True)
+    assert loaded["ok"] and loaded["result"]["architecture"] == "XModel", loaded
+    assert marker.exists()
+    assert servers["trusted"].call("unload_model", model=loaded["result"]["name"])["ok"]
+
+
+def test_a_directory_inside_the_root_loads(dirs, servers):
+    plain = servers["plain"]
+    loaded = load_model(plain, dirs["root"] / "good")
+    assert loaded["ok"] and loaded["result"]["architecture"] == LLAMA, loaded
+    name = loaded["result"]["name"]
+    session = plain.call("open_session", model=name)["result"]["session"]
+    assert plain.call("generate", session=session, prompt="hi", max_new_tokens=2, eos_token_ids=[])["ok"]
+    assert plain.call("unload_model", model=name)["ok"]
+
+
+@pytest.mark.parametrize("where", ["outside", "parent of the --model directory", "traversal", "symlink"])
+def test_paths_outside_the_roots_are_forbidden(dirs, servers, where):
+    root = dirs["root"]
+    path = {
+        "outside": dirs["default"],
+        "parent of the --model directory": dirs["outside"].parent,
+        "traversal": f"{root}/{os.path.relpath(dirs['default'], root)}",
+        "symlink": root / "escape",
+    }[where]
+    for server in ("plain", "trusted"):
+        reply = load_model(servers[server], path)
+        assert reply["ok"] is False, reply
+        assert (reply["error"]["code"], reply["error"]["param"]) == ("forbidden", "path"), reply
+
+
+def test_the_startup_model_and_the_embedded_one_are_always_allowed(dirs, servers):
+    again = load_model(servers["plain"], dirs["outside"])
+    assert again["ok"] and again["result"]["path"] == str(dirs["outside"]), again
+    for server in ("plain", "trusted"):
+        embedded = load_model(servers[server], None)
+        assert embedded["ok"] and embedded["result"]["architecture"] == LLAMA, embedded
+        assert servers[server].call("unload_model", model=embedded["result"]["name"])["ok"]
+    assert servers["plain"].call("unload_model", model=again["result"]["name"])["ok"]
+    # the trusted server was started without --model: the outside copy is not its to load
+    assert load_model(servers["trusted"], dirs["outside"])["error"]["code"] == "forbidden"
+
+
+def test_a_path_with_a_nul_byte_is_a_typed_error(dirs, servers):
+    for path in (f"{dirs['root']}/good\0", f"{dirs['default']}\0"):
+        with pytest.raises(SidecarError) as caught:
+            Engine.load(path)
+        assert caught.value.code == "model_not_found"
+        reply = load_model(servers["plain"], path)
+        assert (reply["error"]["code"], reply["error"]["option"]) == ("invalid_argument", "path"), reply
+    for peer in servers.values():
+        assert peer.call("stats")["result"]["in_flight"] == 0
+
+
+def without_offline_settings():
+    return {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+
+
+def test_the_cli_process_is_offline():
+    code = "import sidecar.__main__, huggingface_hub.constants as c; print(c.HF_HUB_OFFLINE)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=without_offline_settings())
+    assert done.stdout.strip() == "True", done.stderr
+
+
+def test_importing_the_library_imports_no_transformers():
+    code = "import sys, sidecar; print(sorted(m for m in ('transformers', 'huggingface_hub') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=without_offline_settings())
+    assert done.stdout.strip() == "[]", done.stderr
