@@ -45,6 +45,11 @@ def run_script(peer: Peer, script: dict, timeout: float) -> str | None:
                 )
                 if problem:
                     return problem
+            if step.get("in_order"):
+                expected = [e["id"] for e in step["expect"]]
+                arrived = [rid for rid in peer.replied if rid in expected]
+                if arrived[-len(expected):] != expected:
+                    return f"{where}: replies arrived in the order {arrived[-len(expected):]}, expected {expected}"
             if "exit_status" in step:
                 status = peer.process.wait()
                 if status not in step["exit_status"]:

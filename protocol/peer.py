@@ -20,6 +20,7 @@ class Peer:
         )
         self._messages: dict[object, deque] = defaultdict(deque)
         self._next_id = 1
+        self.replied: list = []  # ids of final replies, in the order they arrived
 
     def next_id(self) -> int:
         self._next_id += 1
@@ -50,7 +51,10 @@ class Peer:
         """The next message (event or reply) for `request_id`, reading and keeping others meanwhile."""
         while not self._messages[request_id]:
             message = self.read_message()
-            self._messages[message.get("id") if isinstance(message, dict) else None].append(message)
+            rid = message.get("id") if isinstance(message, dict) else None
+            if not (isinstance(message, dict) and "event" in message):
+                self.replied.append(rid)
+            self._messages[rid].append(message)
         return self._messages[request_id].popleft()
 
     def reply_for(self, request_id) -> tuple[list, dict]:

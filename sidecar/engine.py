@@ -106,7 +106,7 @@ class Engine:
             raise ContextOverflow(
                 f"{len(input_ids)} input tokens + max_new_tokens {max_new_tokens} exceed the model's context "
                 f"of {self.max_context} tokens (max_position_embeddings)",
-                limit=self.max_context,
+                limit="max_context", max=self.max_context, value=len(input_ids) + max_new_tokens,
             )
         if strategy not in STRATEGIES:
             raise UnknownStrategy(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
