@@ -148,16 +148,16 @@ def parse_request(message, limits: Limits = DEFAULT_LIMITS) -> Request:
     for key, value in params.items():
         if "map" in schema[key].kind:
             check_depth(value, limits.max_depth, rid, start=2)  # the request map itself is level 1
-    check_params(op, params, limits, rid)
-    for key, value in params.items():
-        kind = schema[key].kind.removesuffix("|null")
-        if kind in CONTAINERS and value is not None and not CHECKS[kind](value):
-            raise _mistyped(op, key, schema[key], value, rid)
     for key, param in schema.items():
         if key not in params:
             if param.required:
                 raise ProtocolError(INVALID_PARAMS, f"{op}: missing required parameter {key!r}", rid, param=key)
             params[key] = list(param.default) if isinstance(param.default, list) else param.default
+    check_params(op, params, limits, rid)  # defaults included: a limit bounds what the request will do
+    for key, value in params.items():
+        kind = schema[key].kind.removesuffix("|null")
+        if kind in CONTAINERS and value is not None and not CHECKS[kind](value):
+            raise _mistyped(op, key, schema[key], value, rid)
     return Request(rid, op, params)
 
 

@@ -114,6 +114,9 @@ class Server:
         message = None
         try:
             message = unpack(payload)
+            rid = request_id_of(message)
+            if rid in self.in_flight:  # before anything else: any other error would settle the request in flight
+                raise ProtocolError(codes.DUPLICATE_ID, f"request id {rid} is already in flight", rid)
             self.dispatch(parse_request(message, self.limits))
         except ProtocolError as problem:
             self.writer.send(problem_reply(problem.request_id, problem))
@@ -127,8 +130,6 @@ class Server:
     # ---- dispatch --------------------------------------------------------------------------------
 
     def dispatch(self, request: Request) -> None:
-        if request.id in self.in_flight:
-            raise ProtocolError(codes.DUPLICATE_ID, f"request id {request.id} is already in flight", request.id)
         if request.op in SESSION_OPS:
             if len(self.in_flight) >= self.limits.max_in_flight:
                 raise ProtocolError(codes.TOO_MANY_REQUESTS, f"{self.limits.max_in_flight} requests in flight (max_in_flight)",

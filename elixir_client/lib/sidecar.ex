@@ -16,6 +16,10 @@ defmodule Sidecar do
   A session is the `%Sidecar.Session{}` that `open_session/2` returns, or just its name (a string).
   With the struct, calls on a session of a sidecar that has since died return `:session_lost`.
 
+  Calls wait for their reply at most `timeout:` (an option or an argument) milliseconds, by default
+  the connection's `:call_timeout`; a generation past it is cancelled. A call that gave up never
+  finds its late reply in the caller's mailbox.
+
   Every failure is a value, `{:error, %Sidecar.Error{}}`. If the Python process dies, in-flight
   callers get `reason: :sidecar_exited` and the connection stops for its supervisor to restart it.
   Sessions of the dead sidecar then answer `reason: :session_lost`. If the connection process dies,
@@ -40,9 +44,12 @@ defmodule Sidecar do
   @type session :: Session.t() | String.t()
 
   defmodule Request do
-    @moduledoc "A generation started with `Sidecar.start_generate/3`."
-    @enforce_keys [:conn, :ref, :id, :monitor]
-    defstruct [:conn, :ref, :id, :monitor]
+    @moduledoc """
+    A generation started with `Sidecar.start_generate/4`. `ref` tags its messages; `timeout` is the
+    connection's `:call_timeout`, the default of `Sidecar.await/2`.
+    """
+    @enforce_keys [:conn, :ref, :id, :timeout]
+    defstruct [:conn, :ref, :id, :timeout]
     @type t :: %__MODULE__{}
   end
 
@@ -67,18 +74,29 @@ defmodule Sidecar do
     with {:ok, _} <- call(conn, "ping", %{}, nil, timeout), do: :ok
   end
 
-  @doc "The sidecar's `hello` answer (versions, capabilities, limits, models) and its OS pid."
-  @spec info(conn()) :: map()
-  def info(conn), do: GenServer.call(conn, :info)
+  @doc """
+  The sidecar's `hello` answer (versions, capabilities, limits, models), its OS pid and its
+  incarnation. `reason: :not_running` while there is no connection under that name or it is still
+  starting, as while its supervisor restarts it.
+  """
+  @spec info(conn()) :: {:ok, map()} | {:error, Error.t()}
+  def info(conn) do
+    {:ok, GenServer.call(conn, :info)}
+  catch
+    :exit, _ -> lost(nil)
+  end
 
-  @doc "Opens a session on `model` (default `\"default\"`); `name:` lets you choose its name."
+  @doc """
+  Opens a session on `model` (default `\"default\"`); `name:` lets you choose its name, `timeout:`
+  overrides the connection's `:call_timeout`.
+  """
   @spec open_session(conn(), keyword()) :: {:ok, Session.t()} | {:error, Error.t()}
   def open_session(conn, opts \\ []) do
     params = %{"model" => Keyword.get(opts, :model, "default"), "session" => Keyword.get(opts, :name)}
 
-    with {:ok, incarnation} <- incarnation(conn),
+    with {:ok, %{"incarnation" => incarnation}} <- info(conn),
          {:ok, %{"session" => name, "model" => model}} <-
-           call(conn, "open_session", params, nil, Keyword.get(opts, :timeout, 60_000)) do
+           call(conn, "open_session", params, nil, opts[:timeout]) do
       {:ok,
        %Session{
          name: name,
@@ -89,27 +107,31 @@ defmodule Sidecar do
     end
   end
 
-  @doc "Closes a session and frees its cache."
-  @spec close_session(conn(), session(), timeout()) :: :ok | {:error, Error.t()}
-  def close_session(conn, session, timeout \\ 60_000) do
+  @doc "Closes a session and frees its cache. `timeout` defaults to the connection's `:call_timeout`."
+  @spec close_session(conn(), session(), timeout() | nil) :: :ok | {:error, Error.t()}
+  def close_session(conn, session, timeout \\ nil) do
     with {:ok, _} <- session_call(conn, session, "close_session", %{}, timeout), do: :ok
   end
 
-  @doc "What the session holds: history and cached token counts, cache bytes."
-  @spec session_info(conn(), session(), timeout()) :: {:ok, map()} | {:error, Error.t()}
-  def session_info(conn, session, timeout \\ 60_000),
+  @doc """
+  What the session holds: history and cached token counts, cache bytes. `timeout` defaults to the
+  connection's `:call_timeout`.
+  """
+  @spec session_info(conn(), session(), timeout() | nil) :: {:ok, map()} | {:error, Error.t()}
+  def session_info(conn, session, timeout \\ nil),
     do: session_call(conn, session, "session_info", %{}, timeout)
 
   @doc """
   Generates from `input` (a string or a list of token ids) and waits for the result. Options are
-  Bumblebee's generation options, listed in `Sidecar.Generation`. Past `:timeout` the generation
-  is cancelled and `{:error, %Sidecar.Error{reason: :timeout}}` returned.
+  Bumblebee's generation options, listed in `Sidecar.Generation`. Past `:timeout` (default: the
+  connection's `:call_timeout`) the generation is cancelled and
+  `{:error, %Sidecar.Error{reason: :timeout}}` returned.
   """
   @spec generate(conn(), session(), String.t() | [non_neg_integer()], keyword()) ::
           {:ok, result()} | {:error, Error.t()}
   def generate(conn, session, input, opts \\ []) do
     with {:ok, request} <- start_request(conn, session, input, opts, false) do
-      await(request, Keyword.get(opts, :timeout, 60_000))
+      await(request, opts[:timeout])
     end
   end
 
@@ -121,10 +143,13 @@ defmodule Sidecar do
           {:ok, Request.t()} | {:error, Error.t()}
   def start_generate(conn, session, input, opts \\ []), do: start_request(conn, session, input, opts, true)
 
-  @doc "Waits for a started generation; past `timeout` it is cancelled."
-  @spec await(Request.t(), timeout()) :: {:ok, result()} | {:error, Error.t()}
-  def await(%Request{} = request, timeout \\ 60_000) do
-    case receive_reply(request, deadline(timeout)) do
+  @doc """
+  Waits for a started generation; past `timeout` (default: the connection's `:call_timeout`) it is
+  cancelled and its messages are no longer delivered.
+  """
+  @spec await(Request.t(), timeout() | nil) :: {:ok, result()} | {:error, Error.t()}
+  def await(%Request{} = request, timeout \\ nil) do
+    case receive_reply(request, deadline(timeout || request.timeout)) do
       :timeout ->
         cancel(request)
         {:error, Error.new(:timeout, "the generation did not finish in time and was cancelled")}
@@ -143,12 +168,11 @@ defmodule Sidecar do
   @doc """
   A lazy `Stream` of chunks `%{text: String.t(), token_ids: [integer]}` for a LiveView or any
   consumer. The generation starts when the stream is run; halting it early (`Enum.take/2`, a
-  `:halt` in `Stream.transform/3` ...) cancels the generation. An error raises `Sidecar.Error`.
+  `:halt` in `Stream.transform/3` ...) cancels the generation. `:timeout` (default: the
+  connection's `:call_timeout`) bounds the wait for each chunk. An error raises `Sidecar.Error`.
   """
   @spec stream(conn(), session(), String.t() | [non_neg_integer()], keyword()) :: Enumerable.t()
   def stream(conn, session, input, opts \\ []) do
-    timeout = Keyword.get(opts, :timeout, 60_000)
-
     Stream.resource(
       fn ->
         case start_generate(conn, session, input, opts) do
@@ -160,7 +184,9 @@ defmodule Sidecar do
         {request, true} ->
           {:halt, {request, true}}
 
-        {%Request{ref: ref, monitor: monitor} = request, false} ->
+        {%Request{ref: ref} = request, false} ->
+          timeout = opts[:timeout] || request.timeout
+
           receive do
             {Sidecar, ^ref, {:event, %{"token_ids" => ids, "text" => text}}} ->
               {[%{text: text, token_ids: ids}], {request, false}}
@@ -171,7 +197,7 @@ defmodule Sidecar do
             {Sidecar, ^ref, {:reply, {:error, error}}} ->
               raise error
 
-            {:DOWN, ^monitor, :process, _, _} ->
+            {:DOWN, ^ref, :process, _, _} ->
               raise Error.new(:sidecar_exited, "the sidecar connection went down")
           after
             timeout ->
@@ -181,18 +207,16 @@ defmodule Sidecar do
       end,
       fn
         {request, true} ->
-          Process.demonitor(request.monitor, [:flush])
+          Process.demonitor(request.ref, [:flush])
 
         {request, false} ->
           cancel(request)
-          GenServer.cast(request.conn, {:forget, request.id})
-          Process.demonitor(request.monitor, [:flush])
-          flush(request.ref)
+          forget(request)
       end
     )
   end
 
-  @doc "Token ids of `text` under the model's tokenizer."
+  @doc "Token ids of `text` under the model's tokenizer. Options: `:model`, `:add_special_tokens`, `:timeout`."
   @spec tokenize(conn(), String.t(), keyword()) :: {:ok, [non_neg_integer()]} | {:error, Error.t()}
   def tokenize(conn, text, opts \\ []) do
     params = %{
@@ -202,11 +226,11 @@ defmodule Sidecar do
     }
 
     with {:ok, %{"token_ids" => ids}} <-
-           call(conn, "tokenize", params, nil, Keyword.get(opts, :timeout, 60_000)),
+           call(conn, "tokenize", params, nil, opts[:timeout]),
          do: {:ok, ids}
   end
 
-  @doc "The text of `token_ids`."
+  @doc "The text of `token_ids`. Options: `:model`, `:skip_special_tokens`, `:timeout`."
   @spec detokenize(conn(), [non_neg_integer()], keyword()) :: {:ok, String.t()} | {:error, Error.t()}
   def detokenize(conn, token_ids, opts \\ []) do
     params = %{
@@ -216,7 +240,7 @@ defmodule Sidecar do
     }
 
     with {:ok, %{"text" => text}} <-
-           call(conn, "detokenize", params, nil, Keyword.get(opts, :timeout, 60_000)),
+           call(conn, "detokenize", params, nil, opts[:timeout]),
          do: {:ok, text}
   end
 
@@ -252,22 +276,22 @@ defmodule Sidecar do
 
   defp identify(name) when is_binary(name), do: {name, nil, nil}
 
+  # A nil timeout is the connection's :call_timeout, which it hands out with each request it takes.
   defp call(conn, op, params, incarnation, timeout) do
     with {:ok, request} <- request(conn, op, params, incarnation) do
-      case receive_reply(request, deadline(timeout)) do
-        :timeout ->
-          GenServer.cast(request.conn, {:forget, request.id})
-          {:error, Error.new(:timeout, "no reply within #{timeout} ms")}
+      timeout = timeout || request.timeout
 
-        reply ->
-          reply
+      case receive_reply(request, deadline(timeout)) do
+        :timeout -> {:error, Error.new(:timeout, "no reply within #{timeout} ms")}
+        reply -> reply
       end
     end
   end
 
   # The final reply of a request (its events are skipped), an error if the connection went down,
-  # or :timeout, leaving what to do about the request to the caller.
-  defp receive_reply(%Request{ref: ref, monitor: monitor} = request, deadline) do
+  # or :timeout, after which nothing more of the request reaches the mailbox; what to do about the
+  # request itself is left to the caller.
+  defp receive_reply(%Request{ref: ref} = request, deadline) do
     wait =
       if deadline == :infinity, do: :infinity, else: max(0, deadline - System.monotonic_time(:millisecond))
 
@@ -276,16 +300,20 @@ defmodule Sidecar do
         receive_reply(request, deadline)
 
       {Sidecar, ^ref, {:reply, reply}} ->
-        Process.demonitor(monitor, [:flush])
+        Process.demonitor(ref, [:flush])
         reply
 
-      {:DOWN, ^monitor, :process, _, _} ->
+      {:DOWN, ^ref, :process, _, _} ->
         {:error, Error.new(:sidecar_exited, "the sidecar connection went down")}
     after
-      wait ->
-        Process.demonitor(monitor, [:flush])
-        :timeout
+      wait -> forget(request) && :timeout
     end
+  end
+
+  # Removing the monitor deactivates the alias the connection sends to; what it sent before is flushed.
+  defp forget(%Request{ref: ref}) do
+    Process.demonitor(ref, [:flush])
+    flush(ref)
   end
 
   defp deadline(:infinity), do: :infinity
@@ -297,15 +325,17 @@ defmodule Sidecar do
         lost(incarnation)
 
       pid ->
-        monitor = Process.monitor(pid)
+        # The monitor's ref is also an alias of this process, the one the connection sends the
+        # request's messages to: they stop arriving once the monitor is removed (`forget/1`).
+        ref = :erlang.monitor(:process, pid, alias: :demonitor)
 
         try do
-          case GenServer.call(pid, {:request, op, params, incarnation}, 30_000) do
-            {:ok, ref, id} -> {:ok, %Request{conn: pid, ref: ref, id: id, monitor: monitor}}
-            {:error, error} -> Process.demonitor(monitor, [:flush]) && {:error, error}
+          case GenServer.call(pid, {:request, op, params, incarnation, ref}, 30_000) do
+            {:ok, id, call_timeout} -> {:ok, %Request{conn: pid, ref: ref, id: id, timeout: call_timeout}}
+            {:error, error} -> Process.demonitor(ref, [:flush]) && {:error, error}
           end
         catch
-          :exit, _ -> Process.demonitor(monitor, [:flush]) && lost(incarnation)
+          :exit, _ -> Process.demonitor(ref, [:flush]) && lost(incarnation)
         end
     end
   end
@@ -317,12 +347,6 @@ defmodule Sidecar do
 
   defp whereis(pid) when is_pid(pid), do: if(Process.alive?(pid), do: pid)
   defp whereis(name), do: GenServer.whereis(name)
-
-  defp incarnation(conn) do
-    {:ok, info(conn)["incarnation"]}
-  catch
-    :exit, _ -> {:error, Error.new(:not_running, "the sidecar connection is not running")}
-  end
 
   defp generation_result(
          {:ok, %{"text" => text, "token_ids" => ids, "finish_reason" => finish, "stats" => stats}}

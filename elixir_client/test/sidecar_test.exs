@@ -23,12 +23,12 @@ defmodule SidecarTest do
 
   test "ping and info", %{conn: conn} do
     assert :ok = Sidecar.ping(conn)
-    info = Sidecar.info(conn)
+    assert {:ok, info} = Sidecar.info(conn)
     assert info["protocol_version"] == 1 and is_integer(info["os_pid"]) and info["models"] == ["default"]
   end
 
   test "every processor struct matches the sidecar's declaration", %{conn: conn} do
-    declared = Sidecar.info(conn)["processor_options"]
+    {:ok, %{"processor_options" => declared}} = Sidecar.info(conn)
     assert Map.keys(declared) |> Enum.sort() == Sidecar.Processors.all() |> Map.keys() |> Enum.sort()
 
     for {name, module} <- Sidecar.Processors.all() do
@@ -137,6 +137,75 @@ defmodule SidecarTest do
     assert eventually(fn -> match?({:ok, %{"active_generations" => 0}}, Sidecar.stats(conn)) end)
   end
 
+  test "a call that gave up finds no late reply in its mailbox", %{conn: conn} do
+    {:ok, session} = Sidecar.open_session(conn)
+    long = [max_new_tokens: 1_900, eos_token_id: []]
+
+    # generate: the reply to the cancel that follows its timeout comes later.
+    assert {:error, %Error{reason: :timeout}} = Sidecar.generate(conn, session, [5, 6], [timeout: 50] ++ long)
+
+    assert eventually(fn -> match?({:ok, %{"active_generations" => 0}}, Sidecar.stats(conn)) end)
+    assert :ok = Sidecar.ping(conn)
+    assert sidecar_messages() == []
+
+    # A plain call: session_info waits behind the session's generation. That is cancelled and the
+    # connection suspended, so session_info's reply reaches the connection in time but is relayed
+    # only after the call timed out.
+    test_pid = self()
+
+    spawn_link(fn ->
+      {:ok, %{ref: ref} = generation} = Sidecar.start_generate(conn, session, [5, 6], long)
+      assert_receive {Sidecar, ^ref, {:event, _}}, 10_000
+      send(test_pid, {:generating, generation})
+      Sidecar.await(generation)
+    end)
+
+    assert_receive {:generating, generation}, 10_000
+
+    spawn_link(fn ->
+      Process.sleep(100)
+      Sidecar.cancel(generation)
+      :sys.suspend(conn)
+      Process.sleep(900)
+      :sys.resume(conn)
+    end)
+
+    assert {:error, %Error{reason: :timeout}} = Sidecar.session_info(conn, session, 600)
+    assert :ok = Sidecar.ping(conn)
+    assert sidecar_messages() == []
+  end
+
+  defp sidecar_messages do
+    {:messages, messages} = Process.info(self(), :messages)
+    for {Sidecar, _, _} = message <- messages, do: message
+  end
+
+  test "the connection's :call_timeout is every call's default; an explicit timeout wins" do
+    {:ok, conn} = Sidecar.start_link(sidecar_opts(call_timeout: 200))
+    {:ok, session} = Sidecar.open_session(conn, timeout: 60_000)
+    long = [max_new_tokens: 1_900, eos_token_id: []]
+    idle? = fn -> match?({:ok, %{"active_generations" => 0}}, Sidecar.stats(conn)) end
+
+    {elapsed, result} = :timer.tc(fn -> Sidecar.generate(conn, session, [5, 6], long) end)
+    assert {:error, %Error{reason: :timeout}} = result
+    assert elapsed < 10_000_000, "the generation ran past call_timeout"
+    assert eventually(idle?)
+
+    {:ok, generation} = Sidecar.start_generate(conn, session, [5, 6], long)
+    assert {:error, %Error{reason: :timeout}} = Sidecar.await(generation)
+    assert eventually(idle?)
+
+    # session_info waits behind the session's generation until that is cancelled.
+    {:ok, generation} = Sidecar.start_generate(conn, session, [5, 6], long)
+    assert {:error, %Error{reason: :timeout}} = Sidecar.session_info(conn, session)
+    waiting = Task.async(fn -> Sidecar.session_info(conn, session, 60_000) end)
+    refute Task.yield(waiting, 500)
+    :ok = Sidecar.cancel(generation)
+    assert {:error, %Error{reason: :cancelled}} = Sidecar.await(generation, 60_000)
+    assert {:ok, %{"session" => _}} = Task.await(waiting, 60_000)
+    GenServer.stop(conn)
+  end
+
   test "a dead caller's generation is cancelled", %{conn: conn} do
     {:ok, session} = Sidecar.open_session(conn)
     caller = spawn(fn -> Sidecar.generate(conn, session, [5, 6], max_new_tokens: 1_900, eos_token_id: []) end)
@@ -166,9 +235,14 @@ defmodule SidecarTest do
     {:ok, session} = Sidecar.open_session(conn)
 
     assert {:error, %Error{reason: :context_overflow, message: message}} =
-             Sidecar.generate(conn, session, [5], max_new_tokens: 100_000)
+             Sidecar.generate(conn, session, [5], max_new_tokens: 3_000)
 
     assert message =~ "2048"
+
+    assert {:error,
+            %Error{reason: :limit_exceeded, details: %{"limit" => "max_new_tokens", "value" => 100_000}}} =
+             Sidecar.generate(conn, session, [5], max_new_tokens: 100_000)
+
     assert {:error, %Error{reason: :empty_input}} = Sidecar.generate(conn, session, [])
 
     assert {:error, %Error{reason: :invalid_processor, message: m}} =

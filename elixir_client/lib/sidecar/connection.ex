@@ -1,18 +1,24 @@
 defmodule Sidecar.Connection do
   @moduledoc false
-  # The one process that owns the Port to the Python sidecar (and, optionally, the port that reads
-  # its stderr). Requests are asynchronous here: the caller gets `{Sidecar, ref, {:event, map}}`
-  # messages and one `{Sidecar, ref, {:reply, result}}`. `Sidecar` turns that into blocking calls,
-  # lazy streams and timeouts.
+  # The one process that owns the Port to the Python sidecar (and, optionally, the relay of its
+  # stderr). Requests are asynchronous here: the caller hands in `ref`, an alias of itself, and gets
+  # `{Sidecar, ref, {:event, map}}` messages and one `{Sidecar, ref, {:reply, result}}` sent to that
+  # alias. `Sidecar` turns that into blocking calls, lazy streams and timeouts; a caller that gives up
+  # deactivates its alias, so whatever is sent after that never reaches its mailbox.
 
   use GenServer
   require Logger
 
   alias Sidecar.{Error, Protocol}
 
-  defstruct [:port, :os_pid, :codec, :incarnation, :hello, :log_port, :fifo, next_id: 1, pending: %{}]
+  defstruct [:port, :os_pid, :codec, :call_timeout, :incarnation, :hello, :relay, next_id: 1, pending: %{}]
 
   @hello_id 0
+
+  # How long we relay the last lines of a sidecar that is going away: it exits on the EOF of its
+  # input, then `cat` relays what is left and exits on the EOF of the FIFO. A `cat` still running
+  # past this ends with the sidecar, quietly.
+  @relay_drain_ms 3_000
 
   def start_link(opts) do
     {name, opts} = Keyword.pop(opts, :name)
@@ -24,28 +30,33 @@ defmodule Sidecar.Connection do
   @impl true
   def init(opts) do
     Process.flag(:trap_exit, true)
-    {log_port, fifo} = if opts[:log_stderr], do: open_stderr_reader(), else: {nil, nil}
-    port = open_sidecar(opts, fifo)
+    relay = if opts[:log_stderr], do: open_relay()
+    port = open_sidecar(opts, relay && relay.fifo)
 
     state = %__MODULE__{
       port: port,
       os_pid: port_os_pid(port),
       codec: opts[:codec],
-      log_port: log_port,
-      fifo: fifo
+      call_timeout: opts[:call_timeout],
+      relay: relay
     }
 
     send_message(state, Protocol.request(@hello_id, "hello", %{}))
 
     case await_hello(state, deadline(opts[:startup_timeout])) do
       {:ok, hello} ->
-        if fifo, do: File.rm(fifo)
+        # The sidecar has opened the FIFO by now; only the open file is needed any more.
+        if relay, do: File.rm(relay.fifo)
         {:ok, %{state | hello: hello, incarnation: make_ref()}}
 
       {:error, error} ->
-        if Port.info(port), do: Port.close(port)
-        drain_stderr(log_port)
-        if fifo, do: File.rm(fifo)
+        # A sidecar still loading would only notice its closed input once loaded: stop it now.
+        if Port.info(port) do
+          kill(state.os_pid)
+          Port.close(port)
+        end
+
+        close_relay(relay)
         {:stop, error}
     end
   end
@@ -72,18 +83,51 @@ defmodule Sidecar.Connection do
   end
 
   # The child's stderr is the BEAM's own with :nouse_stdio, so the sidecar writes it into a FIFO
-  # that `cat` relays to us line by line.
-  defp open_stderr_reader do
+  # that `cat` relays to us line by line. We hold the FIFO open for reading and writing (unlike a
+  # read-only or write-only open, that does not wait for the other side), so `cat` opens it at once
+  # and meets its EOF only after we close our end: a sidecar that fails before it opens the FIFO (a bad flag, a
+  # wrong executable) cannot leave `cat` blocked in open() for ever, and a sidecar that exits leaves
+  # `cat` to relay its last lines and exit by itself. If this process dies, the runtime closes our
+  # end all the same. `cat`'s own stderr goes into its port too, so a `cat` that outlives the port
+  # ends quietly instead of printing "write error: Broken pipe" on the BEAM's stderr.
+  defp open_relay do
     fifo =
       Path.join(System.tmp_dir!(), "sidecar-stderr-#{System.unique_integer([:positive])}-#{:os.getpid()}")
 
-    with {_, 0} <- System.cmd("mkfifo", ["-m", "600", fifo], stderr_to_stdout: true),
-         cat when is_binary(cat) <- System.find_executable("cat") do
-      {Port.open({:spawn_executable, cat}, [:binary, {:line, 16_384}, :exit_status, args: [fifo]]), fifo}
+    with cat when is_binary(cat) <- System.find_executable("cat"),
+         {_, 0} <- System.cmd("mkfifo", ["-m", "600", fifo], stderr_to_stdout: true),
+         {:ok, writer} <- File.open(fifo, [:read, :write, :raw]) do
+      port_opts = [:binary, {:line, 16_384}, :exit_status, :stderr_to_stdout, args: [fifo]]
+      %{port: Port.open({:spawn_executable, cat}, port_opts), fifo: fifo, writer: writer}
     else
       _ ->
-        Logger.warning("Sidecar: cannot create a FIFO for the sidecar's stderr; it goes to the BEAM's stderr")
-        {nil, nil}
+        File.rm(fifo)
+
+        Logger.warning(
+          "Sidecar: cannot relay the sidecar's stderr through a FIFO; it goes to the BEAM's stderr"
+        )
+
+        nil
+    end
+  end
+
+  # Once the sidecar has exited (or its Port is closed), our end is the last thing keeping the FIFO
+  # from `cat`'s EOF.
+  defp close_relay(nil), do: :ok
+
+  defp close_relay(%{port: cat, fifo: fifo, writer: writer}) do
+    File.close(writer)
+    drain_relay(cat, deadline(@relay_drain_ms))
+    File.rm(fifo)
+    :ok
+  end
+
+  defp drain_relay(cat, deadline) do
+    receive do
+      {^cat, {:data, line}} -> log_line(line) && drain_relay(cat, deadline)
+      {^cat, {:exit_status, _}} -> :ok
+    after
+      remaining(deadline) -> if Port.info(cat), do: Port.close(cat)
     end
   end
 
@@ -94,7 +138,16 @@ defmodule Sidecar.Connection do
     end
   end
 
-  defp await_hello(%{port: port, log_port: log_port} = state, deadline) do
+  defp kill(nil), do: :ok
+
+  defp kill(os_pid) do
+    System.cmd("kill", ["-KILL", Integer.to_string(os_pid)], stderr_to_stdout: true)
+    :ok
+  end
+
+  defp await_hello(%{port: port, relay: relay} = state, deadline) do
+    cat = relay && relay.port
+
     receive do
       {^port, {:data, payload}} ->
         case decode(state, payload) do
@@ -109,24 +162,12 @@ defmodule Sidecar.Connection do
            status: status
          })}
 
-      {^log_port, {:data, line}} ->
+      {^cat, {:data, line}} ->
         log_line(line)
         await_hello(state, deadline)
     after
       remaining(deadline) ->
         {:error, Error.new(:timeout, "the sidecar did not answer hello in time (startup_timeout)")}
-    end
-  end
-
-  # After the sidecar is gone, `cat` relays its last lines and exits by itself on the FIFO's EOF.
-  defp drain_stderr(nil), do: :ok
-
-  defp drain_stderr(log_port) do
-    receive do
-      {^log_port, {:data, line}} -> log_line(line) && drain_stderr(log_port)
-      {^log_port, {:exit_status, _}} -> :ok
-    after
-      1_000 -> if Port.info(log_port), do: Port.close(log_port)
     end
   end
 
@@ -138,18 +179,19 @@ defmodule Sidecar.Connection do
   # ---- requests ---------------------------------------------------------------------------------
 
   @impl true
-  def handle_call({:request, op, params, incarnation}, {caller, _}, state) do
+  def handle_call({:request, op, params, incarnation, ref}, {caller, _}, state) do
     if incarnation != nil and incarnation != state.incarnation do
       {:reply, {:error, Error.new(:session_lost, "the session belonged to a sidecar that has since exited")},
        state}
     else
       id = state.next_id
-      ref = make_ref()
 
       case send_message(state, Protocol.request(id, op, params)) do
         :ok ->
-          entry = %{caller: caller, ref: ref, monitor: Process.monitor(caller), op: op}
-          {:reply, {:ok, ref, id}, %{state | next_id: id + 1, pending: Map.put(state.pending, id, entry)}}
+          entry = %{ref: ref, monitor: Process.monitor(caller), op: op}
+
+          {:reply, {:ok, id, state.call_timeout},
+           %{state | next_id: id + 1, pending: Map.put(state.pending, id, entry)}}
 
         {:error, error} ->
           {:reply, {:error, error}, %{state | next_id: id + 1}}
@@ -164,16 +206,6 @@ defmodule Sidecar.Connection do
   @impl true
   def handle_cast({:cancel, target}, state), do: {:noreply, cancel_on_server(state, target)}
 
-  def handle_cast({:forget, id}, state) do
-    case Map.pop(state.pending, id) do
-      {nil, _} ->
-        {:noreply, state}
-
-      {entry, pending} ->
-        Process.demonitor(entry.monitor, [:flush]) && {:noreply, %{state | pending: pending}}
-    end
-  end
-
   defp cancel_on_server(state, target) do
     id = state.next_id
     send_message(state, Protocol.request(id, "cancel", %{"target" => target}))
@@ -181,7 +213,7 @@ defmodule Sidecar.Connection do
     %{
       state
       | next_id: id + 1,
-        pending: Map.put(state.pending, id, %{caller: nil, ref: nil, monitor: nil, op: "cancel"})
+        pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: "cancel"})
     }
   end
 
@@ -191,9 +223,7 @@ defmodule Sidecar.Connection do
   def handle_info({port, {:data, payload}}, %{port: port} = state) do
     case decode(state, payload) do
       {:event, id, event} ->
-        with %{caller: caller, ref: ref} when caller != nil <- state.pending[id],
-             do: send(caller, {Sidecar, ref, {:event, event}})
-
+        with %{ref: ref} when ref != nil <- state.pending[id], do: send(ref, {Sidecar, ref, {:event, event}})
         {:noreply, state}
 
       {:reply, id, result} ->
@@ -215,21 +245,25 @@ defmodule Sidecar.Connection do
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
     error = Error.new(:sidecar_exited, "the sidecar exited with status #{status}", %{status: status})
 
-    for {_id, %{caller: caller, ref: ref}} <- state.pending, caller != nil do
-      send(caller, {Sidecar, ref, {:reply, {:error, error}}})
+    for {_id, %{ref: ref}} <- state.pending, ref != nil do
+      send(ref, {Sidecar, ref, {:reply, {:error, error}}})
     end
 
-    drain_stderr(state.log_port)
-    {:stop, {:shutdown, {:sidecar_exited, status}}, %{state | pending: %{}, port: nil, log_port: nil}}
+    close_relay(state.relay)
+    {:stop, {:shutdown, {:sidecar_exited, status}}, %{state | pending: %{}, port: nil, relay: nil}}
   end
 
-  def handle_info({log_port, {:data, line}}, %{log_port: log_port} = state) do
+  def handle_info({cat, {:data, line}}, %{relay: %{port: cat}} = state) do
     log_line(line)
     {:noreply, state}
   end
 
-  def handle_info({log_port, {:exit_status, _}}, %{log_port: log_port} = state),
-    do: {:noreply, %{state | log_port: nil}}
+  # Without a reader, the sidecar's stderr writes would block once the FIFO is full; with our end
+  # closed they fail instead.
+  def handle_info({cat, {:exit_status, _}}, %{relay: %{port: cat, writer: writer}} = state) do
+    File.close(writer)
+    {:noreply, %{state | relay: nil}}
+  end
 
   def handle_info({:DOWN, monitor, :process, _pid, _reason}, state) do
     # A caller died: forget its requests and cancel its generations, which nobody will read.
@@ -252,12 +286,12 @@ defmodule Sidecar.Connection do
       {nil, _} ->
         state
 
-      {%{caller: nil}, pending} ->
+      {%{ref: nil}, pending} ->
         %{state | pending: pending}
 
-      {%{caller: caller, ref: ref, monitor: monitor}, pending} ->
+      {%{ref: ref, monitor: monitor}, pending} ->
         Process.demonitor(monitor, [:flush])
-        send(caller, {Sidecar, ref, {:reply, reply_value(result)}})
+        send(ref, {Sidecar, ref, {:reply, reply_value(result)}})
         %{state | pending: pending}
     end
   end
@@ -268,9 +302,7 @@ defmodule Sidecar.Connection do
   @impl true
   def terminate(_reason, state) do
     if state.port && Port.info(state.port), do: Port.close(state.port)
-    drain_stderr(state.log_port)
-    if state.fifo, do: File.rm(state.fifo)
-    :ok
+    close_relay(state.relay)
   end
 
   # ---- codec ------------------------------------------------------------------------------------

@@ -2,11 +2,31 @@ defmodule Sidecar.Error do
   @moduledoc """
   Every failure is returned as `{:error, %Sidecar.Error{}}`.
 
-  `reason` is an atom: the sidecar's error code (`:context_overflow`, `:unknown_session`,
-  `:invalid_processor`, `:cancelled`, ... see `protocol/PROTOCOL.md`) or one of the client's own:
-  `:sidecar_exited` (the Python process died while the call was in flight), `:session_lost` (the
-  session belonged to a sidecar that has since died), `:timeout`, `:not_running`. `details` keeps
-  whatever else the sidecar sent, such as the partial `token_ids` of a cancelled generation.
+  `reason` is an atom: the sidecar's error code (see `protocol/PROTOCOL.md`) or one of the
+  client's own. A code this client does not know yet is `:unknown`.
+
+  The sidecar's codes:
+
+    * framing and envelope: `:frame_too_large`, `:invalid_msgpack`, `:invalid_message`,
+      `:invalid_id`, `:unknown_op`, `:invalid_params`, `:duplicate_id`, `:too_many_requests`
+    * `:limit_exceeded` - a request over one of the sidecar's limits; `details` carry `"limit"` (its
+      name, such as `"max_prompt_bytes"`), `"max"` and `"value"`
+    * `:forbidden` - refused by how the sidecar was started (remote code, a path outside its model roots)
+    * sessions and models: `:unknown_session`, `:session_exists`, `:session_closed`,
+      `:session_busy`, `:unknown_model`, `:model_exists`
+    * `load_model` failures: `:model_not_found`, `:invalid_model` (config or weights unreadable),
+      `:not_causal_lm`, `:no_tokenizer`, `:remote_code_required`
+    * rejected `generate` input: `:invalid_argument`, `:empty_input`, `:token_out_of_range`,
+      `:context_overflow`, `:unknown_strategy`, `:invalid_processor`
+    * `:invalid_logits` - the processors left no token to sample from at some step
+    * `:cancelled` - the generation was cancelled; `details` carry its partial `"text"`,
+      `"token_ids"` and `"stats"`
+    * `:internal` - a defect in the sidecar
+
+  The client's own: `:sidecar_exited` (the Python process died while the call was in flight),
+  `:session_lost` (the session belonged to a sidecar that has since died), `:timeout`,
+  `:not_running` (no connection under that name, or it is still starting). `details` keeps whatever
+  else the sidecar sent.
   """
 
   defexception [:reason, :message, details: %{}]
@@ -14,10 +34,10 @@ defmodule Sidecar.Error do
   @type t :: %__MODULE__{reason: atom(), message: String.t(), details: map()}
 
   @server_codes ~w(frame_too_large invalid_msgpack invalid_message invalid_id unknown_op invalid_params
-    duplicate_id unknown_session session_exists unknown_model model_exists cancelled
-    too_many_requests internal model_not_found not_causal_lm no_tokenizer remote_code_required
-    invalid_argument empty_input token_out_of_range context_overflow unknown_strategy session_closed
-    session_busy invalid_processor)
+    duplicate_id limit_exceeded forbidden unknown_session session_exists unknown_model model_exists
+    invalid_model cancelled too_many_requests internal model_not_found not_causal_lm no_tokenizer
+    remote_code_required invalid_argument empty_input token_out_of_range context_overflow
+    unknown_strategy session_closed session_busy invalid_processor invalid_logits)
 
   @doc false
   @spec from_reply(map()) :: t()

@@ -19,7 +19,8 @@ defmodule Sidecar.Options do
       default: 120_000
     ],
     call_timeout: [
-      doc: "default milliseconds for each call; generations past it are cancelled",
+      doc:
+        "default milliseconds a call waits for its reply (`ping/2` and `stats/2`: 5 s); generations past it are cancelled",
       default: 60_000
     ],
     log_stderr: [doc: "forward the Python process's stderr lines to Logger", default: true]
