@@ -28,8 +28,8 @@ class Limits:
     max_in_flight: int = _limit(1024, "requests queued or running at once (generate, session_info, close_session)")
     max_depth: int = _limit(32, "nesting depth of maps and lists in one request")
     max_prompt_bytes: int = _limit(
-        1024 * 1024, "UTF-8 bytes of a generate prompt or a tokenize text, checked before tokenizing",
-        bounds=(("generate", "prompt"), ("tokenize", "text")), measure="bytes")
+        1024 * 1024, "UTF-8 bytes of a generate prompt or messages, or a tokenize text, checked before tokenizing",
+        bounds=(("generate", "prompt"), ("generate", "messages"), ("tokenize", "text")), measure="bytes")
     max_input_tokens: int = _limit(
         262_144, "token ids in one list: generate's token_ids and eos_token_ids, detokenize's token_ids",
         bounds=(("generate", "token_ids"), ("generate", "eos_token_ids"), ("detokenize", "token_ids")), measure="items")
@@ -73,17 +73,25 @@ def _measure(how: str, value, cap: int) -> int:
     if how == "items":
         return len(value)
     if how == "bytes":
-        if isinstance(value, str):
-            return _utf8_bytes(value, cap)
-        total = 0
-        for text in value[: cap + 1]:
-            total += _utf8_bytes(text, cap) if isinstance(text, str) else 0
-            if total > cap:
-                break
-        return total
+        return _text_bytes(value, cap)
     if how == "leaves":
         return _leaves(value, cap)
     raise ValueError(f"unknown measure {how!r}")
+
+
+def _text_bytes(value, cap: int) -> int:
+    """UTF-8 bytes of every string in `value`, however nested (map keys included)."""
+    total, stack = 0, [value]
+    while stack and total <= cap:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += _utf8_bytes(item, cap)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def _utf8_bytes(text: str, cap: int) -> int:

@@ -1,4 +1,5 @@
-"""A blocking client for any server that speaks this protocol over a child process's stdin/stdout.
+"""A blocking client for any server that speaks this protocol: a child process over its stdin/stdout,
+or a server already running at the other end of a pair of byte streams (`Peer.over`).
 
 Used by the conformance runner, the tests and the benchmarks. Replies are matched by id; events and
 replies for other ids that arrive meanwhile are kept for whoever asks for them.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 from collections import defaultdict, deque
+from typing import BinaryIO
 
 from .codec import pack, unpack
 from .framing import HEADER, frame
@@ -15,9 +17,21 @@ from .framing import HEADER, frame
 
 class Peer:
     def __init__(self, command: list[str], *, env: dict | None = None, stderr=None, cwd=None):
-        self.process = subprocess.Popen(
+        self.process: subprocess.Popen | None = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, cwd=cwd, bufsize=0
         )
+        self._attach(self.process.stdin, self.process.stdout)
+
+    @classmethod
+    def over(cls, to_server: BinaryIO, from_server: BinaryIO) -> "Peer":
+        """A client of a server that runs elsewhere: there is no process to wait for, only streams to close."""
+        peer = cls.__new__(cls)
+        peer.process = None
+        peer._attach(to_server, from_server)
+        return peer
+
+    def _attach(self, to_server: BinaryIO, from_server: BinaryIO) -> None:
+        self.to_server, self.from_server = to_server, from_server
         self._messages: dict[object, deque] = defaultdict(deque)
         self._next_id = 1
         self.replied: list = []  # ids of final replies, in the order they arrived
@@ -27,7 +41,7 @@ class Peer:
         return self._next_id
 
     def send_bytes(self, data: bytes) -> None:
-        self.process.stdin.write(data)
+        self.to_server.write(data)
 
     def send(self, message) -> None:
         self.send_bytes(frame(pack(message)))
@@ -40,7 +54,7 @@ class Peer:
     def _read_exactly(self, n: int) -> bytes:
         chunks, missing = [], n
         while missing:
-            chunk = self.process.stdout.read(missing)
+            chunk = self.from_server.read(missing)
             if not chunk:
                 raise EOFError(f"the server closed its output ({n - missing} of {n} bytes read)")
             chunks.append(chunk)
@@ -72,20 +86,22 @@ class Peer:
         self.send({"id": rid, "op": op, **params})
         return self.reply_for(rid)[1]
 
-    def close(self, timeout: float = 10) -> int:
-        if self.process.stdin and not self.process.stdin.closed:
-            self.process.stdin.close()
+    def close(self, timeout: float = 10) -> int | None:
+        """Ends the input (EOF) and returns the child's exit status; None for a server that is not our child."""
+        if not self.to_server.closed:
+            self.to_server.close()
         try:
-            return self.process.wait(timeout)
+            return self.process.wait(timeout) if self.process else None
         finally:
-            if self.process.stdout:
-                self.process.stdout.close()
+            self.from_server.close()
 
     def __enter__(self) -> "Peer":
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.process.poll() is None:
+        if self.process is None:
+            self.close()
+        elif self.process.poll() is None:
             try:
                 self.close()
             except subprocess.TimeoutExpired:

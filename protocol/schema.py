@@ -70,8 +70,12 @@ OPS: dict[str, dict[str, Param]] = {
     "session_info": {"session": SESSION},
     "generate": {
         "session": SESSION,
-        "prompt": Param("str|null", doc="text input (exactly one of prompt and token_ids)"),
+        "prompt": Param("str|null", doc="text input (exactly one of prompt, token_ids and messages)"),
         "token_ids": Param("list[uint]|null", doc="token-id input"),
+        "messages": Param("list[map]|null", doc='chat input: [{"role": str, "content": str}, ...], rendered by the chat template'),
+        "chat_template": Param("str|null", doc="with messages: the name of one of the model's chat_templates (default: its default)"),
+        "add_generation_prompt": Param("bool|null", doc="with messages: open an assistant turn (default: true unless continuing)"),
+        "continue_final_message": Param("bool", default=False, doc="with messages: extend the last message instead"),
         "max_new_tokens": Param("uint", default=16, doc="tokens to generate at most"),
         "strategy": Param("str", default="greedy", doc="greedy | sample"),
         "seed": Param("uint|null", doc="seed of sampling; the same seed gives the same tokens"),

@@ -17,6 +17,7 @@ import argparse  # noqa: E402  (offline mode must be set before anything below c
 import dataclasses  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from protocol import Limits  # noqa: E402
 
@@ -25,6 +26,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m sidecar", description="Serve the sidecar's port protocol.")
     parser.add_argument("--model", help='a local model directory loaded at startup as "default"; "default" for the embedded tiny model')
     parser.add_argument("--dtype", help="dtype of the startup model: f32 | f16 | bf16")
+    parser.add_argument("--chat-template", metavar="FILE",
+                        help="a Jinja chat template for the startup model, used by generate's messages (replaces its own)")
     parser.add_argument("--fds", help="IN,OUT file descriptors to serve on instead of stdin/stdout (Erlang's :nouse_stdio uses 3,4)")
     parser.add_argument("--model-root", action="append", default=[], metavar="DIR",
                         help="load_model may load directories under DIR (repeatable); --model is always allowed")
@@ -89,6 +92,11 @@ def main(argv=None) -> int:
             server.allow_path(path)
         try:
             server.op_load_model({"name": "default", "path": path, "dtype": args.dtype, "trust_remote_code": False}, None)
+            if args.chat_template:
+                server.engines["default"].tokenizer.chat_template = Path(args.chat_template).read_text()
+        except OSError as problem:
+            logging.getLogger("sidecar").error("cannot read --chat-template %s: %s", args.chat_template, problem.strerror)
+            return 2
         except SidecarError as problem:
             logging.getLogger("sidecar").error("cannot load --model %s: %s (%s)", args.model, problem.message, problem.code)
             return 2

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import processors as proc
 
-from . import models
+from . import chat, models
 from .errors import (
     ContextOverflow,
     EmptyInput,
@@ -79,12 +79,25 @@ class Engine:
             "evictions": self.evictions,
         }
 
-    def validate(self, prompt=None, *, token_ids=None, max_new_tokens=16, strategy="greedy", seed=None,
+    @property
+    def chat_templates(self) -> list[str]:
+        """The names of the chat templates the model's tokenizer ships ([] for none)."""
+        return chat.template_names(self.tokenizer)
+
+    def validate(self, prompt=None, *, token_ids=None, messages=None, chat_template=None, add_generation_prompt=None,
+                 continue_final_message=False, max_new_tokens=16, strategy="greedy", seed=None,
                  processors=(), stop=(), eos_token_ids=None) -> Request:
         """Checks a generate call completely, before anything changes; returns it in normal form."""
-        if (prompt is None) == (token_ids is None):
-            raise InvalidArgument("give exactly one of prompt or token_ids", option="prompt")
-        if prompt is not None:
+        if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
+            raise InvalidArgument("give exactly one of prompt, token_ids and messages", option="prompt")
+        if messages is None and (chat_template is not None or add_generation_prompt is not None or continue_final_message):
+            raise InvalidArgument("chat_template, add_generation_prompt and continue_final_message go with messages",
+                                  option="messages")
+        if messages is not None:
+            input_ids = chat.render(self.tokenizer, messages, chat_template=chat_template,
+                                    add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message)
+        elif prompt is not None:
             if not isinstance(prompt, str):
                 raise InvalidArgument(f"prompt must be a string, got {type(prompt).__name__}", option="prompt")
             try:

@@ -39,6 +39,12 @@ class InvalidModel(SidecarError):
     code = "invalid_model"
 
 
+class NoChatTemplate(SidecarError):
+    """Chat messages were given, but the model has no chat template and none was named."""
+
+    code = "no_chat_template"
+
+
 class InvalidArgument(SidecarError):
     code = "invalid_argument"
 

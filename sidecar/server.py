@@ -168,8 +168,14 @@ class Server:
     def _start_generation(self, job: Job) -> None:
         p = job.request.params
         _, session = self._session(p["session"], job.request.id)
+        if p["chat_template"] is not None and p["chat_template"] not in session.engine.chat_templates:
+            names = ", ".join(session.engine.chat_templates) or "none"
+            raise InvalidArgument(f"the model has no chat template named {p['chat_template'][:64]!r} (it has: {names}); "
+                                  "over the protocol a template is named, never sent", option="chat_template")
         job.generation = session.stream(
-            p["prompt"], token_ids=p["token_ids"], max_new_tokens=p["max_new_tokens"], strategy=p["strategy"],
+            p["prompt"], token_ids=p["token_ids"], messages=p["messages"], chat_template=p["chat_template"],
+            add_generation_prompt=p["add_generation_prompt"], continue_final_message=p["continue_final_message"],
+            max_new_tokens=p["max_new_tokens"], strategy=p["strategy"],
             seed=p["seed"], processors=build_processors(p["processors"], job.request.id), stop=p["stop"],
             eos_token_ids=p["eos_token_ids"],
         )
@@ -416,5 +422,5 @@ def generation_reply(job: Job) -> dict:
 
 def model_info(name: str, engine: Engine) -> dict:
     return {"name": name, "path": str(engine.path), "architecture": type(engine.model).__name__,
-            "vocab_size": engine.vocab_size, "max_context": engine.max_context,
+            "vocab_size": engine.vocab_size, "max_context": engine.max_context, "chat_templates": engine.chat_templates,
             "eos_token_ids": sorted(engine.default_eos_token_ids)}

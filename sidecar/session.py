@@ -137,7 +137,9 @@ class Session:
     def generate(self, prompt: str | None = None, **options) -> Result:
         """Generates to the end and returns the `Result`.
 
-        Options (declared once, in `Engine.validate`): `token_ids` (instead of `prompt`),
+        Options (declared once, in `Engine.validate`): `token_ids` or `messages` (instead of `prompt`;
+        messages are `[{"role": ..., "content": ...}]` rendered by the model's chat template, with
+        `chat_template`, `add_generation_prompt` and `continue_final_message` as in transformers),
         `max_new_tokens=16`, `strategy="greedy" | "sample"`, `seed`, `processors` (configs or callables),
         `stop` (strings), `eos_token_ids` (default: the model's; `[]` never stops early).
         """

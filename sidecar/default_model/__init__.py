@@ -33,8 +33,15 @@ CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+# Turns are delimited by the tokenizer's own BOS and EOS, so a generated EOS ends the assistant's turn
+# exactly where the template's next rendering ends it.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s>{{ message['role'] }}\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+)
 TOKENIZER_CONFIG = {
     "tokenizer_class": "PreTrainedTokenizerFast",
+    "chat_template": CHAT_TEMPLATE,
     "pad_token": "<pad>",
     "bos_token": "<s>",
     "eos_token": "</s>",

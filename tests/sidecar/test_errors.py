@@ -15,7 +15,7 @@ def snapshot(session):
 @pytest.mark.parametrize(
     "kwargs, error, code, message",
     [
-        ({"prompt": "a", "token_ids": [5]}, errors.InvalidArgument, "invalid_argument", "exactly one of prompt or token_ids"),
+        ({"prompt": "a", "token_ids": [5]}, errors.InvalidArgument, "invalid_argument", "exactly one of prompt, token_ids and messages"),
         ({}, errors.InvalidArgument, "invalid_argument", "exactly one"),
         ({"prompt": ""}, errors.EmptyInput, "empty_input", "empty"),
         ({"token_ids": []}, errors.EmptyInput, "empty_input", "empty"),

@@ -1,0 +1,74 @@
+"""Chat input: a list of messages rendered into token ids by the tokenizer's own chat template.
+
+Rendering is transformers' `apply_chat_template`, so a conversation gives exactly the tokens it gives
+in transformers. A session then reuses its cache as for any other input: sending the whole
+conversation each turn recomputes only what the last turn added, as far as the re-rendered earlier
+turns (the previous answer included) tokenize to what the session holds.
+"""
+
+from __future__ import annotations
+
+from .errors import InvalidArgument, NoChatTemplate
+
+DEFAULT = "default"  # the name a tokenizer's single (unnamed) template goes by
+
+
+def template_names(tokenizer) -> list[str]:
+    """The names of the chat templates a tokenizer ships: [] for none, ["default"] for a single one."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return []
+    return sorted(template) if isinstance(template, dict) else [DEFAULT]
+
+
+def check_messages(messages) -> list[dict]:
+    """A non-empty list of maps, each with a string `role` and a string `content`."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidArgument("messages must be a non-empty list of {role, content} maps", option="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise InvalidArgument(f"messages[{i}] must be a map with a string role and a string content",
+                                  option="messages", index=i)
+        try:
+            message["content"].encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InvalidArgument(f"messages[{i}].content is not valid Unicode text: a lone surrogate at index "
+                                  f"{error.start}", option="messages", index=i) from error
+    return list(messages)
+
+
+def render(tokenizer, messages, *, chat_template=None, add_generation_prompt=None,
+           continue_final_message: bool = False) -> list[int]:
+    """The token ids of a conversation, ready for the model to write the next assistant turn.
+
+    `chat_template`: a template name (see `template_names`) or, from Python, a template's own text.
+    `add_generation_prompt` defaults to true unless `continue_final_message` asks to extend the last
+    message instead (the two exclude each other, as in transformers).
+    """
+    messages = check_messages(messages)
+    if not isinstance(continue_final_message, bool):
+        raise InvalidArgument("continue_final_message must be true or false", option="continue_final_message")
+    if add_generation_prompt is None:
+        add_generation_prompt = not continue_final_message
+    if not isinstance(add_generation_prompt, bool):
+        raise InvalidArgument("add_generation_prompt must be true, false or null", option="add_generation_prompt")
+    if add_generation_prompt and continue_final_message:
+        raise InvalidArgument("add_generation_prompt and continue_final_message exclude each other: the first "
+                              "starts a new assistant turn, the second extends the last message", option="add_generation_prompt")
+    names = template_names(tokenizer)
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise InvalidArgument("chat_template must be a template name or a template", option="chat_template")
+    if chat_template is None and not names:
+        raise NoChatTemplate("the model's tokenizer has no chat template: give one with chat_template "
+                             "(from Python, the template's text; to a server, --chat-template at start)")
+    if chat_template == DEFAULT and names == [DEFAULT]:
+        chat_template = None
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=True, return_dict=False)
+    except Exception as error:  # jinja2's TemplateError (raise_exception in a template), ValueError, ...
+        raise InvalidArgument(f"the chat template refused the messages: {type(error).__name__}: {str(error)[:300]}",
+                              option="messages") from error
+    return list(ids)
