@@ -19,7 +19,9 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from protocol import Limits  # noqa: E402
+from protocol import PROTOCOL_VERSION, Limits  # noqa: E402
+
+from . import __version__  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -37,7 +39,9 @@ def parse_args(argv=None):
     parser.add_argument("--prefill-chunk", type=int, help="tokens per prefill forward pass (default 512)")
     parser.add_argument("--stream-interval-ms", type=float, default=10.0,
                         help="token events may be held this long and written together (default 10; 0 writes each at once)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="what goes to stderr (default INFO)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__} (protocol {PROTOCOL_VERSION})")
     parser.add_argument("--stderr", help="send this process's stderr (logs, stray writes) to PATH, e.g. a FIFO the client reads")
     limits = parser.add_argument_group("limits (each reported in hello's limits, and named in the error it causes)")
     for name, doc in Limits.docs().items():
@@ -75,7 +79,7 @@ def main(argv=None) -> int:
     if args.stderr:
         os.dup2(os.open(args.stderr, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), 2)
     in_fd, out_fd = protocol_fds(args.fds)
-    logging.basicConfig(stream=sys.stderr, level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .errors import SidecarError
     from .server import Server
     from .transport import FrameReader, FrameWriter, InputClosed

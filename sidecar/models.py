@@ -63,9 +63,10 @@ def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remo
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except (Exception, SystemExit) as error:  # OSError, ValueError or TypeError depending on what is missing
-        raise NoTokenizer(f"no usable tokenizer in {str(path)!r}: {error}", path=str(path)) from error
-    if tokenizer is None or not hasattr(tokenizer, "decode"):
-        raise NoTokenizer(f"no usable tokenizer in {str(path)!r}", path=str(path))
+        raise NoTokenizer(f"no usable tokenizer in {str(path)!r}: {_brief(error)}", path=str(path)) from error
+    if tokenizer is None or not hasattr(tokenizer, "decode") or len(tokenizer) < 2:
+        raise NoTokenizer(f"no usable tokenizer in {str(path)!r} (no tokenizer files, or an empty vocabulary)",
+                          path=str(path))
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch_dtype
@@ -75,8 +76,9 @@ def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remo
     return model.to(device).eval(), tokenizer, path
 
 
-def _brief(error: Exception) -> str:
-    text = f"{type(error).__name__}: {error}"
+def _brief(error: BaseException) -> str:
+    """An exception as one short line: transformers' messages run to several paragraphs."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
     return text if len(text) <= 300 else text[:297] + "..."
 
 
