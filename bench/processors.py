@@ -1,7 +1,7 @@
 """Processor cost per step against transformers' LogitsProcessorList, side by side in one run.
 
 Batch 4 x vocab 32000, float32, CPU. Every pair is checked for identical output before it is timed.
-    python bench/processors.py [--rounds N]
+    python bench/processors.py [--quick] [--rounds N]      (--quick: 60 rounds instead of 300, a few seconds)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from transformers.generation import logits_process as hf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import median_times, print_table, us  # noqa: E402
+from bench.common import Target, judged, median_times, print_table, us  # noqa: E402
 from processors import ArrayProcessor, Chain, Context, RepetitionPenalty, Temperature, TopK, TopP  # noqa: E402
 
 BATCH, VOCAB, PROMPT = 4, 32000, 256
@@ -70,8 +70,10 @@ def check_identical(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="60 rounds instead of 300")
+    parser.add_argument("--rounds", type=int, help="steps timed per case (default 300)")
     args = parser.parse_args()
+    args.rounds = args.rounds or (60 if args.quick else 300)
     torch.set_num_threads(1)
     rows = []
 
@@ -87,20 +89,22 @@ def main() -> None:
     expected = decode.transformers()
     check_identical(decode.ours(), expected, "chain")
     times = median_times({"ours": decode.ours, "transformers": decode.transformers}, args.rounds)
+    ratio = times["ours"] / times["transformers"]
     rows.append(["chain rep1.1+temp0.7+topk50+topp0.9", us(times["ours"]), us(times["transformers"]),
-                 f"{times['ours'] / times['transformers']:.3f}", "<= 0.5"])
+                 f"{ratio:.3f}", *judged(ratio, Target(0.5))])
 
     for label, make in (("LM-like", lm_like_logits), ("flat randn", flat_logits)):
         logits = make(torch.Generator().manual_seed(1))
         ours, theirs = TopP(0.9), hf.TopPLogitsWarper(0.9)
         check_identical(ours.transform(logits, None), theirs(None, logits), f"top_p {label}")
         times = median_times({"ours": lambda: ours.transform(logits, None), "transformers": lambda: theirs(None, logits)}, args.rounds)
+        ratio = times["ours"] / times["transformers"]
         rows.append([f"top_p 0.9 alone, {label} ({nucleus_stats(logits, 0.9)})", us(times["ours"]),
-                     us(times["transformers"]), f"{times['ours'] / times['transformers']:.3f}", "<= 0.2"])
+                     us(times["transformers"]), f"{ratio:.3f}", *judged(ratio, Target(0.2))])
 
     print_table(
         f"Logits processors, batch {BATCH} x vocab {VOCAB}, float32, 1 thread, median of {args.rounds} steps",
-        ["case", "ours", "transformers", "ratio", "target"],
+        ["case", "ours", "transformers", "ratio", "target", "verdict"],
         rows,
     )
 
@@ -114,8 +118,8 @@ def main() -> None:
     )
     print_table(
         "Any-array entry point, pass-through processor on (4, 30000) float32: whole call, median",
-        ["input", "per call", "target"],
-        [["numpy", us(times["numpy"]), "<= 10 us"], ["torch", us(times["torch"]), "<= 10 us"]],
+        ["input", "per call", "target", "verdict"],
+        [[name, us(times[name]), *judged(times[name] * 1e6, Target(10, unit=" us"))] for name in ("numpy", "torch")],
     )
 
 

@@ -8,10 +8,11 @@ The server must have a causal LM loaded as "default" and the default limits. Giv
 runner starts it and speaks over its stdin/stdout (for this project:
 `.venv/bin/python -m sidecar --model default`). Otherwise it joins a server that is already running:
 over a Unix socket (`--connect PATH`), or over two descriptors it inherited, one to read the server's
-frames from and one to write frames to (`--fds IN,OUT`; the same descriptor twice for a socket).
-A running server is checked over that one connection: scripts that need a process of their own are
-skipped, and where a script expects the server to exit, the connection must close instead (an exit
-status is not visible from there). Prints one line per script and a last line
+frames from and one to write frames to (`--fds IN,OUT`; a socket's descriptor as both). A running
+server is checked over that one connection: scripts that need a process of their own are skipped,
+and where a script expects the server to exit, the connection must close instead (an exit status is
+not visible from there). The scripts load and unload models and end with `shutdown`: give the runner
+a server of its own, never one in use. Prints one line per script and a last line
 `conformance: N passed, N failed[, N skipped]`; exits 1 if anything failed.
 """
 

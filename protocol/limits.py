@@ -42,7 +42,7 @@ class Limits:
     max_processors: int = _limit(64, "processors in one generate", bounds=(("generate", "processors"),), measure="items")
     max_processor_values: int = _limit(
         65_536, "numbers and strings in the options of one generate's processors together",
-        bounds=(("generate", "processors"),), measure="leaves")
+        bounds=(("generate", "processors"),), measure="option_values")
     max_name_bytes: int = _limit(4096, "UTF-8 bytes of a session or model name or a model path", bounds=NAMES, measure="bytes")
     max_sessions: int = _limit(1024, "open sessions, over all models")
     max_models: int = _limit(4, "loaded models")
@@ -66,51 +66,33 @@ class Limits:
                              request_id, limit=name, max=limit, value=value, **details)
 
 
-def _measure(how: str, value, cap: int) -> int:
-    """The size of `value`; stops counting once past `cap`, so a huge value costs no more than a small one."""
+def _measure(how: str, value) -> int:
+    """The size of `value`, exactly: what the error reports. Every walk is bounded by the frame's size."""
     if how == "value":
         return value
     if how == "items":
         return len(value)
     if how == "bytes":
-        return _text_bytes(value, cap)
-    if how == "leaves":
-        return _leaves(value, cap)
+        return sum(len(text.encode("utf-8", "surrogatepass")) for text in _walk(value, keys=True) if isinstance(text, str))
+    if how == "option_values":  # processors: the numbers and strings inside each entry's options
+        options = [entry.get("options") for entry in value if isinstance(entry, dict)]
+        return sum(1 for leaf in _walk(options, keys=False) if isinstance(leaf, (int, float, str)) and not isinstance(leaf, bool))
     raise ValueError(f"unknown measure {how!r}")
 
 
-def _text_bytes(value, cap: int) -> int:
-    """UTF-8 bytes of every string in `value`, however nested (map keys included)."""
-    total, stack = 0, [value]
-    while stack and total <= cap:
-        item = stack.pop()
-        if isinstance(item, str):
-            total += _utf8_bytes(item, cap)
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return total
-
-
-def _utf8_bytes(text: str, cap: int) -> int:
-    if len(text) > cap:  # a character is at least one byte: over without encoding anything
-        return len(text)
-    return len(text.encode("utf-8", "surrogatepass"))
-
-
-def _leaves(value, cap: int) -> int:
-    count, stack = 0, [value]
-    while stack and count <= cap:
+def _walk(value, *, keys: bool):
+    """Every scalar in `value`, however nested (map keys too, if `keys`), without recursing."""
+    stack = [value]
+    while stack:
         item = stack.pop()
         if isinstance(item, dict):
+            if keys:
+                stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
         else:
-            count += 1
-    return count
+            yield item
 
 
 def check_params(op: str, params: dict, limits: Limits, request_id: int) -> None:
@@ -121,12 +103,12 @@ def check_params(op: str, params: dict, limits: Limits, request_id: int) -> None
             value = params.get(param)
             if value is None or bound_op not in ("*", op):
                 continue
-            size = _measure(field.metadata["measure"], value, cap)
+            size = _measure(field.metadata["measure"], value)
             if size > cap:
                 raise limits.exceeded(field.name, size, request_id, param=param)
 
 
-def check_depth(value, max_depth: int, request_id: int | None, *, start: int = 1) -> None:
+def check_depth(value, max_depth: int, request_id: int | None, param: str, *, start: int = 1) -> None:
     """Raises `limit_exceeded` (max_depth) for maps and lists nested deeper than `max_depth`, without recursing.
 
     `start` is the level of `value` itself inside the request.
@@ -137,6 +119,6 @@ def check_depth(value, max_depth: int, request_id: int | None, *, start: int = 1
         if isinstance(item, (dict, list)):
             if depth > max_depth:
                 raise ProtocolError(LIMIT_EXCEEDED, f"the request nests maps and lists deeper than max_depth = {max_depth}",
-                                    request_id, limit="max_depth", max=max_depth, value=depth)
+                                    request_id, limit="max_depth", max=max_depth, value=depth, param=param)
             children = item.values() if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))

@@ -151,7 +151,7 @@ def parse_request(message, limits: Limits = DEFAULT_LIMITS) -> Request:
         params[key] = value
     for key, value in params.items():
         if "map" in schema[key].kind:
-            check_depth(value, limits.max_depth, rid, start=2)  # the request map itself is level 1
+            check_depth(value, limits.max_depth, rid, key, start=2)  # the request map itself is level 1
     for key, param in schema.items():
         if key not in params:
             if param.required:

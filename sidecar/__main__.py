@@ -58,8 +58,8 @@ def parse_args(argv=None):
         args.limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     except ValueError as problem:
         parser.error(str(problem))
-    if args.limits.max_frame_bytes < 1024:
-        parser.error("--max-frame-bytes must be at least 1024, or no error reply would fit")
+    if args.limits.max_frame_bytes < 65536:
+        parser.error("--max-frame-bytes must be at least 65536: hello's reply, error replies and token events must fit")
     return args
 
 

@@ -38,12 +38,18 @@ def decode_step(model, cache, token_id: int, position: int) -> torch.Tensor:
     return _forward(model, cache, [token_id], position)
 
 
-def check_logits(logits: torch.Tensor, chain) -> None:
-    """Raises `InvalidLogits` unless the processed logits have a finite maximum to sample or argmax from.
+def check_logits(logits, chain, shape: torch.Size) -> None:
+    """Raises `InvalidLogits` unless the processed logits are a tensor of the model's `shape` with a finite
+    maximum to sample or argmax from.
 
     One reduction per step: the maximum is -inf when every token was removed, and +inf or NaN when any
     logit is (NaN propagates through max).
     """
+    names = ", ".join(p.name for p in chain.processors) or "none"
+    if not isinstance(logits, torch.Tensor) or logits.shape != shape or not logits.dtype.is_floating_point:
+        got = f"{tuple(logits.shape)} {logits.dtype}" if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise InvalidLogits(f"the processors ({names}) returned {got}, not logits of shape {tuple(shape)}",
+                            processors=names)
     top = float(logits.max())
     if top == float("-inf"):
         problem = "every token was removed (all logits are -inf)"
@@ -51,7 +57,6 @@ def check_logits(logits: torch.Tensor, chain) -> None:
         problem = "a logit is +inf or NaN (a scale overflowed float32?)"
     else:
         return
-    names = ", ".join(p.name for p in chain.processors) or "none"
     raise InvalidLogits(f"nothing to sample from after the processors ({names}): {problem}", processors=names)
 
 

@@ -145,7 +145,9 @@ class Engine:
         except proc.ProcessorError as error:
             raise InvalidProcessor(str(error)) from error
         if chain.max_token_id >= self.vocab_size:
-            raise InvalidProcessor(f"a processor names token id {chain.max_token_id}, outside the vocabulary of {self.vocab_size}")
+            index = next(i for i, p in enumerate(chain.processors) if p.max_token_id() >= self.vocab_size)
+            raise InvalidProcessor(f"processors[{index}] names token id {chain.processors[index].max_token_id()}, "
+                                   f"outside the vocabulary of {self.vocab_size}", index=index)
         return Request(input_ids, int(max_new_tokens), strategy == "greedy", seed, chain, tuple(stop), eos)
 
     def check_token_ids(self, token_ids, what: str = "token ids") -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -18,6 +19,10 @@ DTYPES = {
     "float16": torch.float16, "f16": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
+
+# An auto_map entry that names code inside the model directory: dotted identifiers, "module.Class". Anything
+# else ("repo--module.Class" fetches another repository; a path reaches outside the directory) is refused.
+INSIDE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+")
 
 # Progress bars would be noise on stderr, where the sidecar's logs go.
 hf_logging.disable_progress_bar()
@@ -109,9 +114,9 @@ def _check_auto_map(path: Path, name: str, trust_remote_code: bool) -> None:
     references = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
     for reference in references:
         for target in reference if isinstance(reference, list) else [reference]:
-            if not isinstance(target, (str, type(None))) or (target and "--" in target):
-                raise InvalidModel(f"{str(path)!r}: auto_map entry {str(target)[:100]!r} names code outside the "
-                                   "directory, which would be downloaded; only code inside it can be trusted", path=str(path))
+            if target is not None and not (isinstance(target, str) and INSIDE.fullmatch(target)):
+                raise InvalidModel(f"{str(path)!r}: auto_map entry {str(target)[:100]!r} is not a module of the "
+                                   "directory (module.Class); code from anywhere else is never run", path=str(path))
 
 
 def _has_remote_causal_lm(config) -> bool:

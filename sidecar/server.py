@@ -78,7 +78,7 @@ class Server:
 
     # ---- the loop --------------------------------------------------------------------------------
 
-    def serve(self, inbox: queue.Queue) -> int:
+    def serve(self, inbox) -> int:
         try:
             while True:
                 if not self.active:
@@ -94,7 +94,7 @@ class Server:
             log.info("the client is gone; exiting")
             return 0
 
-    def _drain(self, inbox: queue.Queue, block: bool) -> None:
+    def _drain(self, inbox, block: bool) -> None:
         while True:
             try:
                 item = inbox.get(block=block)
@@ -106,7 +106,7 @@ class Server:
                 self._cancel_all(reply=False)
                 raise Shutdown(0)
             if isinstance(item, OversizedFrame):
-                self.writer.send(oversized_frame_reply(item, self.limits.max_frame_bytes))
+                self.writer.send(oversized_frame_reply(item, self.limits.max_frame_bytes, self.in_flight))
             else:
                 self.handle_payload(item)
 
@@ -133,7 +133,8 @@ class Server:
         if request.op in SESSION_OPS:
             if len(self.in_flight) >= self.limits.max_in_flight:
                 raise ProtocolError(codes.TOO_MANY_REQUESTS, f"{self.limits.max_in_flight} requests in flight (max_in_flight)",
-                                    request.id, limit="max_in_flight", max=self.limits.max_in_flight)
+                                    request.id, limit="max_in_flight", max=self.limits.max_in_flight,
+                                    value=len(self.in_flight) + 1)
             name = request.params["session"]
             if name not in self.sessions:
                 raise ProtocolError(codes.UNKNOWN_SESSION, f"no open session {name!r}", request.id, session=name)
@@ -157,9 +158,11 @@ class Server:
                 if job.request.op == "generate":
                     self._start_generation(job)
                     return
-                reply = ok(job.request.id, getattr(self, f"op_{job.request.op}")(job.request.params, job.request.id, job))
+                reply = ok(job.request.id, getattr(self, f"op_{job.request.op}")(job.request.params, job.request.id))
             except (ProtocolError, SidecarError) as problem:
                 reply = problem_reply(job.request.id, problem)
+            except (BrokenPipeError, Hangup, Shutdown):  # the client is gone: not this request's failure
+                raise
             except Exception as bug:
                 reply = internal_reply(job.request.id, bug)
             self._retire(job, reply)
@@ -188,6 +191,8 @@ class Server:
             self._finish(job, generation_reply(job))
         except SidecarError as problem:
             self._finish(job, problem_reply(job.request.id, problem))
+        except (BrokenPipeError, Hangup):
+            raise
         except Exception as bug:
             self._finish(job, internal_reply(job.request.id, bug))
         else:
@@ -314,11 +319,12 @@ class Server:
         self.queues[name] = deque()
         return {"session": name, "model": model_info(params["model"], engine)}
 
-    def op_close_session(self, params, rid, job):
-        self._close(params["session"], closer=job)
+    def op_close_session(self, params, rid):
+        name = params["session"]
+        self._close(name, closer=self.queues[name][0])  # it runs at the head of its session's queue
         return {}
 
-    def op_session_info(self, params, rid, job):
+    def op_session_info(self, params, rid):
         model, session = self._session(params["session"], rid)
         return {"session": params["session"], "model": model, "history_tokens": len(session.history),
                 "cached_tokens": session.cached, "cache_bytes": session.cache_bytes}
@@ -395,8 +401,11 @@ def internal_reply(request_id: int | None, bug: Exception) -> dict:
     return error(request_id, codes.INTERNAL, f"{type(bug).__name__}: {str(bug)[:200]}")
 
 
-def oversized_frame_reply(item: OversizedFrame, limit: int) -> dict:
-    return error(peek_request_id(item.head), codes.FRAME_TOO_LARGE,
+def oversized_frame_reply(item: OversizedFrame, limit: int, in_flight) -> dict:
+    rid = peek_request_id(item.head)
+    if rid in in_flight:  # never settle the request in flight under that id
+        return error(rid, codes.DUPLICATE_ID, f"request id {rid} is already in flight (and its frame was too large)")
+    return error(rid, codes.FRAME_TOO_LARGE,
                  f"the frame declares {item.declared} bytes, over the limit max_frame_bytes = {limit}; it was discarded",
                  limit="max_frame_bytes", max=limit, value=item.declared)
 

@@ -11,6 +11,7 @@ of `bcd` differ from those cached for `abc`, so exact reuse of a shifted window 
 
 from __future__ import annotations
 
+import inspect
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -210,8 +211,14 @@ class Generation:
         return next(self._steps)
 
     def cancel(self) -> None:
-        """Stops before the next step; the result keeps the tokens so far, with finish_reason 'cancelled'."""
+        """Stops before the next step; the result keeps the tokens so far, with finish_reason 'cancelled'.
+
+        Called from inside a step (a processor, another thread), it only marks the generation: the step
+        under way finishes and the next one does not start.
+        """
         self._cancelled = True
+        if inspect.getgeneratorstate(self._steps) == inspect.GEN_RUNNING:
+            return
         for _ in self:
             pass
 
@@ -265,18 +272,23 @@ class Generation:
         prompt_length = len(request.input_ids)
         sequence = torch.empty(1, prompt_length + request.max_new_tokens, dtype=torch.long)
         sequence[0, :prompt_length] = torch.tensor(request.input_ids)
-        context = proc.Context(sequence, prompt_length, prompt_length, logits.shape[-1])
-        states = request.chain.init(context)
+        vocab = logits.shape[-1]
+        context = proc.Context(sequence, prompt_length, prompt_length, vocab)
+        # Processors run in inference mode too, so that in-place edits of the logits (the transformers
+        # idiom) are allowed on the tensors the model returned.
+        with torch.inference_mode():
+            states = request.chain.init(context)
         while not self._cancelled:
-            states, logits = request.chain.process(states, logits, context)
-            check_logits(logits, request.chain)
-            token = sample(logits, request.greedy, generator)
+            with torch.inference_mode():
+                states, processed = request.chain.process(states, logits, context)
+            check_logits(processed, request.chain, logits.shape)
+            token = sample(processed, request.greedy, generator)
             if stats.ttft_s is None:
                 stats.ttft_s = time.perf_counter() - started
             generated.append(token)
             session.history.append(token)
             sequence[0, context.length] = token
-            context = proc.Context(sequence, context.length + 1, prompt_length, logits.shape[-1])
+            context = proc.Context(sequence, context.length + 1, prompt_length, vocab)
 
             is_eos = token in request.eos_token_ids
             text = "" if is_eos else stops.feed(detokenizer.push(token))
@@ -296,4 +308,6 @@ class Generation:
             with torch.inference_mode():
                 logits = decode_step(engine.model, session.cache, token, session.cached)
             session.cached += 1
+        # Cancelled: the text is what was streamed. Text still held back (an incomplete character, a
+        # possible stop string) stays out of it, though its tokens are in token_ids and the history.
         return "cancelled"

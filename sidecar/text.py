@@ -9,6 +9,10 @@ pieces never contain text that a later stop would remove.
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
+# Tokens held back at most. A character is at most 4 bytes, so only invalid bytes (or tokens that
+# decode to nothing) hold text longer; past this they go out as they decode (U+FFFD), which keeps
+# each step's re-decoding short instead of growing with every held token.
+MAX_HELD = 32
 
 
 class Detokenizer:
@@ -29,7 +33,8 @@ class Detokenizer:
         self._ids.append(token_id)
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
-        if after.endswith(REPLACEMENT) or len(after) <= len(before):
+        held = len(self._ids) - self._read
+        if held < MAX_HELD and (after.endswith(REPLACEMENT) or len(after) <= len(before)):
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return after[len(before) :]

@@ -2,13 +2,14 @@
 writer of the output fd.
 
 The reader only splits frames; everything else happens on the main thread, which is the single owner
-of the output. The inbound queue is bounded, so a client that keeps writing while it stops reading
-cannot grow the server's memory without bound.
+of the output. The inbox between them is bounded in bytes, so a client that keeps writing while it
+stops reading cannot grow the server's memory without bound.
 
 End of file on the input means the client is gone, and the process must be gone soon after (PROTOCOL.md:
-within 500 ms). The main thread notices between steps; a writer blocked on a client that no longer
-reads notices through `Hangup`; and a watchdog ends the process if the main thread is stuck in a long
-forward pass.
+within 500 ms). The reader notices it even when the inbox is full (by polling for a hang-up); the
+main thread notices between steps and drops the frames still waiting; the writer starts no frame
+after it and gives up waiting on a client that no longer reads; and a watchdog ends the process if
+the main thread is stuck in a long forward pass.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import queue
 import select
 import threading
 import time
+from collections import deque
 
 from protocol import FrameDecoder, error, frame, pack
 from protocol import errors as codes
@@ -27,12 +29,13 @@ log = logging.getLogger("sidecar")
 
 EOF_MARK = object()
 READ_SIZE = 1 << 16
-INBOX_FRAMES = 1024
+INBOX_BYTES = 64 * 1024 * 1024  # frames read ahead of the main thread, at most (one larger frame still fits alone)
 EXIT_GRACE_S = 0.3  # after EOF, how long the main thread has to finish before the watchdog exits
+HANGUP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
 
 
 class Hangup(Exception):
-    """The input reached EOF while the writer was waiting to write: the client is gone."""
+    """The input reached EOF while the writer was about to write or waiting to: the client is gone."""
 
 
 class InputClosed:
@@ -50,34 +53,90 @@ class InputClosed:
         return self._read
 
 
+class Inbox:
+    """Frames read but not yet handled, bounded in bytes so that a client that keeps writing while it
+    stops reading cannot grow the server's memory. Once closed (the client is gone), `get` returns
+    `EOF_MARK` at once: frames still waiting belong to nobody."""
+
+    def __init__(self, max_bytes: int = INBOX_BYTES):
+        self._items: deque = deque()
+        self._bytes = 0
+        self._max_bytes = max_bytes
+        self._changed = threading.Condition()
+        self._closed = False
+
+    def put(self, item, size: int, hung_up) -> bool:
+        """Waits for room; gives up (False) if `hung_up()` says the client went away meanwhile."""
+        with self._changed:
+            while self._items and self._bytes + size > self._max_bytes:
+                if not self._changed.wait(0.05) and hung_up():
+                    return False
+            self._items.append((item, size))
+            self._bytes += size
+            self._changed.notify_all()
+        return True
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    def get(self, block: bool = True):
+        """The next frame, `EOF_MARK` once closed; raises `queue.Empty` when not blocking and there is none."""
+        with self._changed:
+            while not self._items and not self._closed:
+                if not block:
+                    raise queue.Empty
+                self._changed.wait()
+            if self._closed:
+                return EOF_MARK
+            item, size = self._items.popleft()
+            self._bytes -= size
+            self._changed.notify_all()
+            return item
+
+
 class FrameReader:
-    def __init__(self, fd: int, max_frame_bytes: int, closed: InputClosed, *, exit_grace_s: float = EXIT_GRACE_S):
+    def __init__(self, fd: int, max_frame_bytes: int, closed: InputClosed):
         self.fd = fd
         self.decoder = FrameDecoder(max_frame_bytes)
-        self.inbox: queue.Queue = queue.Queue(maxsize=INBOX_FRAMES)
+        self.inbox = Inbox()
         self.closed = closed
-        self.exit_grace_s = exit_grace_s
         self.thread = threading.Thread(target=self._run, name="frame-reader", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
+    def _hung_up(self) -> bool:
+        """Whether the client closed its end, even if frames it sent are still unread."""
+        poller = select.poll()
+        poller.register(self.fd, HANGUP)
+        return any(events & HANGUP for _, events in poller.poll(0))
+
     def _run(self) -> None:
         try:
             while True:
-                data = os.read(self.fd, READ_SIZE)
+                try:
+                    data = os.read(self.fd, READ_SIZE)
+                except BlockingIOError:  # one socket for both ways: the writer made it non-blocking
+                    select.select([self.fd], [], [])
+                    continue
                 if not data:
                     break
-                for item in self.decoder.feed(data):
-                    self.inbox.put(item)
+                if not all(self.inbox.put(item, _size(item), self._hung_up) for item in self.decoder.feed(data)):
+                    break
         except OSError as error:
             log.info("input closed: %s", error)
         self.closed.set()
-        self.inbox.put(EOF_MARK)
+        self.inbox.close()
         # The peer is gone: whatever the main thread is doing, the process ends soon.
-        timer = threading.Timer(self.exit_grace_s, lambda: os._exit(0))
+        timer = threading.Timer(EXIT_GRACE_S, lambda: os._exit(0))
         timer.daemon = True
         timer.start()
+
+
+def _size(item) -> int:
+    return len(item) if isinstance(item, bytes) else len(item.head)
 
 
 class FrameWriter:
@@ -90,6 +149,8 @@ class FrameWriter:
     The fd is non-blocking and the writer waits with poll, on it and on `closed`: once the input is
     closed, no new write starts, and one already begun is given until the exit grace to complete.
     A reply larger than `max_frame_bytes` is replaced by a `limit_exceeded` error for the same request.
+    Events cannot be that large: a token's piece holds at most a few characters plus a held-back stop
+    tail (at most max_stop_bytes), and the frame limit is at least 64 KiB.
     """
 
     def __init__(self, fd: int, *, max_frame_bytes: int, closed: InputClosed, coalesce_s: float = 0.0):
@@ -115,13 +176,15 @@ class FrameWriter:
 
     def _encode(self, message: dict) -> bytes:
         payload = pack(message)
-        if len(payload) > self.max_frame_bytes:
+        if len(payload) > self.max_frame_bytes and "ok" in message:
             payload = pack(oversized_reply(message, len(payload), self.max_frame_bytes))
         return frame(payload)
 
     def flush(self) -> None:
         if not self._pending:
             return
+        if self.closed.at is not None:
+            raise Hangup()
         view = memoryview(b"".join(self._pending))
         self._pending.clear()
         started = False

@@ -13,6 +13,11 @@ defmodule Sidecar do
       {:ok, session} = Sidecar.open_session(MyApp.Sidecar)
       {:ok, %{text: text}} = Sidecar.generate(MyApp.Sidecar, session, "Once upon a time", max_new_tokens: 32)
 
+  or chat, through the model's own chat template:
+
+      messages = [%{role: "system", content: "Be brief."}, %{role: "user", content: "Hi!"}]
+      {:ok, %{text: answer}} = Sidecar.generate(MyApp.Sidecar, session, messages, max_new_tokens: 64)
+
   A session is the `%Sidecar.Session{}` that `open_session/2` returns, or just its name (a string).
   With the struct, calls on a session of a sidecar that has since died return `:session_lost`.
 
@@ -122,12 +127,16 @@ defmodule Sidecar do
     do: session_call(conn, session, "session_info", %{}, timeout)
 
   @doc """
-  Generates from `input` (a string or a list of token ids) and waits for the result. Options are
-  Bumblebee's generation options, listed in `Sidecar.Generation`. Past `:timeout` (default: the
+  Generates from `input` and waits for the result. `input` is a string, a list of token ids, or a
+  conversation: a list of messages such as `[%{role: "user", content: "Hi"}]`, rendered by the
+  model's chat template. Send the whole conversation each turn (earlier answers as `"assistant"`
+  messages): the session reuses its cache for what the previous turns already computed. Options are
+  Bumblebee's generation options and the chat options, listed in `Sidecar.Generation`; bad ones, and
+  malformed messages, raise `ArgumentError` before anything is sent. Past `:timeout` (default: the
   connection's `:call_timeout`) the generation is cancelled and
   `{:error, %Sidecar.Error{reason: :timeout}}` returned.
   """
-  @spec generate(conn(), session(), String.t() | [non_neg_integer()], keyword()) ::
+  @spec generate(conn(), session(), Generation.input(), keyword()) ::
           {:ok, result()} | {:error, Error.t()}
   def generate(conn, session, input, opts \\ []) do
     with {:ok, request} <- start_request(conn, session, input, opts, false) do
@@ -136,10 +145,11 @@ defmodule Sidecar do
   end
 
   @doc """
-  Starts a generation without waiting. The caller receives `{Sidecar, ref, {:event, map}}` for each
-  token and one `{Sidecar, ref, {:reply, result}}`. Pass the request to `await/2` or `cancel/1`.
+  Starts a generation from `input` (as in `generate/4`) without waiting. The caller receives
+  `{Sidecar, ref, {:event, map}}` for each token and one `{Sidecar, ref, {:reply, result}}`. Pass the
+  request to `await/2` or `cancel/1`.
   """
-  @spec start_generate(conn(), session(), String.t() | [non_neg_integer()], keyword()) ::
+  @spec start_generate(conn(), session(), Generation.input(), keyword()) ::
           {:ok, Request.t()} | {:error, Error.t()}
   def start_generate(conn, session, input, opts \\ []), do: start_request(conn, session, input, opts, true)
 
@@ -166,12 +176,13 @@ defmodule Sidecar do
   end
 
   @doc """
-  A lazy `Stream` of chunks `%{text: String.t(), token_ids: [integer]}` for a LiveView or any
-  consumer. The generation starts when the stream is run; halting it early (`Enum.take/2`, a
-  `:halt` in `Stream.transform/3` ...) cancels the generation. `:timeout` (default: the
+  A lazy `Stream` of chunks `%{text: String.t(), token_ids: [integer]}` of the generation from
+  `input` (as in `generate/4`), for a LiveView or any consumer. The generation starts when the
+  stream is run; halting it early (`Enum.take/2`, a `:halt` in `Stream.transform/3` ...) cancels the
+  generation. `:timeout` (default: the
   connection's `:call_timeout`) bounds the wait for each chunk. An error raises `Sidecar.Error`.
   """
-  @spec stream(conn(), session(), String.t() | [non_neg_integer()], keyword()) :: Enumerable.t()
+  @spec stream(conn(), session(), Generation.input(), keyword()) :: Enumerable.t()
   def stream(conn, session, input, opts \\ []) do
     Stream.resource(
       fn ->

@@ -24,7 +24,7 @@ defmodule Sidecar.MsgpackTest do
             Map.has_key?(step, "request"),
             do: step
 
-      assert length(steps) == 82
+      assert length(steps) >= 82
 
       for %{"request" => request, "send_hex" => hex} <- steps do
         <<length::32, payload::binary>> = Base.decode16!(hex, case: :lower)

@@ -75,6 +75,78 @@ defmodule SidecarTest do
   defp petals_case(:different_suffix, [a, b, c, _]), do: {a ++ b, a ++ c, 20}
   defp petals_case(:rolling, [a, b, c, d]), do: {a ++ b ++ c, b ++ c ++ d, 0}
 
+  describe "chat" do
+    test "a conversation sent whole each turn reuses the earlier turns' cache", %{conn: conn} do
+      {:ok, session} = Sidecar.open_session(conn)
+      assert session.model["chat_templates"] == ["default"]
+      opts = [max_new_tokens: 6, eos_token_id: []]
+
+      {history, stats} =
+        Enum.reduce(["Hello there!", "Tell me more.", "And then?"], {[], []}, fn question, {history, stats} ->
+          messages = history ++ [%{role: :user, content: question}]
+          assert {:ok, %{text: answer, stats: turn}} = Sidecar.generate(conn, session, messages, opts)
+          {messages ++ [%{role: :assistant, content: answer}], stats ++ [turn]}
+        end)
+
+      # Each turn reuses the whole previous turn, its answer included, but for the answer's last
+      # token: sampled, it was never fed to the model, so the cache does not hold it.
+      assert [0 | reused] = Enum.map(stats, & &1.reused_tokens)
+      assert reused == for(turn <- Enum.drop(stats, -1), do: turn.prompt_tokens + turn.generated_tokens - 1)
+      assert reused == Enum.sort(reused) and Enum.uniq(reused) == reused
+
+      # and means what it means in a fresh session
+      last_turn = Enum.drop(history, -1)
+      assert {:ok, again} = Sidecar.generate(conn, session, last_turn, opts)
+      assert {:ok, fresh} = fresh_generate(conn, last_turn, opts)
+
+      assert again.token_ids == fresh.token_ids and
+               fresh.stats.prompt_tokens == List.last(stats).prompt_tokens
+
+      :ok = Sidecar.close_session(conn, session)
+    end
+
+    test "streams, takes the chat options, and names a bad template", %{conn: conn} do
+      {:ok, session} = Sidecar.open_session(conn)
+      messages = [%{"role" => "user", "content" => "Hi"}]
+      opts = [max_new_tokens: 5, eos_token_id: []]
+
+      chunks = conn |> Sidecar.stream(session, messages, opts) |> Enum.to_list()
+      {:ok, result} = Sidecar.generate(conn, session, messages, [chat_template: "default"] ++ opts)
+      assert Enum.map_join(chunks, & &1.text) == result.text and length(chunks) == 5
+
+      # continuing the assistant's message: its prefix is what a generation prompt would have opened
+      partial = messages ++ [%{role: :assistant, content: "Well"}]
+
+      assert {:ok, %{stats: %{prompt_tokens: continued}}} =
+               Sidecar.generate(conn, session, partial, [continue_final_message: true] ++ opts)
+
+      assert continued > result.stats.prompt_tokens
+
+      assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "chat_template"}}} =
+               Sidecar.generate(conn, session, messages, [chat_template: "no-such-template"] ++ opts)
+    end
+
+    test "a malformed message raises ArgumentError before anything is sent", %{conn: conn} do
+      {:ok, session} = Sidecar.open_session(conn)
+      sent = :sys.get_state(conn).next_id
+
+      assert_raise ArgumentError, ~r/message 1 has no content/, fn ->
+        Sidecar.generate(conn, session, [%{role: "user", content: "Hi"}, %{role: "user", text: "x"}])
+      end
+
+      assert_raise ArgumentError, ~r/message 0: content must be a string/, fn ->
+        conn |> Sidecar.stream(session, [%{role: "user", content: nil}]) |> Enum.to_list()
+      end
+
+      assert_raise ArgumentError, ~r/option :chat_template applies only to a list of messages/, fn ->
+        Sidecar.start_generate(conn, session, "Hi", chat_template: "default")
+      end
+
+      assert :sys.get_state(conn).next_id == sent
+      :ok = Sidecar.close_session(conn, session)
+    end
+  end
+
   test "streaming chunks add up to the blocking result", %{conn: conn} do
     {:ok, session} = Sidecar.open_session(conn)
 

@@ -103,22 +103,44 @@ defmodule Sidecar.SupervisionTest do
       %{before: ours()}
     end
 
-    test "a missing model", %{before: before} do
-      assert {:error, %Error{reason: :sidecar_exited, details: %{status: 2}}} =
+    test "a missing model: the message is the sidecar's own", %{before: before} do
+      assert {:error,
+              %Error{reason: :sidecar_exited, message: message, details: %{status: 2, stderr: stderr}}} =
                Sidecar.start_link(sidecar_opts(model: "/nonexistent/model"))
 
+      assert message =~ ~r/^the sidecar exited with status 2 during startup: .*\/nonexistent\/model/
+      assert message =~ "model_not_found" or message =~ "config.json"
+      assert stderr =~ "/nonexistent/model"
       assert eventually(fn -> ours() -- before == [] end, 1_000)
     end
 
-    test "a bad flag, before the sidecar opens its stderr FIFO", %{before: before} do
-      assert {:error, %Error{reason: :sidecar_exited, details: %{status: 2}}} =
+    test "a bad flag: argparse's error, printed before the sidecar's own setup", %{before: before} do
+      assert {:error,
+              %Error{reason: :sidecar_exited, message: message, details: %{status: 2, stderr: stderr}}} =
                Sidecar.start_link(sidecar_opts(args: ["--no-such-flag"]))
 
+      assert message =~ ~r/status 2 during startup: .*error: unrecognized arguments: --no-such-flag/
+      # the whole tail, usage text included
+      assert stderr =~ "usage:" and stderr =~ "--no-such-flag"
+      assert eventually(fn -> ours() -- before == [] end, 1_000)
+    end
+
+    test "a Python without the sidecar package: the message says how to point :python at the venv",
+         %{before: before} do
+      python = python_without_sidecar()
+
+      assert {:error, %Error{reason: :sidecar_exited, message: message, details: %{stderr: stderr}}} =
+               Sidecar.start_link(sidecar_opts(python: python, cd: System.tmp_dir!()))
+
+      assert message =~ "#{python} has no sidecar package (No module named sidecar)"
+      assert message =~ ~s(set the :python option) and message =~ ".venv/bin/python"
+      assert stderr =~ "No module named sidecar"
       assert eventually(fn -> ours() -- before == [] end, 1_000)
     end
 
     test "a wrong executable that exits at once", %{before: before} do
-      assert {:error, %Error{reason: :sidecar_exited}} =
+      assert {:error,
+              %Error{reason: :sidecar_exited, message: "the sidecar exited with status 1 during startup"}} =
                Sidecar.start_link(sidecar_opts(python: System.find_executable("false")))
 
       assert eventually(fn -> ours() -- before == [] end, 1_000)
@@ -130,9 +152,31 @@ defmodule Sidecar.SupervisionTest do
     end
   end
 
-  # OS pids of this BEAM's stderr relays and sidecars: both name the relay's FIFO, which names the BEAM.
+  # /usr/bin/python3 when it lacks the package (it does on Debian), or else the venv's Python
+  # isolated from its site-packages (-I -S) by a wrapper script.
+  defp python_without_sidecar do
+    system = "/usr/bin/python3"
+
+    if File.exists?(system) and
+         match?(
+           {_, status} when status != 0,
+           System.cmd(system, ["-c", "import sidecar"], cd: System.tmp_dir!(), stderr_to_stdout: true)
+         ) do
+      system
+    else
+      wrapper = Path.join(System.tmp_dir!(), "python-without-sidecar-#{System.unique_integer([:positive])}")
+      File.write!(wrapper, ~s(#!/bin/sh\nexec "#{sidecar_opts()[:python]}" -I -S "$@"\n))
+      File.chmod!(wrapper, 0o700)
+      on_exit(fn -> File.rm(wrapper) end)
+      wrapper
+    end
+  end
+
+  # OS pids of the processes this BEAM spawned that still run (stderr relays, sidecars): the
+  # children of its erl_child_setup. pgrep never lists itself.
   defp ours do
-    {out, _} = System.cmd("pgrep", ["-f", "sidecar-stderr-[0-9]+-#{:os.getpid()}"])
+    {setup, 0} = System.cmd("pgrep", ["-P", "#{:os.getpid()}", "erl_child_setup"])
+    {out, _} = System.cmd("pgrep", ["-P", String.trim(setup)])
     String.split(out)
   end
 end

@@ -198,7 +198,7 @@ def test_python_api(engine, primed_history, kind, given, code):
 # ---- the protocol -----------------------------------------------------------------------------------------
 
 SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "WARNING"]
-SMALL = ["--max-sessions", "3", "--max-models", "1", "--max-frame-bytes", "4096", "--max-in-flight", "3"]
+SMALL = ["--max-sessions", "3", "--max-models", "1", "--max-frame-bytes", "65536", "--max-in-flight", "3"]
 MIB = 1024 * 1024
 
 
@@ -306,7 +306,7 @@ def oversized_frame(id_first):
     def scenario(s):
         small = s["small"]
         rid = small.next_id()
-        message = {"id": rid, "op": "tokenize", "text": "x" * 5000}
+        message = {"id": rid, "op": "tokenize", "text": "x" * 70_000}
         if not id_first:
             message = {"text": message.pop("text"), **message}
         small.send(message)

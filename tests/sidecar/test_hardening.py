@@ -225,11 +225,11 @@ def test_an_oversized_prompt_is_refused_by_its_id_and_the_connection_stays_usabl
 
 
 def test_a_reply_over_the_frame_limit_becomes_a_typed_error(default_dir):
-    with Peer(SERVER + ["--max-frame-bytes", "4096"], stderr=subprocess.DEVNULL) as peer:
-        text = "".join(chr(0x4E00 + i) for i in range(1300))  # CJK: several tokens per character
+    with Peer(SERVER + ["--max-frame-bytes", "65536"], stderr=subprocess.DEVNULL) as peer:
+        text = "".join(chr(0x4E00 + i) for i in range(21_000))  # CJK: several tokens per character
         reply = peer.call("tokenize", text=text)
         assert reply["error"]["code"] == "limit_exceeded" and reply["error"]["limit"] == "max_frame_bytes"
-        assert reply["error"]["value"] > 4096
+        assert reply["error"]["value"] > 65536
         assert peer.call("ping")["ok"]
 
 
@@ -273,3 +273,101 @@ def test_offline_mode_is_set_before_transformers_is_imported():
             "import huggingface_hub.constants as c; print(c.HF_HUB_OFFLINE)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "0"})
     assert done.stdout.strip() == "True", done.stderr
+
+
+# ---- found by an outside review ---------------------------------------------------------------------
+
+def test_eof_is_noticed_even_when_the_inbox_is_full(default_dir, tmp_path):
+    """A client that stops reading, floods the server until everything is full, then dies: the server exits."""
+    flood = tmp_path / "flood"
+    flood.write_bytes(b"".join(frame(pack({"id": 100 + i, "op": "hello"})) for i in range(40))  # ~5 KB replies
+                      + b"".join(frame(pack({"id": 10_000 + i, "op": "tokenize", "text": "x" * 60_000})) for i in range(1500)))
+    read_end, write_end = os.pipe()
+    server = subprocess.Popen(SERVER, stdin=read_end, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    os.close(read_end)
+    import fcntl
+
+    fcntl.fcntl(server.stdout.fileno(), 1031, 4096)  # we never read: the server blocks writing
+    client = subprocess.Popen(["cat", str(flood)], stdout=write_end)
+    os.close(write_end)
+    time.sleep(3.0)  # the inbox fills up, the reader waits for room, the client's writes block
+    assert client.poll() is None and server.poll() is None, "nothing was full"
+    client.kill()
+    client.wait()
+    assert server.wait(timeout=10) == 0
+    server.stdout.close()
+
+
+def test_an_oversized_frame_under_an_id_in_flight_is_a_duplicate(default_dir):
+    with Peer(SERVER + ["--max-frame-bytes", "65536"], stderr=subprocess.DEVNULL) as peer:
+        peer.call("open_session", session="d")
+        peer.send({"id": 77, "op": "generate", "session": "d", "token_ids": [5], "max_new_tokens": 200, "eos_token_ids": []})
+        peer.send({"id": 77, "op": "tokenize", "text": "x" * 70_000})
+        first = peer.next_for(77)
+        assert first["error"]["code"] == "duplicate_id"
+        assert peer.next_for(77)["ok"]
+
+
+def test_an_out_of_vocabulary_processor_option_names_its_index(engine):
+    with engine.session() as session:
+        with pytest.raises(errors.InvalidProcessor) as caught:
+            session.generate(token_ids=[5], processors=[P.configure(P.Temperature, temperature=0.5),
+                                                        P.configure(P.SuppressTokens, token_ids=[5000])])
+    assert caught.value.details["index"] == 1
+
+
+def test_only_option_values_count_towards_max_processor_values():
+    from protocol import Limits, parse_request
+
+    limits = Limits(max_processor_values=3)
+    request = {"id": 1, "op": "generate", "session": "s", "prompt": "x",
+               "processors": [{"name": "suppress_tokens", "options": {"token_ids": [1, 2, 3]}}]}
+    parse_request(request, limits)
+    request["processors"][0]["options"]["token_ids"].append(4)
+    with pytest.raises(Exception) as caught:
+        parse_request(request, limits)
+    assert caught.value.details == {"limit": "max_processor_values", "max": 3, "value": 4, "param": "processors"}
+
+
+def test_user_processors_may_edit_logits_in_place_and_may_cancel(engine):
+    def ban_five(logits, context):
+        logits[:, 5] = float("-inf")
+        return logits
+
+    with engine.session() as session:
+        result = session.generate(token_ids=[5, 6], max_new_tokens=6, eos_token_ids=[], processors=[ban_five])
+        assert 5 not in result.token_ids and len(result.token_ids) == 6
+
+        generation = None
+
+        def cancel_at_third_step(logits, context):
+            if context.length - context.input_length == 2:
+                generation.cancel()
+            return logits
+
+        generation = session.stream(token_ids=[5, 6], max_new_tokens=20, eos_token_ids=[], processors=[cancel_at_third_step])
+        tokens = [event.token_id for event in generation]
+        assert len(tokens) == 3 and generation.result.finish_reason == "cancelled"
+
+
+@pytest.mark.parametrize("wrong", [lambda logits, c: logits[0], lambda logits, c: logits[:, :-1], lambda logits, c: None,
+                                   lambda logits, c: logits.repeat(2, 1)])
+def test_a_processor_that_returns_the_wrong_shape_is_invalid_logits(engine, wrong):
+    with engine.session() as session:
+        session.generate(token_ids=[5, 6, 7], max_new_tokens=2)
+        before = snapshot(session)
+        with pytest.raises(errors.InvalidLogits, match="not logits of shape"):
+            session.generate(token_ids=[5, 6, 8], processors=[wrong])
+        assert_same(before, snapshot(session))
+
+
+def test_undecodable_tokens_stream_in_bounded_time(engine):
+    """Tokens that never form a character are not held to the end (which made every step re-decode them all)."""
+    from sidecar.text import MAX_HELD, Detokenizer
+
+    lone = next(t for t in range(3, engine.vocab_size) if engine.tokenizer.decode([t]) == "\ufffd"
+                and engine.tokenizer.decode([t, t, t, t]) == "\ufffd" * 4)
+    detokenizer = Detokenizer(engine.tokenizer)
+    pieces = [detokenizer.push(lone) for _ in range(10 * MAX_HELD)]
+    assert sum(1 for p in pieces if p) >= 9, "undecodable text was held back"
+    assert "".join(pieces) + detokenizer.flush() == engine.tokenizer.decode([lone] * 10 * MAX_HELD)

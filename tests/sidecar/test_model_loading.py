@@ -91,6 +91,15 @@ def tokenizer_auto_map_other_repo(default, d, markers):
     (d / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+def auto_map_outside_path(default, d, markers):
+    """auto_map naming a module by a path outside the directory; importing it would leave a marker."""
+    copy_model(default, d)
+    outside = d.parent.parent / f"{d.parent.name}-code"
+    outside.mkdir(exist_ok=True)
+    (outside / "evil.py").write_text(f"import pathlib\npathlib.Path({str(markers / 'outside-code-ran')!r}).touch()\n")
+    edit_json(d / "config.json", auto_map={"AutoConfig": f"{outside}/evil.MyConfig"})
+
+
 def shipped_code(default, d, markers):
     """A model whose configuration module leaves a marker when imported: a working remote-code model."""
     copy_model(default, d)
@@ -113,10 +122,11 @@ BROKEN = [  # (kind, builder, trust_remote_code, code)
     ("auto_map without trust", auto_map_local, False, "remote_code_required"),
     ("auto_map naming another repository, trusted", auto_map_other_repo, True, "invalid_model"),
     ("tokenizer auto_map naming another repository, trusted", tokenizer_auto_map_other_repo, True, "invalid_model"),
+    ("auto_map naming a module outside the directory by path, trusted", auto_map_outside_path, True, "invalid_model"),
 ]
 IDS = [getattr(row, "id", None) or row[0] for row in BROKEN]
 BUILDERS = [no_weights, config_not_json, config_a_list, truncated_safetensors, malicious_pickle, auto_map_local,
-            auto_map_other_repo, tokenizer_auto_map_other_repo, shipped_code]
+            auto_map_other_repo, tokenizer_auto_map_other_repo, auto_map_outside_path, shipped_code]
 SERVER = [sys.executable, "-m", "sidecar", "--log-level", "WARNING", "--max-models", "16"]
 
 

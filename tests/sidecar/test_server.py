@@ -192,3 +192,22 @@ def test_fuzz_leaves_the_server_serving(peer, engine):
     with engine.session() as fresh:
         expected = fresh.generate(token_ids=[5, 6, 7], max_new_tokens=8, eos_token_ids=[])
     assert reply["result"]["token_ids"] == expected.token_ids
+
+
+def test_serves_both_ways_on_one_socket(default_dir):
+    """--fds N,N on a socket: the writer's non-blocking mode is shared with the reader, which must cope."""
+    import socket
+
+    ours, theirs = socket.socketpair()
+    process = subprocess.Popen(SERVER + ["--fds", f"{theirs.fileno()},{theirs.fileno()}"], pass_fds=[theirs.fileno()],
+                               stderr=subprocess.DEVNULL)
+    theirs.close()
+    ours.sendall(frame(pack({"id": 1, "op": "ping"})))
+    decoder, replies = FrameDecoder(), []
+    while not replies:
+        data = ours.recv(4096)
+        assert data, "the server closed the socket without replying"
+        replies = decoder.feed(data)
+    assert unpack(replies[0]) == {"id": 1, "ok": True, "result": {}}
+    ours.shutdown(socket.SHUT_WR)
+    assert process.wait(10) == 0

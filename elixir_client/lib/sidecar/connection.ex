@@ -20,6 +20,10 @@ defmodule Sidecar.Connection do
   # past this ends with the sidecar, quietly.
   @relay_drain_ms 3_000
 
+  # Stderr lines kept from startup for the error of a failed start: an argparse usage text or a
+  # Python traceback fits.
+  @startup_tail_lines 40
+
   def start_link(opts) do
     {name, opts} = Keyword.pop(opts, :name)
     GenServer.start_link(__MODULE__, opts, if(name, do: [name: name], else: []))
@@ -31,7 +35,7 @@ defmodule Sidecar.Connection do
   def init(opts) do
     Process.flag(:trap_exit, true)
     relay = if opts[:log_stderr], do: open_relay()
-    port = open_sidecar(opts, relay && relay.fifo)
+    port = open_sidecar(opts, relay)
 
     state = %__MODULE__{
       port: port,
@@ -43,25 +47,25 @@ defmodule Sidecar.Connection do
 
     send_message(state, Protocol.request(@hello_id, "hello", %{}))
 
-    case await_hello(state, deadline(opts[:startup_timeout])) do
+    case await_hello(state, deadline(opts[:startup_timeout]), []) do
       {:ok, hello} ->
-        # The sidecar has opened the FIFO by now; only the open file is needed any more.
+        # The sidecar's stderr is open by now; only the open file is needed any more.
         if relay, do: File.rm(relay.fifo)
         {:ok, %{state | hello: hello, incarnation: make_ref()}}
 
-      {:error, error} ->
+      {:error, failure, tail} ->
         # A sidecar still loading would only notice its closed input once loaded: stop it now.
         if Port.info(port) do
           kill(state.os_pid)
           Port.close(port)
         end
 
-        close_relay(relay)
-        {:stop, error}
+        tail = Enum.take(close_relay(relay) ++ tail, @startup_tail_lines) |> Enum.reverse()
+        {:stop, startup_error(failure, tail, opts[:python], relay != nil)}
     end
   end
 
-  defp open_sidecar(opts, fifo) do
+  defp open_sidecar(opts, relay) do
     model_args =
       case opts[:model] do
         nil -> []
@@ -69,36 +73,47 @@ defmodule Sidecar.Connection do
         path -> ["--model", path]
       end
 
-    args =
-      ["-m", "sidecar", "--fds", "3,4"] ++
-        model_args ++ if(fifo, do: ["--stderr", fifo], else: []) ++ opts[:args]
-
+    args = ["-m", "sidecar", "--fds", "3,4"] ++ model_args ++ opts[:args]
     env = for {k, v} <- opts[:env], do: {String.to_charlist(k), String.to_charlist(v)}
-    port_opts = [:binary, {:packet, 4}, :exit_status, :nouse_stdio, args: args, env: env]
+    port_opts = [:binary, {:packet, 4}, :exit_status, :nouse_stdio, env: env]
+    port_opts = if opts[:cd], do: [{:cd, opts[:cd]} | port_opts], else: port_opts
 
-    Port.open(
-      {:spawn_executable, opts[:python]},
-      if(opts[:cd], do: [{:cd, opts[:cd]} | port_opts], else: port_opts)
-    )
+    case relay do
+      nil ->
+        Port.open({:spawn_executable, opts[:python]}, [{:args, args} | port_opts])
+
+      # A Port cannot redirect the stderr of a :nouse_stdio child, so a shell does it and then
+      # becomes Python (same OS pid): Python's stderr is the FIFO from its first line on, and even
+      # an argparse error or a failed import reaches us. The FIFO is the script's $0.
+      %{sh: sh, fifo: fifo} ->
+        script = ~S(exec "$@" 2>"$0")
+        Port.open({:spawn_executable, sh}, [{:args, ["-c", script, fifo, opts[:python] | args]} | port_opts])
+    end
   end
 
   # The child's stderr is the BEAM's own with :nouse_stdio, so the sidecar writes it into a FIFO
   # that `cat` relays to us line by line. We hold the FIFO open for reading and writing (unlike a
-  # read-only or write-only open, that does not wait for the other side), so `cat` opens it at once
-  # and meets its EOF only after we close our end: a sidecar that fails before it opens the FIFO (a bad flag, a
-  # wrong executable) cannot leave `cat` blocked in open() for ever, and a sidecar that exits leaves
-  # `cat` to relay its last lines and exit by itself. If this process dies, the runtime closes our
-  # end all the same. `cat`'s own stderr goes into its port too, so a `cat` that outlives the port
-  # ends quietly instead of printing "write error: Broken pipe" on the BEAM's stderr.
+  # read-only or write-only open, that does not wait for the other side), so `cat` and the
+  # sidecar's shell open it at once. Before the sidecar starts, `cat` must have opened it: we send an
+  # empty line through and wait for it to come back. Otherwise a sidecar that fails at once could
+  # have us close our end first, which loses what it wrote (a FIFO's data goes with its last open
+  # end) and leaves `cat` blocked in open() for ever. After that, `cat` meets its EOF only once the
+  # sidecar has exited and we have closed our end, having relayed every line. If this process dies,
+  # the runtime closes our end all the same. `cat`'s own stderr goes into its port too, so a `cat`
+  # that outlives the port ends quietly instead of printing "write error: Broken pipe" on the
+  # BEAM's stderr.
   defp open_relay do
     fifo =
       Path.join(System.tmp_dir!(), "sidecar-stderr-#{System.unique_integer([:positive])}-#{:os.getpid()}")
 
     with cat when is_binary(cat) <- System.find_executable("cat"),
+         sh when is_binary(sh) <- System.find_executable("sh"),
          {_, 0} <- System.cmd("mkfifo", ["-m", "600", fifo], stderr_to_stdout: true),
-         {:ok, writer} <- File.open(fifo, [:read, :write, :raw]) do
-      port_opts = [:binary, {:line, 16_384}, :exit_status, :stderr_to_stdout, args: [fifo]]
-      %{port: Port.open({:spawn_executable, cat}, port_opts), fifo: fifo, writer: writer}
+         {:ok, writer} <- File.open(fifo, [:read, :write, :raw]),
+         port_opts = [:binary, {:line, 16_384}, :exit_status, :stderr_to_stdout, args: [fifo]],
+         relay = %{port: Port.open({:spawn_executable, cat}, port_opts), fifo: fifo, writer: writer, sh: sh},
+         :ok <- relay_ready(relay) do
+      relay
     else
       _ ->
         File.rm(fifo)
@@ -111,23 +126,38 @@ defmodule Sidecar.Connection do
     end
   end
 
+  defp relay_ready(%{port: cat, writer: writer} = relay) do
+    :ok = :file.write(writer, "\n")
+
+    receive do
+      {^cat, {:data, {:eol, ""}}} -> :ok
+      {^cat, {:exit_status, _}} -> {:error, close_relay(relay)}
+    after
+      @relay_drain_ms ->
+        kill(port_os_pid(cat))
+        {:error, close_relay(relay)}
+    end
+  end
+
   # Once the sidecar has exited (or its Port is closed), our end is the last thing keeping the FIFO
-  # from `cat`'s EOF.
-  defp close_relay(nil), do: :ok
+  # from `cat`'s EOF. Returns the lines relayed meanwhile, the last first.
+  defp close_relay(nil), do: []
 
   defp close_relay(%{port: cat, fifo: fifo, writer: writer}) do
     File.close(writer)
-    drain_relay(cat, deadline(@relay_drain_ms))
+    lines = drain_relay(cat, deadline(@relay_drain_ms), [])
     File.rm(fifo)
-    :ok
+    lines
   end
 
-  defp drain_relay(cat, deadline) do
+  defp drain_relay(cat, deadline, lines) do
     receive do
-      {^cat, {:data, line}} -> log_line(line) && drain_relay(cat, deadline)
-      {^cat, {:exit_status, _}} -> :ok
+      {^cat, {:data, line}} -> drain_relay(cat, deadline, [log_line(line) | lines])
+      {^cat, {:exit_status, _}} -> lines
     after
-      remaining(deadline) -> if Port.info(cat), do: Port.close(cat)
+      remaining(deadline) ->
+        if Port.info(cat), do: Port.close(cat)
+        lines
     end
   end
 
@@ -145,31 +175,81 @@ defmodule Sidecar.Connection do
     :ok
   end
 
-  defp await_hello(%{port: port, relay: relay} = state, deadline) do
+  # The hello reply, or why there is none with the stderr lines relayed so far (the last first).
+  defp await_hello(%{port: port, relay: relay} = state, deadline, tail) do
     cat = relay && relay.port
 
     receive do
       {^port, {:data, payload}} ->
         case decode(state, payload) do
           {:reply, @hello_id, {:ok, hello}} -> {:ok, hello}
-          {:reply, @hello_id, {:error, error}} -> {:error, Error.from_reply(error)}
-          _other -> await_hello(state, deadline)
+          {:reply, @hello_id, {:error, error}} -> {:error, {:refused, error}, tail}
+          _other -> await_hello(state, deadline, tail)
         end
 
       {^port, {:exit_status, status}} ->
-        {:error,
-         Error.new(:sidecar_exited, "the sidecar exited with status #{status} during startup", %{
-           status: status
-         })}
+        {:error, {:exited, status}, tail}
 
       {^cat, {:data, line}} ->
-        log_line(line)
-        await_hello(state, deadline)
+        await_hello(state, deadline, Enum.take([log_line(line) | tail], @startup_tail_lines))
     after
-      remaining(deadline) ->
-        {:error, Error.new(:timeout, "the sidecar did not answer hello in time (startup_timeout)")}
+      remaining(deadline) -> {:error, :timeout, tail}
     end
   end
+
+  # The error of a failed start, its message naming the cause as the sidecar printed it; `details`
+  # carry the last lines of its stderr as one string.
+  defp startup_error({:refused, error}, _tail, _python, _relayed?), do: Error.from_reply(error)
+
+  defp startup_error(:timeout, tail, _python, _relayed?) do
+    Error.new(:timeout, "the sidecar did not answer hello in time (startup_timeout)", %{
+      stderr: Enum.join(tail, "\n")
+    })
+  end
+
+  defp startup_error({:exited, status}, tail, python, relayed?) do
+    message = "the sidecar exited with status #{status} during startup"
+    last_first = Enum.reverse(tail)
+
+    cause =
+      cond do
+        missing = Enum.find_value(last_first, &missing_module/1) ->
+          "#{python} #{missing}: set the :python option to the Python of the virtualenv the sidecar " <>
+            ~s(is installed in, e.g. python: "/path/to/.venv/bin/python")
+
+        line = Enum.find(last_first, &(&1 =~ ~r/\berror\b|Error\b|\bERROR\b|\bCRITICAL\b/)) ->
+          strip_log_prefix(line)
+
+        line = Enum.find(last_first, &(String.trim(&1) != "")) ->
+          strip_log_prefix(line)
+
+        relayed? ->
+          nil
+
+        true ->
+          "its stderr went to the BEAM's stderr (log_stderr: false)"
+      end
+
+    Error.new(:sidecar_exited, if(cause, do: "#{message}: #{cause}", else: message), %{
+      status: status,
+      stderr: Enum.join(tail, "\n")
+    })
+  end
+
+  # `python -m sidecar` without the package prints "python3: No module named sidecar"; an import
+  # that fails later (the package found in the working directory, a dependency missing) raises
+  # "ModuleNotFoundError: No module named 'torch'".
+  defp missing_module(line) do
+    case Regex.run(~r/No module named '?([\w.]+)'?/, line) do
+      [said, "sidecar"] -> "has no sidecar package (#{said})"
+      [said, _dependency] -> "lacks a module the sidecar needs (#{said})"
+      nil -> nil
+    end
+  end
+
+  # "2026-01-01 12:00:00,000 ERROR sidecar: cannot load ..." -> "cannot load ..."
+  defp strip_log_prefix(line),
+    do: String.replace(line, ~r/^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ [\w.]+: /, "")
 
   defp deadline(:infinity), do: :infinity
   defp deadline(ms), do: System.monotonic_time(:millisecond) + ms
@@ -325,6 +405,7 @@ defmodule Sidecar.Connection do
     end
   end
 
+  # Logs a relayed line and returns it.
   defp log_line({_eol_or_noeol, line}) do
     level =
       cond do
@@ -335,5 +416,6 @@ defmodule Sidecar.Connection do
       end
 
     Logger.log(level, "[sidecar] " <> line)
+    line
   end
 end

@@ -17,7 +17,8 @@ defmodule Sidecar.Error do
     * `load_model` failures: `:model_not_found`, `:invalid_model` (config or weights unreadable),
       `:not_causal_lm`, `:no_tokenizer`, `:remote_code_required`
     * rejected `generate` input: `:invalid_argument`, `:empty_input`, `:token_out_of_range`,
-      `:context_overflow`, `:unknown_strategy`, `:invalid_processor`
+      `:context_overflow`, `:unknown_strategy`, `:invalid_processor`, `:no_chat_template` (messages
+      for a model whose tokenizer has no chat template)
     * `:invalid_logits` - the processors left no token to sample from at some step
     * `:cancelled` - the generation was cancelled; `details` carry its partial `"text"`,
       `"token_ids"` and `"stats"`
@@ -27,6 +28,11 @@ defmodule Sidecar.Error do
   `:session_lost` (the session belonged to a sidecar that has since died), `:timeout`,
   `:not_running` (no connection under that name, or it is still starting). `details` keeps whatever
   else the sidecar sent.
+
+  A start that fails (`Sidecar.start_link/1`) is `:sidecar_exited` or `:timeout`. Its message ends
+  with the line of the sidecar's stderr that names the cause (a bad flag, a model that does not
+  load, a `:python` without the sidecar installed, with how to fix that one); `details` carry
+  `:status` (the exit status) and `:stderr`, the last lines the sidecar printed, as one string.
   """
 
   defexception [:reason, :message, details: %{}]
@@ -37,7 +43,7 @@ defmodule Sidecar.Error do
     duplicate_id limit_exceeded forbidden unknown_session session_exists unknown_model model_exists
     invalid_model cancelled too_many_requests internal model_not_found not_causal_lm no_tokenizer
     remote_code_required invalid_argument empty_input token_out_of_range context_overflow
-    unknown_strategy session_closed session_busy invalid_processor invalid_logits)
+    unknown_strategy session_closed session_busy invalid_processor invalid_logits no_chat_template)
 
   @doc false
   @spec from_reply(map()) :: t()

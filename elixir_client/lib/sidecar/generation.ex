@@ -3,6 +3,20 @@ defmodule Sidecar.Generation do
   Generation options, named as in Bumblebee's `GenerationConfig` where a name exists, mapped onto the
   protocol's `generate` parameters and processors.
 
+  The input is a string, a list of token ids, or a conversation: a list of messages
+  `%{role: "user", content: "Hi"}` (atom or string keys, the role an atom or a string; other keys go
+  to the template as they are), rendered by the model's own chat template (transformers'
+  `apply_chat_template`). A model without a chat template
+  answers `reason: :no_chat_template`. With messages only:
+
+    * `:chat_template` - the name of one of the model's templates, as listed in its model info's
+      `"chat_templates"` (`session.model["chat_templates"]`); default: the model's default
+    * `:add_generation_prompt` - open the assistant's turn after the messages (default: `true`
+      unless `:continue_final_message`)
+    * `:continue_final_message` - extend the last message instead of answering it (default: `false`)
+
+  Other options:
+
     * `:max_new_tokens` (default 16), `:min_new_tokens`
     * `:strategy` - `%{type: :greedy_search}` (default) or
       `%{type: :multinomial_sampling, top_k: ..., top_p: ...}` (both optional)
@@ -19,6 +33,13 @@ defmodule Sidecar.Generation do
 
   alias Sidecar.Processors
 
+  # {option, check, what it must be}; only with messages
+  @chat_options [
+    {:chat_template, &is_binary/1, "a template name"},
+    {:add_generation_prompt, &is_boolean/1, "true or false"},
+    {:continue_final_message, &is_boolean/1, "true or false"}
+  ]
+
   @options [
     :max_new_tokens,
     :min_new_tokens,
@@ -32,10 +53,21 @@ defmodule Sidecar.Generation do
     :stop,
     :processors,
     :timeout
+    | for({key, _, _} <- @chat_options, do: key)
   ]
 
-  @doc "The `generate` parameters for `input` (a string or a list of token ids). Raises on bad options."
-  @spec params(String.t() | [non_neg_integer()], keyword(), [non_neg_integer()] | nil) :: map()
+  @typedoc "A chat message: `role` and `content` (and any other key the template reads), atom or string keys."
+  @type message :: %{
+          required(:role | String.t()) => atom() | String.t(),
+          required(:content | String.t()) => String.t()
+        }
+  @type input :: String.t() | [non_neg_integer()] | [message()]
+
+  @doc """
+  The `generate` parameters for `input` (a string, a list of token ids or a list of messages).
+  Raises `ArgumentError` on bad options or a malformed message.
+  """
+  @spec params(input(), keyword(), [non_neg_integer()] | nil) :: map()
   def params(input, opts, model_eos_ids) do
     for {key, _} <- opts, key not in @options do
       raise ArgumentError,
@@ -67,7 +99,8 @@ defmodule Sidecar.Generation do
           Processors.configure(Processors.Temperature, temperature: opts[:temperature])
       ] ++ sampling ++ Keyword.get(opts, :processors, [])
 
-    input_param(input)
+    input
+    |> input_param(opts)
     |> Map.merge(%{
       "max_new_tokens" => Keyword.get(opts, :max_new_tokens, 16),
       "strategy" => strategy,
@@ -78,11 +111,91 @@ defmodule Sidecar.Generation do
     |> put_present("seed", opts[:seed])
   end
 
-  defp input_param(prompt) when is_binary(prompt), do: %{"prompt" => prompt}
-  defp input_param(ids) when is_list(ids), do: %{"token_ids" => ids}
+  defp input_param(prompt, opts) when is_binary(prompt), do: no_chat_options!(opts, %{"prompt" => prompt})
 
-  defp input_param(other),
-    do: raise(ArgumentError, "input must be a string or a list of token ids, got #{inspect(other)}")
+  defp input_param([message | _] = messages, opts) when is_map(message) do
+    for {key, ok?, expected} <- @chat_options,
+        reduce: %{"messages" => Enum.with_index(messages, &message!/2)} do
+      params -> put_present(params, Atom.to_string(key), option!(opts, key, ok?, expected))
+    end
+  end
+
+  defp input_param(ids, opts) when is_list(ids) do
+    unless Enum.all?(ids, &is_integer/1) do
+      raise ArgumentError,
+            "input must be a string, a list of token ids or a list of messages, got #{inspect(ids, limit: 8)}"
+    end
+
+    no_chat_options!(opts, %{"token_ids" => ids})
+  end
+
+  defp input_param(other, _opts),
+    do:
+      raise(
+        ArgumentError,
+        "input must be a string, a list of token ids or a list of messages, got #{inspect(other, limit: 8)}"
+      )
+
+  defp no_chat_options!(opts, param) do
+    case Enum.find(@chat_options, fn {key, _, _} -> Keyword.has_key?(opts, key) end) do
+      nil -> param
+      {key, _, _} -> raise ArgumentError, "option #{inspect(key)} applies only to a list of messages"
+    end
+  end
+
+  defp option!(opts, key, ok?, expected) do
+    value = opts[key]
+
+    unless value == nil or ok?.(value) do
+      raise ArgumentError, "option #{inspect(key)} must be #{expected}, got #{inspect(value)}"
+    end
+
+    value
+  end
+
+  # `role` and `content` are required; other keys go to the template as they are (a template may
+  # use `name`, for example). Each key is an atom or a string, never both.
+  defp message!(message, index) when is_map(message) do
+    message =
+      Map.new(message, fn
+        {key, value} when is_atom(key) and key not in [nil, true, false] ->
+          if Map.has_key?(message, Atom.to_string(key)),
+            do: raise(ArgumentError, "message #{index} gives #{key} twice, as an atom and a string key")
+
+          {Atom.to_string(key), value}
+
+        {key, value} when is_binary(key) ->
+          {key, value}
+
+        {key, _} ->
+          raise ArgumentError, "message #{index}: keys must be atoms or strings, got #{inspect(key)}"
+      end)
+
+    case message do
+      %{"role" => role, "content" => content}
+      when is_binary(content) and (is_binary(role) or (is_atom(role) and role not in [nil, true, false])) ->
+        %{message | "role" => to_string(role)}
+
+      %{"role" => _, "content" => content} when not is_binary(content) ->
+        raise ArgumentError, "message #{index}: content must be a string, got #{inspect(content, limit: 8)}"
+
+      %{"role" => role, "content" => _} ->
+        raise ArgumentError, "message #{index}: role must be a string or an atom, got #{inspect(role)}"
+
+      _ ->
+        missing = Enum.reject(["role", "content"], &Map.has_key?(message, &1))
+
+        raise ArgumentError,
+              "message #{index} has no #{Enum.join(missing, " and no ")}: #{inspect(message, limit: 8)}"
+    end
+  end
+
+  defp message!(other, index),
+    do:
+      raise(
+        ArgumentError,
+        "message #{index} must be a map with role and content, got #{inspect(other, limit: 8)}"
+      )
 
   defp strategy(%{type: :greedy_search}), do: {"greedy", []}
 

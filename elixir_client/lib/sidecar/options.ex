@@ -4,7 +4,11 @@ defmodule Sidecar.Options do
   """
 
   @definitions [
-    python: [doc: "the Python executable that has the sidecar installed", default: "python3"],
+    python: [
+      doc:
+        "the Python executable that has the sidecar installed, such as the venv's `/path/to/.venv/bin/python`; the default rarely has it",
+      default: "python3"
+    ],
     model: [
       doc: ~s(a local model directory, or `:default` for the embedded tiny model, or `nil` to load none),
       default: :default

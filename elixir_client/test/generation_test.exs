@@ -1,0 +1,86 @@
+defmodule Sidecar.GenerationTest do
+  use ExUnit.Case, async: true
+
+  alias Sidecar.Generation
+
+  test "a list of messages is a chat input, with atom or string keys and roles" do
+    messages = [
+      %{role: :system, content: "Be brief."},
+      %{"role" => "user", "content" => "Hi"},
+      %{:role => "assistant", "content" => "Hello!"}
+    ]
+
+    params = Generation.params(messages ++ [%{role: :user, content: "Hi", name: "ann"}], [], [2])
+
+    assert params["messages"] == [
+             %{"role" => "system", "content" => "Be brief."},
+             %{"role" => "user", "content" => "Hi"},
+             %{"role" => "assistant", "content" => "Hello!"},
+             # other keys go to the template
+             %{"role" => "user", "content" => "Hi", "name" => "ann"}
+           ]
+
+    refute Map.has_key?(params, "prompt") or Map.has_key?(params, "token_ids")
+    # left out, the sidecar's defaults apply
+    refute Map.has_key?(params, "chat_template") or Map.has_key?(params, "add_generation_prompt") or
+             Map.has_key?(params, "continue_final_message")
+  end
+
+  test "the chat options go on the wire as given" do
+    params =
+      Generation.params(
+        [%{role: "user", content: "Hi"}],
+        [chat_template: "tool_use", add_generation_prompt: false, continue_final_message: true],
+        nil
+      )
+
+    assert %{
+             "chat_template" => "tool_use",
+             "add_generation_prompt" => false,
+             "continue_final_message" => true
+           } = params
+  end
+
+  test "malformed messages raise ArgumentError naming the message" do
+    for {bad, pattern} <- [
+          {[%{role: "user"}], ~r/message 0 has no content/},
+          {[%{role: "user", content: "a"}, %{content: "b"}], ~r/message 1 has no role/},
+          {[%{role: "user", content: 42}], ~r/message 0: content must be a string/},
+          {[%{role: nil, content: "a"}], ~r/message 0: role must be a string or an atom/},
+          {[%{"role" => "user"}], ~r/message 0 has no content/},
+          {[%{name: "x"}], ~r/message 0 has no role and no content/},
+          {[%{:role => "user", :content => "a", 1 => "x"}], ~r/message 0: keys must be atoms or strings/},
+          {[%{:role => "user", "role" => "user", :content => "a"}], ~r/message 0 gives role twice/},
+          {[%{role: "user", content: "a"}, "b"], ~r/message 1 must be a map/},
+          {[1, %{role: "user", content: "a"}],
+           ~r/input must be a string, a list of token ids or a list of messages/},
+          {%{role: "user", content: "a"}, ~r/input must be/}
+        ] do
+      assert_raise ArgumentError, pattern, fn -> Generation.params(bad, [], nil) end
+    end
+  end
+
+  test "chat options are checked, and refused without messages" do
+    messages = [%{role: "user", content: "Hi"}]
+
+    assert_raise ArgumentError, ~r/option :chat_template must be a template name/, fn ->
+      Generation.params(messages, [chat_template: :chatml], nil)
+    end
+
+    assert_raise ArgumentError, ~r/option :add_generation_prompt must be true or false/, fn ->
+      Generation.params(messages, [add_generation_prompt: "yes"], nil)
+    end
+
+    assert_raise ArgumentError, ~r/option :continue_final_message must be true or false/, fn ->
+      Generation.params(messages, [continue_final_message: 1], nil)
+    end
+
+    assert_raise ArgumentError, ~r/option :chat_template applies only to a list of messages/, fn ->
+      Generation.params("Hi", [chat_template: "default"], nil)
+    end
+
+    assert_raise ArgumentError, ~r/option :continue_final_message applies only to a list of messages/, fn ->
+      Generation.params([1, 2], [continue_final_message: false], nil)
+    end
+  end
+end
