@@ -26,6 +26,8 @@ NAMES = (("*", "session"), ("*", "model"), ("load_model", "name"), ("load_model"
 class Limits:
     max_frame_bytes: int = _limit(16 * 1024 * 1024, "largest frame read or written, in bytes")
     max_in_flight: int = _limit(1024, "requests queued or running at once (generate, session_info, close_session)")
+    max_queued_bytes: int = _limit(
+        64 * 1024 * 1024, "frame bytes of the requests in flight together (their decoded form takes several times that)")
     max_depth: int = _limit(32, "nesting depth of maps and lists in one request")
     max_prompt_bytes: int = _limit(
         1024 * 1024, "UTF-8 bytes of a generate prompt or messages, or a tokenize text, checked before tokenizing",

@@ -41,6 +41,7 @@ SESSION_OPS = ("generate", "close_session", "session_info")
 @dataclass
 class Job:
     request: Request
+    size: int  # bytes of its frame: what it holds in memory is bounded through them (max_queued_bytes)
     generation: Generation | None = None
     streamed: bool = False
 
@@ -72,6 +73,7 @@ class Server:
         self.sessions: dict[str, tuple[str, object]] = {}  # name -> (model name, Session)
         self.queues: dict[str, deque[Job]] = {}  # session name -> jobs in arrival order
         self.in_flight: dict[int, Job] = {}
+        self.queued_bytes = 0  # frame bytes of the jobs in flight
         self.active: list[Job] = []  # running generations, stepped round-robin
         self._names = 0
         self.started = time.time()
@@ -117,7 +119,7 @@ class Server:
             rid = request_id_of(message)
             if rid in self.in_flight:  # before anything else: any other error would settle the request in flight
                 raise ProtocolError(codes.DUPLICATE_ID, f"request id {rid} is already in flight", rid)
-            self.dispatch(parse_request(message, self.limits))
+            self.dispatch(parse_request(message, self.limits), len(payload))
         except ProtocolError as problem:
             self.writer.send(problem_reply(problem.request_id, problem))
         except SidecarError as problem:
@@ -129,17 +131,20 @@ class Server:
 
     # ---- dispatch --------------------------------------------------------------------------------
 
-    def dispatch(self, request: Request) -> None:
+    def dispatch(self, request: Request, size: int) -> None:
         if request.op in SESSION_OPS:
             if len(self.in_flight) >= self.limits.max_in_flight:
                 raise ProtocolError(codes.TOO_MANY_REQUESTS, f"{self.limits.max_in_flight} requests in flight (max_in_flight)",
                                     request.id, limit="max_in_flight", max=self.limits.max_in_flight,
                                     value=len(self.in_flight) + 1)
+            if self.queued_bytes + size > self.limits.max_queued_bytes:
+                raise self.limits.exceeded("max_queued_bytes", self.queued_bytes + size, request.id)
             name = request.params["session"]
             if name not in self.sessions:
                 raise ProtocolError(codes.UNKNOWN_SESSION, f"no open session {name!r}", request.id, session=name)
-            job = Job(request)
+            job = Job(request, size)
             self.in_flight[request.id] = job
+            self.queued_bytes += size
             self.queues[name].append(job)
             self._advance(name)
             return
@@ -204,7 +209,8 @@ class Server:
 
     def _retire(self, job: Job, reply: dict | None) -> None:
         """Takes a job out of every table and sends its reply."""
-        self.in_flight.pop(job.request.id, None)
+        if self.in_flight.pop(job.request.id, None) is not None:
+            self.queued_bytes -= job.size
         if job in self.active:
             self.active.remove(job)
         jobs = self.queues.get(job.request.params.get("session"))

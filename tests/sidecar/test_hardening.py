@@ -371,3 +371,18 @@ def test_undecodable_tokens_stream_in_bounded_time(engine):
     pieces = [detokenizer.push(lone) for _ in range(10 * MAX_HELD)]
     assert sum(1 for p in pieces if p) >= 9, "undecodable text was held back"
     assert "".join(pieces) + detokenizer.flush() == engine.tokenizer.decode([lone] * 10 * MAX_HELD)
+
+
+def test_the_bytes_of_queued_requests_are_bounded(default_dir):
+    """Many large requests queued behind a long generation: memory would grow with each; past the limit, refused."""
+    with Peer(SERVER + ["--max-queued-bytes", "14000"], stderr=subprocess.DEVNULL) as peer:
+        peer.call("open_session", session="m")
+        peer.send({"id": 1, "op": "generate", "session": "m", "token_ids": [5], "max_new_tokens": 300, "eos_token_ids": []})
+        big = list(range(300, 1000)) * 2 + list(range(300, 900))  # 2,000 ids, 6 KB on the wire
+        for rid in (2, 3, 4):
+            peer.send({"id": rid, "op": "generate", "session": "m", "token_ids": big, "max_new_tokens": 0})
+        got = finals(peer, [1, 2, 3, 4])
+        assert got[1]["ok"] and got[2]["ok"] and got[3]["ok"]
+        assert got[4]["error"]["code"] == "limit_exceeded" and got[4]["error"]["limit"] == "max_queued_bytes"
+        assert peer.call("stats")["result"]["in_flight"] == 0
+        assert peer.call("generate", session="m", token_ids=big, max_new_tokens=0)["ok"], "the bytes were not released"
