@@ -191,7 +191,7 @@ class Server:
 
     def _step(self, job: Job) -> None:
         try:
-            token = next(job.generation)
+            token = job.generation.step()
         except StopIteration:
             self._finish(job, generation_reply(job))
         except SidecarError as problem:
@@ -201,7 +201,7 @@ class Server:
         except Exception as bug:
             self._finish(job, internal_reply(job.request.id, bug))
         else:
-            if job.request.params["stream"]:
+            if token is not None and job.request.params["stream"]:
                 first = not job.streamed
                 job.streamed = True
                 # the first token goes out at once (time to first token); later ones may be coalesced

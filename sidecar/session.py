@@ -191,7 +191,8 @@ class Session:
 
 
 class Generation:
-    """One generate call, run one decode step per `next()`, so callers can interleave and cancel.
+    """One generate call, run one decode step per `next()` (or one prefill chunk or decode step per
+    `step()`), so callers can interleave and cancel.
 
     The texts of the events, joined, are exactly `result.text`.
     """
@@ -208,6 +209,16 @@ class Generation:
         return self
 
     def __next__(self) -> TokenEvent:
+        while (event := next(self._steps)) is None:
+            pass
+        return event
+
+    def step(self) -> TokenEvent | None:
+        """One unit of work: a prefill chunk (None) or a decode step (its event); StopIteration at the end.
+
+        A caller that runs several generations (the server) steps each in turn, so a long prompt's
+        prefill does not hold up the others, and a cancel takes effect between chunks.
+        """
         return next(self._steps)
 
     def cancel(self) -> None:
@@ -261,11 +272,18 @@ class Generation:
 
         stats.reused_tokens = reused
         fresh = request.input_ids[reused:]
-        stats.prefill_tokens = len(fresh)
         session.history = list(request.input_ids)
-        with torch.inference_mode():
-            logits = prefill(engine.model, session.cache, fresh, reused, engine.prefill_chunk)
-        session.cached = len(request.input_ids)
+        chunk = engine.prefill_chunk
+        for offset in range(0, len(fresh), chunk):
+            if offset:  # between chunks: other work may run, and a cancel stops the prefill here
+                yield None
+                if self._cancelled:
+                    return "cancelled"
+            piece = fresh[offset : offset + chunk]
+            with torch.inference_mode():
+                logits = prefill(engine.model, session.cache, piece, reused + offset, chunk)
+            session.cached = reused + offset + len(piece)
+            stats.prefill_tokens = offset + len(piece)
         if request.max_new_tokens == 0:
             return "length"
 

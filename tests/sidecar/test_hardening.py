@@ -386,3 +386,49 @@ def test_the_bytes_of_queued_requests_are_bounded(default_dir):
         assert got[4]["error"]["code"] == "limit_exceeded" and got[4]["error"]["limit"] == "max_queued_bytes"
         assert peer.call("stats")["result"]["in_flight"] == 0
         assert peer.call("generate", session="m", token_ids=big, max_new_tokens=0)["ok"], "the bytes were not released"
+
+
+# ---- a long prefill does not hold up the rest -----------------------------------------------------------
+
+LONG = [10 + i % 1000 for i in range(1980)]
+
+
+def test_a_ping_during_a_long_prefill_is_answered_between_chunks(default_dir):
+    with Peer(SERVER + ["--prefill-chunk", "16"], stderr=subprocess.DEVNULL) as peer:
+        peer.call("open_session", session="l")
+        peer.send({"id": 1, "op": "generate", "session": "l", "token_ids": LONG, "max_new_tokens": 1, "stream": True})
+        time.sleep(0.05)  # the prefill of 124 chunks is under way
+        peer.send({"id": 2, "op": "ping"})
+        assert peer.read_message() == {"id": 2, "ok": True, "result": {}}, "the ping waited for the whole prefill"
+        events, reply = peer.reply_for(1)
+        assert reply["ok"] and len(events) == 1
+
+
+def test_cancel_stops_a_prefill_between_chunks_and_keeps_what_was_computed(default_dir, engine):
+    with Peer(SERVER + ["--prefill-chunk", "16"], stderr=subprocess.DEVNULL) as peer:
+        peer.call("open_session", session="c")
+        peer.send({"id": 1, "op": "generate", "session": "c", "token_ids": LONG, "max_new_tokens": 4, "stream": True})
+        time.sleep(0.05)
+        peer.send({"id": 2, "op": "cancel", "target": 1})
+        error = peer.reply_for(1)[1]["error"]
+        assert error["code"] == "cancelled" and error["token_ids"] == []
+        done = error["stats"]["prefill_tokens"]
+        assert 0 < done < len(LONG) - 1 and done % 16 == 0
+        after = peer.call("generate", session="c", token_ids=LONG, max_new_tokens=4, eos_token_ids=[])["result"]
+    assert after["stats"]["reused_tokens"] == done
+    assert after["token_ids"] == fresh_tokens(engine, token_ids=LONG, max_new_tokens=4, eos_token_ids=[])
+
+
+def test_step_reports_each_prefill_chunk(default_dir):
+    from sidecar import Engine
+
+    engine = Engine.load(default_dir, prefill_chunk=10)
+    with engine.session() as session:
+        generation = session.stream(token_ids=list(range(10, 55)), max_new_tokens=2, eos_token_ids=[])
+        steps = []
+        while True:
+            try:
+                steps.append(generation.step())
+            except StopIteration:
+                break
+    assert steps[:4] == [None] * 4 and all(s is not None for s in steps[4:]) and len(steps) == 6
