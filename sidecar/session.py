@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 import secrets
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -108,7 +109,9 @@ class Session:
         self.cache = None  # KV of history[:cached]
         self.cached = 0
         self.closed = False
-        self.running: Generation | None = None
+        # The generation under way, weakly: a stream its caller dropped unfinished ends (as if
+        # cancelled where it stood) instead of keeping the session busy for ever.
+        self._running: weakref.ref | None = None
 
     def __enter__(self) -> "Session":
         return self
@@ -117,8 +120,9 @@ class Session:
         self.close()
 
     def close(self) -> None:
-        if self.running is not None:
-            self.running.cancel()
+        running = self.running
+        if running is not None:
+            running.cancel()
         self.drop_cache()
         self.closed = True
         self.engine._forget(self)
@@ -129,7 +133,12 @@ class Session:
     @property
     def busy(self) -> bool:
         """A generation of this session has started and not finished."""
-        return self.running is not None and not self.running.done
+        running = self.running
+        return running is not None and not running.done
+
+    @property
+    def running(self) -> "Generation | None":
+        return self._running() if self._running is not None else None
 
     @property
     def cache_bytes(self) -> int:
@@ -159,8 +168,9 @@ class Session:
         if self.busy:
             raise SessionBusy(f"session {self.id} is already generating; finish or cancel that generation first")
         request = self.engine.validate(prompt, **options)
-        self.running = Generation(self, request)
-        return self.running
+        generation = Generation(self, request)
+        self._running = weakref.ref(generation)
+        return generation
 
     def _reuse(self, input_ids: list[int]) -> Checkpoint:
         """Crops the cache to the longest reusable prefix of `input_ids`; the checkpoint's `keep` is its length."""
@@ -200,10 +210,16 @@ class Generation:
     def __init__(self, session: Session, request: Request):
         self.session = session
         self.request = request
-        self.result: Result | None = None
-        self.done = False
-        self._cancelled = False
-        self._steps = self._run()
+        self._run = _Run(session, request)
+        self._steps = self._run.steps()
+
+    @property
+    def result(self) -> Result | None:
+        return self._run.result
+
+    @property
+    def done(self) -> bool:
+        return self._run.done
 
     def __iter__(self) -> Iterator[TokenEvent]:
         return self
@@ -227,13 +243,26 @@ class Generation:
         Called from inside a step (a processor, another thread), it only marks the generation: the step
         under way finishes and the next one does not start.
         """
-        self._cancelled = True
+        self._run.cancelled = True
         if inspect.getgeneratorstate(self._steps) == inspect.GEN_RUNNING:
             return
         for _ in self:
             pass
 
-    def _run(self) -> Iterator[TokenEvent]:
+
+class _Run:
+    """The state of a generation's steps, apart from `Generation`: its generator refers to this and not
+    to the `Generation`, so a stream its caller drops is freed at once (no cycle to wait for the
+    collector) and ends where it stood."""
+
+    def __init__(self, session: Session, request: Request):
+        self.session = session
+        self.request = request
+        self.result: Result | None = None
+        self.done = False
+        self.cancelled = False
+
+    def steps(self) -> Iterator[TokenEvent | None]:
         session, request = self.session, self.request
         started = time.perf_counter()
         stats = Stats(prompt_tokens=len(request.input_ids))
@@ -243,9 +272,11 @@ class Generation:
         saved = None
         try:
             session.engine._touch(session)
-            if not self._cancelled:
+            if not self.cancelled:
                 saved = session._reuse(request.input_ids)
                 finish = yield from self._decode(saved.keep, started, stats, generated, pieces)
+        except GeneratorExit:  # dropped unfinished: it stands where it was, like a cancel (consistent at a yield)
+            raise
         except BaseException:
             # A failed call leaves the session exactly as it was, half-written cache and history undone.
             if saved is not None:
@@ -277,7 +308,7 @@ class Generation:
         for offset in range(0, len(fresh), chunk):
             if offset:  # between chunks: other work may run, and a cancel stops the prefill here
                 yield None
-                if self._cancelled:
+                if self.cancelled:
                     return "cancelled"
             piece = fresh[offset : offset + chunk]
             with torch.inference_mode():
@@ -296,7 +327,7 @@ class Generation:
         # idiom) are allowed on the tensors the model returned.
         with torch.inference_mode():
             states = request.chain.init(context)
-        while not self._cancelled:
+        while not self.cancelled:
             with torch.inference_mode():
                 states, processed = request.chain.process(states, logits, context)
             check_logits(processed, request.chain, logits.shape)
@@ -321,7 +352,7 @@ class Generation:
             yield TokenEvent(token, text)
             if finish is not None:
                 return finish
-            if self._cancelled:  # no forward pass for a token nobody will see
+            if self.cancelled:  # no forward pass for a token nobody will see
                 break
             with torch.inference_mode():
                 logits = decode_step(engine.model, session.cache, token, session.cached)

@@ -432,3 +432,17 @@ def test_step_reports_each_prefill_chunk(default_dir):
             except StopIteration:
                 break
     assert steps[:4] == [None] * 4 and all(s is not None for s in steps[4:]) and len(steps) == 6
+
+
+def test_a_stream_dropped_unfinished_stands_as_if_cancelled(engine):
+    with engine.session() as session:
+        seen = []
+        for event in session.stream(token_ids=[5, 6, 7], max_new_tokens=20, eos_token_ids=[]):
+            seen.append(event.token_id)
+            if len(seen) == 3:
+                break
+        assert not session.busy, "a dropped stream kept the session busy"
+        assert session.history == [5, 6, 7] + seen
+        follow = session.generate(token_ids=[5, 6, 7] + seen, max_new_tokens=2, eos_token_ids=[])
+    assert follow.stats.reused_tokens == 3 + len(seen) - 1
+    assert follow.token_ids == fresh_tokens(engine, token_ids=[5, 6, 7] + seen, max_new_tokens=2, eos_token_ids=[])
