@@ -55,7 +55,10 @@ def close(session):
 
 
 def start_a_stream(session):
-    next(session.stream(token_ids=PRIMER, max_new_tokens=50, eos_token_ids=[]))
+    """Returns the stream, which the caller keeps: a stream dropped unfinished would end at once."""
+    stream = session.stream(token_ids=PRIMER, max_new_tokens=50, eos_token_ids=[])
+    next(stream)
+    return stream
 
 
 # ---- the Python API ---------------------------------------------------------------------------------------
@@ -177,8 +180,7 @@ def test_python_api(engine, primed_history, kind, given, code):
         session.generate(token_ids=PRIMER, max_new_tokens=4, eos_token_ids=[])
         assert session.history == history
         prepare = PREPARE.get(kind)
-        if prepare:
-            prepare(session)
+        kept = prepare(session) if prepare else None  # noqa: F841 (a started stream must stay referenced)
         before = snapshot(session)
         with pytest.raises((SidecarError, P.ProcessorError)) as caught:
             if callable(given):
