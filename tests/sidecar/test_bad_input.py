@@ -180,7 +180,7 @@ def test_python_api(engine, primed_history, kind, given, code):
         session.generate(token_ids=PRIMER, max_new_tokens=4, eos_token_ids=[])
         assert session.history == history
         prepare = PREPARE.get(kind)
-        kept = prepare(session) if prepare else None  # noqa: F841 (a started stream must stay referenced)
+        kept = prepare(session) if prepare else None  # a started stream must stay referenced until the check
         before = snapshot(session)
         with pytest.raises((SidecarError, P.ProcessorError)) as caught:
             if callable(given):
@@ -189,6 +189,7 @@ def test_python_api(engine, primed_history, kind, given, code):
                 session.generate(**given)
         assert caught.value.code == code, caught.value
         assert snapshot(session) == before
+        del kept
         if prepare is None:
             # the session still means what it meant: same tokens as a fresh one, and the same reuse as before
             result = session.generate(token_ids=history, max_new_tokens=4, eos_token_ids=[])
