@@ -12,6 +12,7 @@ from math import prod
 import msgpack
 
 from .errors import INVALID_MSGPACK, ProtocolError
+from .schema import request_id_of
 
 # dtype name -> (bytes per element, Nx type)
 DTYPES = {
@@ -46,8 +47,7 @@ def peek_request_id(head: bytes) -> int | None:
     try:
         for _ in range(unpacker.read_map_header()):
             if unpacker.unpack() == "id":
-                rid = unpacker.unpack()
-                return rid if isinstance(rid, int) and not isinstance(rid, bool) and 0 <= rid < 2**64 else None
+                return request_id_of({"id": unpacker.unpack()})
             unpacker.skip()
     except (msgpack.exceptions.OutOfData, ValueError, TypeError, msgpack.exceptions.StackError):
         pass

@@ -97,17 +97,22 @@ def _walk(value, *, keys: bool):
             yield item
 
 
+# (op, param) -> [(limit, measure)], read once from the declarations ("*" for every op)
+BOUNDS: dict[tuple[str, str], list[tuple[str, str]]] = {}
+for _field in dataclasses.fields(Limits):
+    for _bound in _field.metadata["bounds"]:
+        BOUNDS.setdefault(_bound, []).append((_field.name, _field.metadata["measure"]))
+
+
 def check_params(op: str, params: dict, limits: Limits, request_id: int) -> None:
     """Raises `limit_exceeded` for the first parameter value over a limit; values are assumed well-typed."""
-    for field in dataclasses.fields(Limits):
-        cap = getattr(limits, field.name)
-        for bound_op, param in field.metadata["bounds"]:
-            value = params.get(param)
-            if value is None or bound_op not in ("*", op):
-                continue
-            size = _measure(field.metadata["measure"], value)
-            if size > cap:
-                raise limits.exceeded(field.name, size, request_id, param=param)
+    for param, value in params.items():
+        if value is None:
+            continue
+        for name, measure in BOUNDS.get((op, param), []) + BOUNDS.get(("*", param), []):
+            size = _measure(measure, value)
+            if size > getattr(limits, name):
+                raise limits.exceeded(name, size, request_id, param=param)
 
 
 def check_depth(value, max_depth: int, request_id: int | None, param: str, *, start: int = 1) -> None:

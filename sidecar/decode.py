@@ -45,9 +45,9 @@ def check_logits(logits, chain, shape: torch.Size) -> None:
     One reduction per step: the maximum is -inf when every token was removed, and +inf or NaN when any
     logit is (NaN propagates through max).
     """
-    names = ", ".join(p.name for p in chain.processors) or "none"
     if not isinstance(logits, torch.Tensor) or logits.shape != shape or not logits.dtype.is_floating_point:
         got = f"{tuple(logits.shape)} {logits.dtype}" if isinstance(logits, torch.Tensor) else type(logits).__name__
+        names = _names(chain)
         raise InvalidLogits(f"the processors ({names}) returned {got}, not logits of shape {tuple(shape)}",
                             processors=names)
     top = float(logits.max())
@@ -57,7 +57,12 @@ def check_logits(logits, chain, shape: torch.Size) -> None:
         problem = "a logit is +inf or NaN (a scale overflowed float32?)"
     else:
         return
+    names = _names(chain)
     raise InvalidLogits(f"nothing to sample from after the processors ({names}): {problem}", processors=names)
+
+
+def _names(chain) -> str:
+    return ", ".join(p.name for p in chain.processors) or "none"
 
 
 def sample(logits: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> int:

@@ -79,7 +79,7 @@ def test_a_server_that_hangs_up_fails_every_script_without_a_traceback():
 
 
 @pytest.mark.parametrize("argv", [[], ["--connect", "/x", "--", "server"], ["--connect", "/x", "--fds", "3,4"], ["--fds", "3"]])
-def test_takes_exactly_one_way_to_reach_the_server(argv, capsys):
+def test_takes_exactly_one_way_to_reach_the_server(argv):
     with pytest.raises(SystemExit) as stopped:
         conformance.main(argv)
     assert stopped.value.code == 2

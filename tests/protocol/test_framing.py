@@ -28,7 +28,7 @@ def test_an_oversized_frame_is_reported_and_skipped_without_being_buffered():
     got, buffered = [], 0
     for start in range(0, len(stream), 5000):
         got += decoder.feed(stream[start : start + 5000])
-        buffered = max(buffered, decoder._buffer.__len__())
+        buffered = max(buffered, len(decoder._buffer))
     assert got[0] == b"y" * 1024 and got[2] == b"after" and len(got) == 3
     assert got[1] == OversizedFrame(len(big), big[:PEEK_BYTES])
     assert buffered <= PEEK_BYTES + 5000, "the oversized body was buffered"

@@ -21,7 +21,6 @@ from protocol.peer import Peer
 from protocol.schema import request_id_of
 from sidecar import Engine
 from sidecar.errors import SidecarError
-from sidecar.session import common_prefix
 
 from .conftest import tokens
 
@@ -194,7 +193,8 @@ def test_python_api(engine, primed_history, kind, given, code):
             # the session still means what it meant: same tokens as a fresh one, and the same reuse as before
             result = session.generate(token_ids=history, max_new_tokens=4, eos_token_ids=[])
             assert result.token_ids == expected_follow_up
-            assert result.stats.reused_tokens == min(common_prefix(before[0][: before[1]], history), len(history) - 1)
+            # `before` holds exactly `history` (asserted above), so all it cached is reusable
+            assert result.stats.reused_tokens == min(before[1], len(history) - 1)
     CATALOGUE.append(Ran(kind, "python", code))
 
 
@@ -511,5 +511,4 @@ def test_the_catalogue(servers, engine, capsys, request):
                  f"{len({ran.code for ran in CATALOGUE})} distinct codes, {len(MESSAGES)} server messages read")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
-    declared = {row[0] for row in API_ROWS + PROTOCOL_ROWS}
-    assert len(declared) >= 45
+    assert len(kinds) >= 45, "fewer kinds of bad input ran than the issue asks for"

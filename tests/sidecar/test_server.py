@@ -64,7 +64,7 @@ def test_a_busy_main_thread_still_exits_soon_after_eof():
     """The reader's watchdog ends the process when the main thread is stuck (say, in a long forward pass)."""
     code = (
         "import os, time; from sidecar.transport import FrameReader, InputClosed; r, w = os.pipe(); os.close(w); "
-        "t = time.monotonic(); FrameReader(r, 1024, InputClosed()).start(); time.sleep(30)"
+        "FrameReader(r, 1024, InputClosed()).start(); time.sleep(30)"
     )
     started = time.monotonic()
     assert subprocess.run([sys.executable, "-c", code], timeout=20).returncode == 0

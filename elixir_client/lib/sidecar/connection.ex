@@ -130,12 +130,17 @@ defmodule Sidecar.Connection do
     :ok = :file.write(writer, "\n")
 
     receive do
-      {^cat, {:data, {:eol, ""}}} -> :ok
-      {^cat, {:exit_status, _}} -> {:error, close_relay(relay)}
+      {^cat, {:data, {:eol, ""}}} ->
+        :ok
+
+      {^cat, {:exit_status, _}} ->
+        close_relay(relay)
+        :error
     after
       @relay_drain_ms ->
         kill(port_os_pid(cat))
-        {:error, close_relay(relay)}
+        close_relay(relay)
+        :error
     end
   end
 
