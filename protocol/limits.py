@@ -41,6 +41,9 @@ class Limits:
     max_stop_bytes: int = _limit(
         4096, "UTF-8 bytes of all stop strings of one generate together",
         bounds=(("generate", "stop"),), measure="bytes")
+    max_sequences: int = _limit(
+        64, "num_beams or num_samples of one generate: rows decoded together",
+        bounds=(("generate", "num_beams"), ("generate", "num_samples")), measure="value")
     max_processors: int = _limit(64, "processors in one generate", bounds=(("generate", "processors"),), measure="items")
     max_processor_values: int = _limit(
         65_536, "numbers and strings in the options of one generate's processors together",

@@ -21,7 +21,7 @@ MAX_ID = 2**64 - 1
 
 @dataclass(frozen=True)
 class Param:
-    kind: str  # str | uint | bool | map | list[uint] | list[str] | list[map], optionally "|null"
+    kind: str  # str | uint | number | bool | bool|str | map | list[uint] | list[str] | list[map], optionally "|null"
     required: bool = False
     default: Any = None
     doc: str = ""
@@ -41,7 +41,9 @@ CONTAINERS = {"list[uint]": list, "list[str]": list, "list[map]": list}
 CHECKS = {
     "str": lambda v: isinstance(v, str),
     "uint": _is_uint,
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "bool": lambda v: isinstance(v, bool),
+    "bool|str": lambda v: isinstance(v, (bool, str)),
     "map": lambda v: isinstance(v, dict),
     "list[uint]": lambda v: isinstance(v, list) and all(_is_uint(x) for x in v),
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
@@ -58,6 +60,7 @@ OPS: dict[str, dict[str, Param]] = {
         "name": Param("str", default="default", doc="the name to refer to the model by"),
         "path": Param("str|null", doc="a local Hugging Face directory; null for the embedded default model"),
         "dtype": Param("str|null", doc="f32 | f16 | bf16 (default: as saved)"),
+        "device": Param("str|null", doc="cpu | cuda | cuda:N | mps (default: the server's)"),
         "trust_remote_code": Param("bool", default=False, doc="allow code shipped inside the model directory"),
     },
     "unload_model": {"model": Param("str", required=True, doc="the model name")},
@@ -77,12 +80,17 @@ OPS: dict[str, dict[str, Param]] = {
         "add_generation_prompt": Param("bool|null", doc="with messages: open an assistant turn (default: true unless continuing)"),
         "continue_final_message": Param("bool", default=False, doc="with messages: extend the last message instead"),
         "max_new_tokens": Param("uint", default=16, doc="tokens to generate at most"),
-        "strategy": Param("str", default="greedy", doc="greedy | sample"),
+        "strategy": Param("str", default="greedy", doc="greedy | sample | beam"),
         "seed": Param("uint|null", doc="seed of sampling; the same seed gives the same tokens"),
         "processors": Param("list[map]", default=[], doc='[{"name": "top_k", "options": {"k": 50}}, ...]'),
         "stop": Param("list[str]", default=[], doc="stop strings, trimmed from the text"),
         "eos_token_ids": Param("list[uint]|null", doc="default: the model's EOS ids"),
-        "stream": Param("bool", default=False, doc="emit a token event per generated token"),
+        "stream": Param("bool", default=False, doc="emit a token event per generated token (beam search emits none)"),
+        "num_samples": Param("uint", default=1, doc="with sample: sequences drawn from one prefill of the prompt"),
+        "num_beams": Param("uint|null", doc="with beam: beams kept at each step (default 4)"),
+        "num_return_sequences": Param("uint|null", doc="with beam: the best finished beams returned (default 1)"),
+        "length_penalty": Param("number|null", doc="with beam: scores are divided by length ** this (default 1.0)"),
+        "early_stopping": Param("bool|str|null", doc='with beam: true, false or "never", as in transformers (default false)'),
     },
     "cancel": {"target": Param("uint", required=True, doc="the id of the request to cancel")},
     "tokenize": {

@@ -28,6 +28,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m sidecar", description="Serve the sidecar's port protocol.")
     parser.add_argument("--model", help='a local model directory loaded at startup as "default"; "default" for the embedded tiny model')
     parser.add_argument("--dtype", help="dtype of the startup model: f32 | f16 | bf16")
+    parser.add_argument("--device", default="cpu",
+                        help="where models run unless load_model names a device: cpu, cuda, cuda:N, mps (default cpu)")
     parser.add_argument("--chat-template", metavar="FILE",
                         help="a Jinja chat template for the startup model, used by generate's messages (replaces its own)")
     parser.add_argument("--fds", help="IN,OUT file descriptors to serve on instead of stdin/stdout (Erlang's :nouse_stdio uses 3,4)")
@@ -81,10 +83,16 @@ def main(argv=None) -> int:
     in_fd, out_fd = protocol_fds(args.fds)
     logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .errors import SidecarError
+    from .models import resolve_device
     from .server import Server
     from .transport import FrameReader, FrameWriter, InputClosed
 
     engine_options = {k: v for k, v in (("cache_budget_bytes", args.cache_budget_bytes), ("prefill_chunk", args.prefill_chunk)) if v is not None}
+    try:
+        engine_options["device"] = str(resolve_device(args.device))
+    except SidecarError as problem:
+        logging.getLogger("sidecar").error("--device: %s", problem.message)
+        return 2
     closed = InputClosed()
     writer = FrameWriter(out_fd, max_frame_bytes=args.limits.max_frame_bytes, closed=closed,
                          coalesce_s=args.stream_interval_ms / 1000)
@@ -95,7 +103,8 @@ def main(argv=None) -> int:
         if path is not None:
             server.allow_path(path)
         try:
-            server.op_load_model({"name": "default", "path": path, "dtype": args.dtype, "trust_remote_code": False}, None)
+            server.op_load_model({"name": "default", "path": path, "dtype": args.dtype, "device": None,
+                                  "trust_remote_code": False}, None)
             if args.chat_template:
                 server.engines["default"].tokenizer.chat_template = Path(args.chat_template).read_text()
         except OSError as problem:

@@ -1,10 +1,4 @@
-"""The phases of generation, one small function each: prefill, decode_step, sample.
-
-Prefill puts many new tokens into the KV cache in one forward pass per chunk (never token by token);
-decode_step feeds one token. Both return float32 logits for the last position only. Both pass the
-positions explicitly: the engine knows them, and transformers would otherwise re-derive them from the
-cache at every step (about a tenth of a decode step on a small model).
-"""
+"""The model-facing steps of generation, one small function each: forward, check_logits, pick."""
 
 from __future__ import annotations
 
@@ -13,29 +7,20 @@ import torch
 from .errors import InvalidLogits
 
 
-def _forward(model, cache, token_ids: list[int], start: int, logits_to_keep: int = 1) -> torch.Tensor:
+def forward(model, token_ids: list[int], positions: list[int], plan, keep: list[int]) -> torch.Tensor:
+    """One forward pass over the flattened batch (`[1, T]`); float32 logits at the positions in `keep`.
+
+    The positions are passed explicitly: each row has its own, and transformers would otherwise derive
+    them from a cache it does not have here.
+    """
     device = model.device
-    positions = torch.arange(start, start + len(token_ids), device=device)
     return model(
         input_ids=torch.tensor([token_ids], device=device),
-        past_key_values=cache,
-        use_cache=True,
-        cache_position=positions,
-        position_ids=positions.unsqueeze(0),
-        logits_to_keep=logits_to_keep,
-    ).logits[:, -1, :].float()
-
-
-def prefill(model, cache, token_ids: list[int], start: int, chunk_size: int) -> torch.Tensor:
-    """Feeds `token_ids` at positions `start`... after what `cache` holds, `chunk_size` tokens per pass."""
-    logits = None
-    for offset in range(0, len(token_ids), chunk_size):
-        logits = _forward(model, cache, token_ids[offset : offset + chunk_size], start + offset)
-    return logits
-
-
-def decode_step(model, cache, token_id: int, position: int) -> torch.Tensor:
-    return _forward(model, cache, [token_id], position)
+        position_ids=torch.tensor([positions], device=device),
+        use_cache=False,
+        kv_plan=plan,
+        logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+    ).logits[0].float()
 
 
 def check_logits(logits, chain, shape: torch.Size) -> None:
@@ -65,9 +50,8 @@ def _names(chain) -> str:
     return ", ".join(p.name for p in chain.processors) or "none"
 
 
-def sample(logits: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> int:
-    """Greedy argmax, or one multinomial draw from softmax(logits) with the session's seeded generator."""
+def pick(logits: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row: greedy argmax, or a multinomial draw from softmax(logits) with the seeded generator."""
     if greedy:
-        return int(logits.argmax(dim=-1))
-    probs = logits.softmax(dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        return logits.argmax(dim=-1)
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)

@@ -1,38 +1,53 @@
-"""The engine: one loaded model, its sessions, and the memory budget their KV caches share."""
+"""The engine: one loaded model, its sessions, the KV store their caches share, and the scheduler that
+runs every generation of the model together."""
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict
-from numbers import Integral
+from numbers import Integral, Real
 from pathlib import Path
+
+import torch
 
 import processors as proc
 
-from . import chat, models
+from . import attention, chat, models
 from .errors import (
     ContextOverflow,
     EmptyInput,
     InvalidArgument,
+    InvalidModel,
     InvalidProcessor,
     TokenOutOfRange,
     UnknownStrategy,
 )
+from .kv import KVStore
+from .scheduler import Scheduler
 from .session import STRATEGIES, Request, Session
 
 DEFAULT_CACHE_BUDGET = 2 * 1024**3
 DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_BEAMS = 4
+DEFAULT_MAX_ROWS = 64
 
 
 class Engine:
     """A causal LM with its tokenizer and sessions.
 
-    `cache_budget_bytes` bounds the KV memory of all sessions together. Past it, the caches of the least
-    recently used idle sessions are evicted. Their token history stays, and their next call recomputes.
+    `cache_budget_bytes` bounds the KV memory of all sessions and generations together, at every moment:
+    a generation reserves what it needs to its end before it starts, evicting the caches of the least
+    recently used idle sessions first (their token history stays, and their next call recomputes).
+    `prefill_chunk` is the number of prompt tokens one forward pass takes, besides one token per
+    decoding row.
+
+    The model's attention is switched to `sidecar.attention` (still plain SDPA when called directly).
     """
 
     def __init__(self, model, tokenizer, *, path: Path | None = None,
-                 cache_budget_bytes: int = DEFAULT_CACHE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 cache_budget_bytes: int = DEFAULT_CACHE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 max_rows: int = DEFAULT_MAX_ROWS):
         if not isinstance(prefill_chunk, Integral) or prefill_chunk < 1:
             raise InvalidArgument(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}", option="prefill_chunk")
         if not isinstance(cache_budget_bytes, Integral) or cache_budget_bytes < 0:
@@ -42,11 +57,24 @@ class Engine:
         self.path = path
         self.cache_budget_bytes = int(cache_budget_bytes)
         self.prefill_chunk = int(prefill_chunk)
+        self.max_rows = max_rows  # num_beams and num_samples at most
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_context = getattr(model.config, "max_position_embeddings", None)
         self._sessions: OrderedDict[int, Session] = OrderedDict()  # least recently used first
         self._ids = itertools.count(1)
-        self.evictions = 0
+        self.store = KVStore(self.cache_budget_bytes, model.device, model.dtype)
+        attention.install(model)
+        self._probe()
+        self.scheduler = Scheduler(self)
+
+    def _probe(self) -> None:
+        """One throw-away forward pass that tells the store each layer's key/value shape."""
+        with torch.inference_mode():
+            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.model.device), use_cache=False,
+                       kv_plan=attention.Probe(self.store))
+        if not self.store.layers or None in self.store.layers:
+            raise InvalidModel(f"{type(self.model).__name__}'s attention does not go through transformers' "
+                               "attention interface, which the batched engine needs")
 
     @classmethod
     def load(cls, path=None, *, dtype=None, device: str = "cpu", trust_remote_code: bool = False, **options) -> "Engine":
@@ -72,12 +100,17 @@ class Engine:
         sessions = list(self._sessions.values())
         return {
             "sessions": len(sessions),
-            "cached_sessions": sum(s.cache is not None for s in sessions),
+            "cached_sessions": sum(s.cached > 0 for s in sessions),
             "cached_tokens": sum(s.cached for s in sessions),
-            "cache_bytes": sum(s.cache_bytes for s in sessions),
+            "cache_bytes": self.store.used_bytes,
+            "cache_peak_bytes": self.store.peak_bytes,
             "cache_budget_bytes": self.cache_budget_bytes,
-            "evictions": self.evictions,
+            "evictions": self.store.evictions,
         }
+
+    @property
+    def evictions(self) -> int:
+        return self.store.evictions
 
     @property
     def chat_templates(self) -> list[str]:
@@ -86,7 +119,8 @@ class Engine:
 
     def validate(self, prompt=None, *, token_ids=None, messages=None, chat_template=None, add_generation_prompt=None,
                  continue_final_message=False, max_new_tokens=16, strategy="greedy", seed=None,
-                 processors=(), stop=(), eos_token_ids=None) -> Request:
+                 processors=(), stop=(), eos_token_ids=None, num_samples=1, num_beams=None,
+                 num_return_sequences=None, length_penalty=None, early_stopping=None) -> Request:
         """Checks a generate call completely, before anything changes; returns it in normal form."""
         if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
             raise InvalidArgument("give exactly one of prompt, token_ids and messages", option="prompt")
@@ -148,7 +182,43 @@ class Engine:
             index = next(i for i, p in enumerate(chain.processors) if p.max_token_id() >= self.vocab_size)
             raise InvalidProcessor(f"processors[{index}] names token id {chain.processors[index].max_token_id()}, "
                                    f"outside the vocabulary of {self.vocab_size}", index=index)
-        return Request(input_ids, int(max_new_tokens), strategy == "greedy", seed, chain, tuple(stop), eos)
+        rows = self._check_rows(strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty, early_stopping)
+        return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows)
+
+    def _check_rows(self, strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty,
+                    early_stopping) -> dict:
+        """The options that make a generation several rows: samples, or beams and their scoring."""
+        if not _is_int(num_samples) or not 1 <= num_samples <= self.max_rows:
+            raise InvalidArgument(f"num_samples must be an integer in [1, {self.max_rows}], got {num_samples!r}",
+                                  option="num_samples")
+        if num_samples > 1 and strategy != "sample":
+            raise InvalidArgument(f"num_samples goes with strategy 'sample', not {strategy!r}", option="num_samples")
+        if strategy != "beam":
+            given = [name for name, value in (("num_beams", num_beams), ("num_return_sequences", num_return_sequences),
+                     ("length_penalty", length_penalty), ("early_stopping", early_stopping)) if value is not None]
+            if given:
+                raise InvalidArgument(f"{given[0]} goes with strategy 'beam', not {strategy!r}", option=given[0])
+            return {"num_samples": int(num_samples)}
+        num_beams = DEFAULT_BEAMS if num_beams is None else num_beams
+        if not _is_int(num_beams) or not 1 <= num_beams <= self.max_rows:
+            raise InvalidArgument(f"num_beams must be an integer in [1, {self.max_rows}], got {num_beams!r}",
+                                  option="num_beams")
+        num_return_sequences = 1 if num_return_sequences is None else num_return_sequences
+        if not _is_int(num_return_sequences) or not 1 <= num_return_sequences <= num_beams:
+            raise InvalidArgument(f"num_return_sequences must be an integer in [1, num_beams = {num_beams}], "
+                                  f"got {num_return_sequences!r}", option="num_return_sequences")
+        length_penalty = 1.0 if length_penalty is None else length_penalty
+        if isinstance(length_penalty, bool) or not isinstance(length_penalty, Real) or not math.isfinite(length_penalty):
+            raise InvalidArgument(f"length_penalty must be a finite number, got {length_penalty!r}", option="length_penalty")
+        early_stopping = False if early_stopping is None else early_stopping
+        if early_stopping not in (True, False, "never") or not isinstance(early_stopping, (bool, str)):
+            raise InvalidArgument(f"early_stopping must be true, false or \"never\", got {early_stopping!r}",
+                                  option="early_stopping")
+        if stop:
+            raise InvalidArgument("stop strings do not go with strategy 'beam' (beams are scored to their end)",
+                                  option="stop")
+        return {"num_beams": int(num_beams), "num_return_sequences": int(num_return_sequences),
+                "length_penalty": float(length_penalty), "early_stopping": early_stopping}
 
     def check_token_ids(self, token_ids, what: str = "token ids") -> None:
         """Raises `TokenOutOfRange` naming the ids outside the vocabulary (the first five)."""
@@ -158,21 +228,11 @@ class Engine:
 
     def _touch(self, session: Session) -> None:
         self._sessions.move_to_end(session.id)
+        self.store.touch(session.cache)
 
     def _forget(self, session: Session) -> None:
         self._sessions.pop(session.id, None)
 
-    def _settle(self, active: Session) -> None:
-        """After a call: evict least recently used idle caches until the budget holds (the active one last)."""
-        total = sum(s.cache_bytes for s in self._sessions.values())
-        for session in [s for s in self._sessions.values() if s is not active] + [active]:
-            if total <= self.cache_budget_bytes:
-                return
-            if session.cache is None or session.busy:
-                continue
-            total -= session.cache_bytes
-            session.drop_cache()
-            self.evictions += 1
 
 
 def _is_int(value) -> bool:

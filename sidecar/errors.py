@@ -85,3 +85,15 @@ class SessionBusy(SidecarError):
     """A session runs one generation at a time; the previous one must finish or be cancelled first."""
 
     code = "session_busy"
+
+
+class CacheBudgetExceeded(SidecarError):
+    """A generation needs more KV memory than the cache budget holds, even with every idle cache evicted."""
+
+    code = "cache_budget_exceeded"
+
+
+class UnknownDevice(SidecarError):
+    """A device name torch does not know, or a device this machine does not have."""
+
+    code = "unknown_device"

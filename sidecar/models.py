@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from . import default_model
-from .errors import InvalidArgument, InvalidModel, ModelNotFound, NoTokenizer, NotCausalLM, RemoteCodeRequired
+from .errors import InvalidArgument, InvalidModel, ModelNotFound, NoTokenizer, NotCausalLM, RemoteCodeRequired, UnknownDevice
 
 DTYPES = {
     "float32": torch.float32, "f32": torch.float32,
@@ -36,6 +36,26 @@ def resolve_dtype(dtype) -> torch.dtype | None:
     return DTYPES[dtype]
 
 
+def resolve_device(name) -> torch.device:
+    """A device torch knows and this machine has; `unknown_device` otherwise, listing what it has."""
+    present = available_devices()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as error:
+        raise UnknownDevice(f"unknown device {str(name)[:64]!r}; this machine has: {', '.join(present)}",
+                            option="device", available=present) from error
+    count = {"cpu": 1, "cuda": torch.cuda.device_count(), "mps": int(torch.backends.mps.is_available())}.get(device.type, 0)
+    if count == 0 or (device.index or 0) >= count:
+        raise UnknownDevice(f"device {str(device)!r} is not present; this machine has: {', '.join(present)}",
+                            option="device", available=present)
+    return device
+
+
+def available_devices() -> list[str]:
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    return devices + (["mps"] if torch.backends.mps.is_available() else [])
+
+
 def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remote_code: bool = False):
     """Returns (model, tokenizer, path) for a local directory, or for the embedded default when path is None.
 
@@ -46,10 +66,7 @@ def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remo
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise InvalidArgument(f"path must be a string or a path, got {type(path).__name__}", option="path")
     torch_dtype = resolve_dtype(dtype)
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as error:
-        raise InvalidArgument(f"unknown device {device!r}: {error}", option="device") from error
+    device = resolve_device(device)
     path = Path(path) if path is not None else default_model.materialise()
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ModelNotFound(f"no model directory with a config.json at {str(path)!r}", path=str(path))

@@ -1,9 +1,9 @@
 """The protocol server: maps protocol ops onto engines and sessions.
 
-One main thread does all the work. It owns the output, drains incoming frames between decode steps,
-and advances every active generation by one step in turn, so a long generation in one session does
-not delay a ping or a generation in another. Requests for one session wait in that session's queue
-and run in arrival order.
+One main thread does all the work. It owns the output, drains incoming frames between ticks, and
+ticks each engine's scheduler, which runs one forward pass for every active generation of that model
+together (continuous batching), so a long generation in one session does not delay a ping or a
+generation in another. Requests for one session wait in that session's queue and run in arrival order.
 
 Every request gets exactly one reply, whatever happens to it or to its session: a failure while it
 starts or runs is an error on that request alone, and a session closed or unloaded under queued
@@ -30,7 +30,8 @@ from protocol.schema import request_id_of
 from . import __version__
 from .engine import Engine
 from .errors import InvalidArgument, InvalidProcessor, SessionClosed, SidecarError
-from .session import Generation, Stats
+from .generation import Generation
+from .session import STRATEGIES, Stats
 from .transport import EOF_MARK, Hangup
 
 log = logging.getLogger("sidecar")
@@ -74,7 +75,7 @@ class Server:
         self.queues: dict[str, deque[Job]] = {}  # session name -> jobs in arrival order
         self.in_flight: dict[int, Job] = {}
         self.queued_bytes = 0  # frame bytes of the jobs in flight
-        self.active: list[Job] = []  # running generations, stepped round-robin
+        self.active: list[Job] = []  # started generations, in the order they started
         self._names = 0
         self.started = time.time()
 
@@ -86,10 +87,11 @@ class Server:
                 if not self.active:
                     self.writer.flush()  # about to wait: nothing may linger in the buffer
                 self._drain(inbox, block=not self.active)
-                for job in list(self.active):
-                    if job in self.active:
-                        self._step(job)
-                    self._drain(inbox, block=False)
+                for engine in list(self.engines.values()):
+                    if engine.scheduler.busy:
+                        engine.scheduler.tick()
+                        self._deliver()
+                        self._drain(inbox, block=False)
         except Shutdown as stop:
             return stop.status
         except (BrokenPipeError, Hangup):
@@ -185,27 +187,34 @@ class Server:
             add_generation_prompt=p["add_generation_prompt"], continue_final_message=p["continue_final_message"],
             max_new_tokens=p["max_new_tokens"], strategy=p["strategy"],
             seed=p["seed"], processors=build_processors(p["processors"], job.request.id), stop=p["stop"],
-            eos_token_ids=p["eos_token_ids"],
+            eos_token_ids=p["eos_token_ids"], num_samples=p["num_samples"], num_beams=p["num_beams"],
+            num_return_sequences=p["num_return_sequences"], length_penalty=p["length_penalty"],
+            early_stopping=p["early_stopping"],
         )
         self.active.append(job)
 
-    def _step(self, job: Job) -> None:
-        try:
-            token = job.generation.step()
-        except StopIteration:
-            self._finish(job, generation_reply(job))
-        except SidecarError as problem:
-            self._finish(job, problem_reply(job.request.id, problem))
-        except (BrokenPipeError, Hangup):
-            raise
-        except Exception as bug:
-            self._finish(job, internal_reply(job.request.id, bug))
-        else:
-            if token is not None and job.request.params["stream"]:
-                first = not job.streamed
-                job.streamed = True
-                # the first token goes out at once (time to first token); later ones may be coalesced
-                self.writer.send(event(job.request.id, "token", token_ids=[token.token_id], text=token.text), urgent=first)
+    def _deliver(self) -> None:
+        """Sends what the last tick produced: token events, and the replies of generations that ended."""
+        for job in list(self.active):
+            generation = job.generation
+            events = generation.take_events()
+            if events and job.request.params["stream"]:
+                tagged = generation.request.num_samples > 1
+                for token in events:
+                    first = not job.streamed
+                    job.streamed = True
+                    fields = {"sequence": token.sequence} if tagged else {}
+                    # the first token goes out at once (time to first token); later ones may be coalesced
+                    self.writer.send(event(job.request.id, "token", token_ids=[token.token_id], text=token.text, **fields),
+                                     urgent=first)
+            if generation.done:
+                problem = generation.error
+                if problem is None:
+                    self._finish(job, generation_reply(job))
+                elif isinstance(problem, SidecarError):
+                    self._finish(job, problem_reply(job.request.id, problem))
+                else:
+                    self._finish(job, internal_reply(job.request.id, problem))
 
     def _retire(self, job: Job, reply: dict | None) -> None:
         """Takes a job out of every table and sends its reply."""
@@ -258,7 +267,7 @@ class Server:
             "server": "beam-sidecar",
             "server_version": __version__,
             "capabilities": {"ops": list(OPS), "processors": sorted(proc.BUILTINS), "stream": True, "cancel": True,
-                             "strategies": ["greedy", "sample"], "trust_remote_code": self.trust_remote_code},
+                             "strategies": list(STRATEGIES), "trust_remote_code": self.trust_remote_code},
             "processor_options": {name: [{k: o[k] for k in ("name", "required", "default", "schema", "doc")} for o in options]
                                   for name, options in proc.catalogue().items()},
             "limits": self.limits.as_dict(),
@@ -279,8 +288,10 @@ class Server:
         if len(self.engines) >= self.limits.max_models:
             raise self.limits.exceeded("max_models", len(self.engines) + 1, rid)
         self._check_load_allowed(params, rid)
-        engine = Engine.load(params["path"], dtype=params["dtype"], trust_remote_code=params["trust_remote_code"],
-                             **self.engine_options)
+        options = dict(self.engine_options)
+        if params["device"] is not None:
+            options["device"] = params["device"]
+        engine = Engine.load(params["path"], dtype=params["dtype"], trust_remote_code=params["trust_remote_code"], **options)
         self.engines[name] = engine
         return model_info(name, engine)
 
@@ -429,13 +440,21 @@ def cancelled_reply(job: Job) -> dict:
 def generation_reply(job: Job) -> dict:
     result = job.generation.result
     body = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
-            "stats": asdict(result.stats)}
+            "stats": asdict(result.stats), "sequences": [sequence_map(s) for s in result.sequences]}
     if result.finish_reason == "cancelled":
         return error(job.request.id, codes.CANCELLED, "the generation was cancelled", **body)
     return ok(job.request.id, body)
 
 
+def sequence_map(sequence) -> dict:
+    body = {"text": sequence.text, "token_ids": sequence.token_ids, "finish_reason": sequence.finish_reason}
+    if sequence.score is not None:
+        body["score"] = sequence.score
+    return body
+
+
 def model_info(name: str, engine: Engine) -> dict:
     return {"name": name, "path": str(engine.path), "architecture": type(engine.model).__name__,
             "vocab_size": engine.vocab_size, "max_context": engine.max_context, "chat_templates": engine.chat_templates,
+            "device": str(engine.model.device), "dtype": str(engine.model.dtype).removeprefix("torch."),
             "eos_token_ids": sorted(engine.default_eos_token_ids)}

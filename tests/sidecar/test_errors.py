@@ -24,7 +24,17 @@ def snapshot(session):
         ({"token_ids": [5, "x"]}, errors.InvalidArgument, "invalid_argument", "list of integers"),
         ({"prompt": "a", "max_new_tokens": -1}, errors.InvalidArgument, "invalid_argument", "max_new_tokens must be an integer >= 0"),
         ({"token_ids": [5] * 2000, "max_new_tokens": 49}, errors.ContextOverflow, "context_overflow", "context of 2048 tokens"),
-        ({"prompt": "a", "strategy": "beam"}, errors.UnknownStrategy, "unknown_strategy", "unknown strategy 'beam'; valid: greedy, sample"),
+        ({"prompt": "a", "strategy": "beem"}, errors.UnknownStrategy, "unknown_strategy", "unknown strategy 'beem'; valid: greedy, sample, beam"),
+        ({"prompt": "a", "strategy": "beam", "num_beams": 0}, errors.InvalidArgument, "invalid_argument", r"num_beams must be an integer in \[1, 64\]"),
+        ({"prompt": "a", "strategy": "beam", "num_beams": 2, "num_return_sequences": 3}, errors.InvalidArgument, "invalid_argument", "num_return_sequences"),
+        ({"prompt": "a", "num_samples": 2}, errors.InvalidArgument, "invalid_argument", "num_samples goes with strategy 'sample', not 'greedy'"),
+        ({"prompt": "a", "strategy": "beam", "num_samples": 2}, errors.InvalidArgument, "invalid_argument", "num_samples goes with strategy 'sample', not 'beam'"),
+        ({"prompt": "a", "num_beams": 2}, errors.InvalidArgument, "invalid_argument", "num_beams goes with strategy 'beam'"),
+        ({"prompt": "a", "strategy": "sample", "length_penalty": 2.0}, errors.InvalidArgument, "invalid_argument", "length_penalty goes with"),
+        ({"prompt": "a", "strategy": "beam", "early_stopping": "sometimes"}, errors.InvalidArgument, "invalid_argument", "early_stopping"),
+        ({"prompt": "a", "strategy": "beam", "length_penalty": float("nan")}, errors.InvalidArgument, "invalid_argument", "length_penalty"),
+        ({"prompt": "a", "strategy": "beam", "stop": ["x"]}, errors.InvalidArgument, "invalid_argument", "stop strings do not go with strategy 'beam'"),
+        ({"prompt": "a", "strategy": "sample", "num_samples": 65}, errors.InvalidArgument, "invalid_argument", "num_samples"),
         ({"prompt": "a", "seed": -3}, errors.InvalidArgument, "invalid_argument", "seed"),
         ({"prompt": "a", "stop": [""]}, errors.InvalidArgument, "invalid_argument", "stop"),
         ({"prompt": "a", "processors": [P.SuppressTokens([5000])]}, errors.InvalidProcessor, "invalid_processor", "token id 5000"),
@@ -70,7 +80,7 @@ def test_a_failing_processor_leaves_a_usable_session(engine):
     with engine.session() as session:
         with pytest.raises(RuntimeError, match="boom"):
             session.generate(token_ids=tokens(12, seed=31), max_new_tokens=5, processors=[explode])
-        assert session.cache is None
+        assert session.cached == 0
         with engine.session() as fresh:
             assert (session.generate(token_ids=tokens(12, seed=31), max_new_tokens=5).token_ids
                     == fresh.generate(token_ids=tokens(12, seed=31), max_new_tokens=5).token_ids)

@@ -47,8 +47,11 @@ RANDOM_STEPS = 1500
 VOCAB = 1024  # the default model's
 KEEP = "keep"  # opened first, used by the fuzz, never closed by it; checked against a fresh session at the end
 MAX_NEW_TOKENS = 8
+# The KV of 128 tokens of the default model (4 KiB each): idle caches get evicted, and an input of
+# 2040 tokens cannot fit at all (cache_budget_exceeded).
+BUDGET_TOKENS = 128
 LIMITS = ["--max-new-tokens", str(MAX_NEW_TOKENS), "--max-sessions", "16", "--max-in-flight", "64",
-          "--max-frame-bytes", "262144", "--cache-budget-bytes", str(2**17)]  # the KV of 32 tokens: caches get evicted
+          "--max-frame-bytes", "262144", "--cache-budget-bytes", str(BUDGET_TOKENS * 4096)]
 SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "ERROR", *LIMITS]
 # One torch thread: on a busy 2-core machine, torch's spinning worker threads compete with this test's own
 # threads and every decode step gets several times slower.
@@ -109,6 +112,11 @@ def random_text(rng: random.Random, n: int) -> str:
         else:
             out.append(rng.choice("\x00\u200f\u202e\ufeff\r\n\t\U0001f600"))
     return "".join(out)
+
+
+def too_big(token_ids: list[int], max_new_tokens: int) -> set:
+    """{"cache_budget_exceeded"} for a one-row generation that cannot fit in the budget, else nothing."""
+    return {"cache_budget_exceeded"} if len(token_ids) + max_new_tokens > BUDGET_TOKENS else set()
 
 
 def hostile(rng: random.Random, depth: int = 0):
@@ -423,7 +431,13 @@ class Fuzz:
             "text": lambda: rng.choice(["hello world", "", random_text(rng, 40)]),
             "token_ids": self.tokens,
             "max_new_tokens": lambda: rng.randrange(9),
-            "strategy": lambda: rng.choice(["greedy", "sample"]),
+            "strategy": lambda: rng.choice(["greedy", "sample", "beam"]),
+            "num_samples": lambda: rng.choice([1, 1, 2, 3]),
+            "num_beams": lambda: rng.choice([None, 1, 2, 3]),
+            "num_return_sequences": lambda: rng.choice([None, 1, 2]),
+            "length_penalty": lambda: rng.choice([None, 1.0, -0.5, 2]),
+            "early_stopping": lambda: rng.choice([None, True, False, "never"]),
+            "device": lambda: rng.choice([None, "cpu"]),
             "seed": lambda: rng.choice([None, 0, 7, 2**63, 2**64 - 1]),
             "processors": lambda: [processor_spec(rng, rng.choice([0.0, 0.0, 0.3, 1.0])) for _ in range(rng.randrange(4))],
             "stop": lambda: rng.choice([[], ["e"], ["\n", "the"], [random_text(rng, 3)]]),
@@ -436,6 +450,7 @@ class Fuzz:
         if base != kind and rng.random() < 0.3:
             return None
         by_kind = {"str": lambda: "x", "uint": lambda: rng.randrange(16), "bool": lambda: rng.random() < 0.5,
+                   "number": lambda: rng.uniform(-2, 2), "bool|str": lambda: rng.random() < 0.5,
                    "map": dict, "list[uint]": self.tokens, "list[str]": lambda: ["x"], "list[map]": lambda: [{}]}
         return by_kind[base]()
 
@@ -522,7 +537,7 @@ class Fuzz:
         """A greedy generation on KEEP whose tokens are checked against a fresh in-process session at the end."""
         request = {"token_ids": token_ids, "max_new_tokens": 4, "eos_token_ids": []}
         message = {"id": self.new_id(), "op": "generate", "session": KEEP, **request}
-        self.expect[message["id"]] = {"ok", "too_many_requests"}
+        self.expect[message["id"]] = {"ok", "too_many_requests"} | too_big(token_ids, 4)
         self.canaries.append((message["id"], request))
         if send:
             self.send(message)
@@ -544,7 +559,7 @@ class Fuzz:
     def do_cancel_running(self) -> None:
         """A cancel sent once the generation has streamed its first token, so that it stops it mid-way."""
         rid, session, tokens = self.new_id(), self.session(), self.tokens()
-        self.expect[rid] = {"ok", "cancelled", "unknown_session", "session_closed", "too_many_requests"}
+        self.expect[rid] = {"ok", "cancelled", "unknown_session", "session_closed", "too_many_requests"} | too_big(tokens, 8)
         self.send({"id": rid, "op": "generate", "session": session, "token_ids": tokens, "max_new_tokens": 8,
                    "eos_token_ids": [], "stream": True, "strategy": self.rng.choice(["greedy", "sample"])})
         assert self.recorder.wait(lambda: rid in self.recorder.by_id, 30), f"nothing for generate {rid} after 30 s"

@@ -1,0 +1,88 @@
+"""The attention function that lets one forward pass serve many sequences with their own caches.
+
+The scheduler calls the model on a flattened batch of one: the new tokens of every row side by side,
+`[1, T]`, with their positions, `use_cache=False`, and a `Plan` keyword saying which slice of the T
+tokens belongs to which row of which `KVCache`, starting at which position. transformers hands every
+attention layer's fresh keys and values to the function registered for the model's attention
+implementation, with the extra keywords of the call. This one writes each row's keys and values into
+its cache and runs the stock SDPA attention of the row's queries against the row's cached keys, with a
+causal mask offset by what the row already holds. A row therefore computes exactly what it computes
+alone (a batch of one is bit-identical to transformers' own `DynamicCache` path).
+
+Called without a plan (`model.generate`, a plain forward), it is transformers' SDPA attention, so the
+model stays usable as a reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from .kv import KVCache, KVStore
+
+NAME = "sidecar_rows"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`length` consecutive tokens of the batch, for row `row` of `cache`, at positions `start`..."""
+
+    cache: KVCache
+    row: int
+    start: int
+    length: int
+
+
+@dataclass
+class Plan:
+    segments: list[Segment]
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, start: int, length: int, device) -> torch.Tensor:
+        """The causal mask of `length` queries after `start` cached tokens: query i sees keys 0..start+i."""
+        key = (start, length)
+        if key not in self._masks:
+            allowed = torch.ones(length, start + length, dtype=torch.bool, device=device).tril(start)
+            self._masks[key] = allowed[None, None]
+        return self._masks[key]
+
+
+@dataclass
+class Probe:
+    """A plan for one throw-away forward pass that teaches the store each layer's key/value shape."""
+
+    store: KVStore
+
+
+def rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kv_plan=None, **kwargs):
+    if kv_plan is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if isinstance(kv_plan, Probe):
+        kv_plan.store.learn(module.layer_idx, key.shape[1], key.shape[3], key.dtype)
+        return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout)
+    layer = module.layer_idx
+    outputs = []
+    offset = 0
+    for segment in kv_plan.segments:
+        end = offset + segment.length
+        keys, values = segment.cache.write(layer, segment.row, segment.start, key[0, :, offset:end], value[0, :, offset:end])
+        mask = None  # one query, or a whole prompt from position 0: SDPA's own causal flag
+        if segment.length > 1 and segment.start > 0:
+            mask = kv_plan.mask(segment.start, segment.length, query.device)
+        out, _ = sdpa_attention_forward(module, query[:, :, offset:end], keys, values, mask, scaling=scaling, dropout=dropout)
+        outputs.append(out)
+        offset = end
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+AttentionInterface.register(NAME, rows_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def install(model) -> None:
+    """Switches a loaded model to this attention (it remains plain SDPA for calls without a plan)."""
+    model.set_attn_implementation(NAME)

@@ -1,0 +1,105 @@
+"""Beam search bookkeeping for one prompt, with transformers' semantics (`generate(num_beams=...)`).
+
+Pure tensors, no model: each step takes the processed log-probabilities of the running beams and
+returns which running beam each new beam continues (the index the cache and the processor states
+follow) and the token it appends. The rules are transformers' own, so sequences and scores match
+`model.generate(num_beams=..., do_sample=False)`:
+
+- the running beams start as copies of the prompt, all but the first with score -1e9, so the first
+  step expands one beam;
+- each step keeps the best `max(2, 1 + number of EOS ids) * num_beams` continuations; those ending in
+  EOS (or reaching `max_new_tokens`) are finished hypotheses scored `sum of log-probs / length **
+  length_penalty` (length counts generated tokens), and only those among the top `num_beams` may enter
+  the finished set; the best `num_beams` others keep running;
+- `early_stopping`: True stops once `num_beams` hypotheses are finished; False stops when the best
+  running beam, scored at its current length, cannot beat the worst finished one; "never" scores it at
+  the longest possible length when `length_penalty` > 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DEAD = -1.0e9
+
+
+class BeamSearch:
+    def __init__(self, num_beams: int, max_new_tokens: int, eos_token_ids, length_penalty: float,
+                 early_stopping, device):
+        self.num_beams = num_beams
+        self.max_new_tokens = max_new_tokens
+        self.length_penalty = length_penalty
+        self.early_stopping = early_stopping
+        self.eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=device)
+        self.keep = max(2, 1 + len(eos_token_ids)) * num_beams
+        self.top_beams = torch.arange(self.keep, device=device) < num_beams
+        self.step_count = 0  # tokens generated so far by every running beam
+        self.running = torch.zeros(num_beams, max_new_tokens, dtype=torch.long, device=device)
+        self.running_scores = torch.full((num_beams,), DEAD, device=device)
+        self.running_scores[0] = 0.0
+        self.finished = torch.zeros(num_beams, max_new_tokens, dtype=torch.long, device=device)
+        self.finished_scores = torch.full((num_beams,), DEAD, device=device)
+        self.finished_lengths = torch.zeros(num_beams, dtype=torch.long, device=device)
+        self.is_finished = torch.zeros(num_beams, dtype=torch.bool, device=device)
+        self.improvable = True
+        self.done = False
+
+    def step(self, log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Takes [num_beams, vocab] processed log-probs; returns (source beam per new beam, its new token)."""
+        vocab = log_probs.shape[-1]
+        total = (log_probs + self.running_scores[:, None]).reshape(-1)
+        top_scores, top_index = total.topk(self.keep)
+        source, tokens = top_index // vocab, top_index % vocab
+        step = self.step_count
+        candidates = self.running.index_select(0, source)
+        candidates[:, step] = tokens
+        ends = torch.isin(tokens, self.eos) if self.eos.numel() else torch.zeros_like(tokens, dtype=torch.bool)
+        if step + 1 >= self.max_new_tokens:
+            ends = torch.ones_like(ends)
+
+        # The best num_beams continuations that did not end keep running.
+        alive_scores = top_scores + ends.float() * DEAD
+        keep = alive_scores.topk(self.num_beams).indices
+        self.running = candidates.index_select(0, keep)
+        self.running_scores = alive_scores.index_select(0, keep)
+        beam_index, beam_tokens = source.index_select(0, keep), tokens.index_select(0, keep)
+
+        self._finish_hypotheses(candidates, top_scores, ends, step + 1)
+        self.step_count = step + 1
+        self._update_improvable()
+        self.done = not (self.improvable and not (bool(self.is_finished.all()) and self.early_stopping is True)
+                         and not bool(ends.all()))
+        return beam_index, beam_tokens
+
+    def _finish_hypotheses(self, candidates, top_scores, ends, length: int) -> None:
+        just_finished = ends & self.top_beams
+        scores = top_scores / (length ** self.length_penalty)
+        if bool(self.is_finished.all()) and self.early_stopping is True:
+            scores = scores + DEAD
+        if not self.improvable:
+            scores = scores + DEAD
+        scores = scores + (~just_finished).float() * DEAD
+        merged_scores = torch.cat([self.finished_scores, scores])
+        best = merged_scores.topk(self.num_beams).indices
+        lengths = torch.full((len(scores),), length, dtype=torch.long, device=scores.device)
+        self.finished = torch.cat([self.finished, candidates]).index_select(0, best)
+        self.finished_scores = merged_scores.index_select(0, best)
+        self.finished_lengths = torch.cat([self.finished_lengths, lengths]).index_select(0, best)
+        self.is_finished = torch.cat([self.is_finished, just_finished]).index_select(0, best)
+
+    def _update_improvable(self) -> None:
+        if not self.improvable:
+            return
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_length = self.max_new_tokens
+        else:
+            best_length = self.step_count
+        best_running = self.running_scores[0] / (best_length ** self.length_penalty)
+        # Slots not yet finished count as DEAD, so any open slot keeps the search going.
+        worst = torch.where(self.is_finished, self.finished_scores.min(), torch.tensor(DEAD, device=best_running.device))
+        self.improvable = bool((best_running > worst).any())
+
+    def results(self, count: int) -> list[tuple[list[int], float]]:
+        """The best `count` finished hypotheses, best first: (generated tokens, score)."""
+        return [(self.finished[i, : int(self.finished_lengths[i])].tolist(), float(self.finished_scores[i]))
+                for i in range(count)]

@@ -1,0 +1,340 @@
+"""A generate call as an explicit state machine that never calls the model.
+
+The scheduler asks each `Run` what it needs fed next (`plan`: a prefill chunk, or one token per
+decoding row, with their positions) and, after one forward pass for every run together, hands it its
+rows of logits (`accept`). From those the run applies its processors, picks tokens (greedy, sampled,
+or beam search) and queues `TokenEvent`s. `Generation` is the caller's handle: iterating it ticks the
+engine's scheduler until the run has an event, so a lone Python caller and the server drive the same
+machine.
+
+Several rows: `num_samples` or `num_beams`. The prompt is prefilled once in the session's own cache,
+then copied to the rows of a working cache. Rows that finish are dropped (their cache rows and
+processor states go with one index, `Chain.reorder`); beams are reordered the same way every step.
+The session keeps the prompt's cache and, as its history, the prompt plus the first sequence.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+import processors as proc
+
+from .attention import Segment
+from .beams import BeamSearch
+from .decode import check_logits, pick
+from .session import Result, Sequence, Stats, TokenEvent
+from .text import Detokenizer, StopMatcher
+
+
+@dataclass
+class Feed:
+    """Tokens a run wants fed in this tick, and whether it needs the logits after the last of them."""
+
+    run: "Run"
+    segment: Segment
+    token_ids: list[int]
+    wants_logits: bool
+
+
+class _Row:
+    """One sequence being sampled: its tokens, its text so far, and its stop matcher."""
+
+    def __init__(self, index: int, tokenizer, stop):
+        self.index = index
+        self.token_ids: list[int] = []
+        self.pieces: list[str] = []
+        self.detokenizer = Detokenizer(tokenizer)
+        self.stops = StopMatcher(stop)
+        self.finish: str | None = None
+
+    def sequence(self) -> Sequence:
+        return Sequence("".join(self.pieces), self.token_ids, self.finish or "cancelled")
+
+
+class Run:
+    def __init__(self, session, request):
+        self.session = session
+        self.request = request
+        self.events: deque[TokenEvent] = deque()
+        self.result: Result | None = None
+        self.error: BaseException | None = None
+        self.done = False
+        self.cancelled = False
+        self.admitted = False
+        self.stats = Stats(prompt_tokens=len(request.input_ids))
+        self.started = time.perf_counter()
+        self.saved = None  # the session's checkpoint, taken when admitted
+        self.fresh: list[int] = []  # prompt tokens still to prefill
+        self.work = None  # the KVCache the rows decode in (the session's own for one row)
+        self.rows: list[_Row] = []  # the sequences still decoding, in the order of `work`'s rows
+        self.all_rows: list[_Row] = []
+        self.next_tokens: list[int] = []
+        self.beams: BeamSearch | None = None
+
+    # ---- admission -------------------------------------------------------------------------------
+
+    @property
+    def width(self) -> int:
+        """Rows it decodes: beams, samples, or one."""
+        return self.request.num_beams if self.request.strategy == "beam" else self.request.num_samples
+
+    def needed_bytes(self) -> int:
+        """Bytes of KV memory to add to the store before it can run to its end."""
+        cache, request = self.session.cache, self.request
+        prompt, total = len(request.input_ids), len(request.input_ids) + request.max_new_tokens
+        if self.width == 1:
+            return cache.bytes_for(1, total) - cache.nbytes
+        working = cache.bytes_for(self.width, total) if request.max_new_tokens else 0
+        return cache.bytes_for(1, prompt) - cache.nbytes + working
+
+    def admit(self) -> None:
+        session, request = self.session, self.request
+        session.engine._touch(session)
+        self.saved = session._reuse(request.input_ids)
+        self.admitted = True
+        self.stats.reused_tokens = self.saved.keep
+        self.fresh = request.input_ids[self.saved.keep :]
+        session.history = list(request.input_ids)
+        session.cache.pinned = True
+        extra = request.max_new_tokens if self.width == 1 else 0
+        session.cache.reserve(len(request.input_ids) + extra)
+
+    # ---- one tick --------------------------------------------------------------------------------
+
+    @property
+    def prefilling(self) -> bool:
+        return bool(self.fresh)
+
+    def plan(self, budget: int) -> list[Feed]:
+        if self.fresh:
+            n = min(len(self.fresh), budget)
+            if n <= 0:
+                return []
+            cache = self.session.cache
+            return [Feed(self, Segment(cache, 0, cache.length, n), self.fresh[:n], n == len(self.fresh))]
+        start = self.work.length
+        return [Feed(self, Segment(self.work, r, start, 1), [token], True) for r, token in enumerate(self.next_tokens)]
+
+    def accept(self, fed: list[Feed], logits: torch.Tensor | None) -> None:
+        """Takes the rows of logits for what was fed (None when nothing asked for logits)."""
+        if self.fresh:
+            n = fed[0].segment.length
+            self.session.cache.length += n
+            self.stats.prefill_tokens += n
+            self.fresh = self.fresh[n:]
+            if self.fresh:
+                return
+            if self.request.max_new_tokens == 0:
+                self.finish("length")
+                return
+            self._start_decoding(logits)
+        else:
+            self.work.length += 1
+        self._choose(logits)
+
+    def _start_decoding(self, logits: torch.Tensor) -> None:
+        request, session = self.request, self.session
+        engine = session.engine
+        prompt, width = len(request.input_ids), self.width
+        if width == 1:
+            self.work = session.cache
+        else:
+            self.work = engine.store.cache(width)
+            self.work.pinned = True
+            self.work.reserve(prompt + request.max_new_tokens)
+            self.work.copy_rows_from(session.cache, 0)
+        self.sequence = torch.empty(width, prompt + request.max_new_tokens, dtype=torch.long, device=logits.device)
+        self.sequence[:, :prompt] = torch.tensor(request.input_ids, device=logits.device)
+        self.context = proc.Context(self.sequence, prompt, prompt, logits.shape[-1])
+        self.states = request.chain.init(self.context)
+        self.generator = None
+        if request.strategy == "sample":
+            self.generator = torch.Generator(device=logits.device)
+            self.generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
+        if request.strategy == "beam":
+            self.beams = BeamSearch(width, request.max_new_tokens, request.eos_token_ids, request.length_penalty,
+                                    request.early_stopping, logits.device)
+        self.rows = self.all_rows = [_Row(i, engine.tokenizer, request.stop) for i in range(width)]
+
+    def _choose(self, logits: torch.Tensor) -> None:
+        """Processes the logits of the decoding rows and appends one token to each."""
+        if logits.shape[0] != len(self.rows):
+            logits = logits.expand(len(self.rows), -1)
+        if self.beams is not None:
+            logits = logits.log_softmax(dim=-1)  # beam search scores log-probabilities, as transformers does
+        self.states, processed = self.request.chain.process(self.states, logits, self.context)
+        check_logits(processed, self.request.chain, logits.shape)
+        if self.stats.ttft_s is None:
+            self.stats.ttft_s = time.perf_counter() - self.started
+        if self.beams is not None:
+            self._beam_step(processed)
+        else:
+            self._sample_step(processed)
+
+    def _advance_context(self, tokens: torch.Tensor) -> None:
+        length = self.context.length
+        self.sequence[:, length] = tokens
+        self.context = proc.Context(self.sequence, length + 1, self.context.input_length, self.context.vocab_size)
+
+    def _sample_step(self, processed: torch.Tensor) -> None:
+        request = self.request
+        tokens = pick(processed, request.strategy == "greedy", self.generator)
+        self._advance_context(tokens)
+        token_list = tokens.tolist()
+        keep = []
+        for position, (row, token) in enumerate(zip(self.rows, token_list)):
+            row.token_ids.append(token)
+            if self.width == 1:
+                self.session.history.append(token)
+            is_eos = token in request.eos_token_ids
+            text = "" if is_eos else row.stops.feed(row.detokenizer.push(token))
+            if row.stops.stopped:
+                row.finish = "stop"
+            elif is_eos or len(row.token_ids) == request.max_new_tokens:
+                text += row.stops.feed(row.detokenizer.flush())
+                row.finish = "stop" if row.stops.stopped else ("eos" if is_eos else "length")
+                text += row.stops.flush()
+            row.pieces.append(text)
+            self.events.append(TokenEvent(token, text, row.index))
+            if row.finish is None:
+                keep.append(position)
+        if not keep:
+            self.finish(self.all_rows[0].finish)
+            return
+        if len(keep) < len(self.rows):
+            self._keep_rows(torch.tensor(keep, device=tokens.device))
+        self.next_tokens = [token_list[i] for i in keep]
+
+    def _keep_rows(self, index: torch.Tensor) -> None:
+        """Rows `index` go on: their cache rows, processor states and sequences follow one index."""
+        self.work.select(index)
+        self.states = self.request.chain.reorder(self.states, index)
+        self.sequence = self.sequence.index_select(0, index)
+        self.context = proc.Context(self.sequence, self.context.length, self.context.input_length, self.context.vocab_size)
+        self.rows = [self.rows[i] for i in index.tolist()]
+
+    def _beam_step(self, processed: torch.Tensor) -> None:
+        index, tokens = self.beams.step(processed)
+        if self.beams.done:
+            self.finish_beams()
+            return
+        if not torch.equal(index, torch.arange(len(index), device=index.device)):
+            self.work.select(index)
+            self.states = self.request.chain.reorder(self.states, index)
+            self.sequence = self.sequence.index_select(0, index)
+        self._advance_context(tokens)
+        self.next_tokens = tokens.tolist()
+
+    # ---- the end ---------------------------------------------------------------------------------
+
+    def finish_beams(self) -> None:
+        request, tokenizer = self.request, self.session.engine.tokenizer
+        sequences = []
+        for token_ids, score in self.beams.results(request.num_return_sequences):
+            is_eos = bool(token_ids) and token_ids[-1] in request.eos_token_ids
+            text = tokenizer.decode(token_ids[:-1] if is_eos else token_ids, skip_special_tokens=True)
+            sequences.append(Sequence(text, token_ids, "eos" if is_eos else "length", score))
+        self._settle(sequences, sequences[0].finish_reason)
+
+    def finish(self, reason: str) -> None:
+        """Ends the run with `reason`; a row still decoding (a cancel) keeps what it has, as 'cancelled'."""
+        if self.done:
+            return
+        sequences = [row.sequence() for row in self.all_rows] or [Sequence("", [], reason)]
+        self._settle(sequences, reason)
+
+    def _settle(self, sequences: list[Sequence], reason: str) -> None:
+        session = self.session
+        best = sequences[0]
+        if self.admitted and self.width > 1:
+            session.history = list(self.request.input_ids) + best.token_ids
+        self.stats.generated_tokens = sum(len(s.token_ids) for s in sequences)
+        self.stats.total_s = time.perf_counter() - self.started
+        self.result = Result(best.text, best.token_ids, reason, self.stats, sequences)
+        self._release()
+
+    def fail(self, error: BaseException) -> None:
+        """Puts the session back exactly as it was before the call, and keeps the error for the caller."""
+        if self.done:
+            return
+        if self.saved is not None:
+            self.session._restore(self.saved)
+        self.error = error
+        self._release()
+
+    def _release(self) -> None:
+        session = self.session
+        if self.work is not None and self.work is not session.cache:
+            session.engine.store.release(self.work)
+        session.cache.pinned = False
+        if self.admitted and not session.closed:
+            session.cache.reserve(session.cache.length)  # give back what was reserved and not used
+        session.engine.store.touch(session.cache)
+        self.done = True
+
+
+class Generation:
+    """A generate call: iterate it for `TokenEvent`s; `.result` is set once it is exhausted.
+
+    Each `next()` ticks the engine's scheduler until this call has an event, so other calls of the same
+    engine progress too. Dropping an unfinished generation cancels it.
+    """
+
+    def __init__(self, session, request):
+        self.session = session
+        self.request = request
+        self._run = Run(session, request)
+        session.engine.scheduler.submit(self._run)
+
+    @property
+    def result(self) -> Result | None:
+        return self._run.result
+
+    @property
+    def done(self) -> bool:
+        return self._run.done
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._run.error
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> TokenEvent:
+        run, scheduler = self._run, self.session.engine.scheduler
+        while not run.events:
+            if run.done:
+                if run.error is not None:
+                    error, run.error = run.error, None
+                    raise error
+                raise StopIteration
+            scheduler.tick()
+        return run.events.popleft()
+
+    def take_events(self) -> list[TokenEvent]:
+        """The events queued since the last call (the server sends them after each tick)."""
+        events = list(self._run.events)
+        self._run.events.clear()
+        return events
+
+    def cancel(self) -> None:
+        """Stops before the next forward pass; the result keeps the tokens so far, finish_reason 'cancelled'.
+
+        Called during a tick (from a processor), it only marks the run: the tick finishes first.
+        """
+        self.session.engine.scheduler.cancel(self._run)
+
+    def __del__(self):
+        run = getattr(self, "_run", None)
+        if run is not None and not run.done:
+            try:
+                self.cancel()
+            except Exception:  # interpreter shutdown: nothing left to put back
+                pass
+

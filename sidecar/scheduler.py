@@ -1,0 +1,150 @@
+"""The scheduler: one forward pass per tick for every active row of every session of one engine.
+
+Each tick it
+1. admits waiting runs in arrival order while the KV store can hold what each needs to its end
+   (evicting idle caches first); a run that cannot fit waits while others run, and is refused with
+   `cache_budget_exceeded` when nothing runs that could free memory;
+2. builds one batch: a token for every decoding row, then prefill chunks under the per-tick token
+   budget (`prefill_chunk`), shortest remaining prompt first, so a short request gets its first
+   token while a long prompt is still being prefilled;
+3. runs the model once and hands each run its rows of logits.
+
+A failure inside one run (its processors, its sampling) fails that run alone; a failing forward pass
+fails the runs that were in it. Either way each such run puts its session back as it was.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from .attention import Plan
+from .decode import forward
+from .errors import CacheBudgetExceeded
+from .generation import Feed, Run
+
+
+class Scheduler:
+    def __init__(self, engine):
+        self.engine = engine
+        self.waiting: deque[Run] = deque()
+        self.running: list[Run] = []
+        self.ticking = False
+        self.ticks = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def submit(self, run: Run) -> None:
+        self.waiting.append(run)
+
+    def cancel(self, run: Run) -> None:
+        """Cancels a run now, or at the end of the tick under way (a processor cancelling)."""
+        run.cancelled = True
+        if not self.ticking:
+            with torch.inference_mode():
+                run.finish("cancelled")
+            self._forget_done()
+
+    def tick(self) -> None:
+        self.ticking = True
+        try:
+            with torch.inference_mode():
+                self._admit()
+                feeds = self._plan()
+                if feeds:
+                    self._forward(feeds)
+                for run in self.running:
+                    if run.cancelled:
+                        run.finish("cancelled")
+        finally:
+            self.ticking = False
+            self.ticks += 1
+        self._forget_done()
+
+    def _forget_done(self) -> None:
+        self.running = [run for run in self.running if not run.done]
+        while self.waiting and self.waiting[0].done:
+            self.waiting.popleft()
+        if any(run.done for run in self.waiting):
+            self.waiting = deque(run for run in self.waiting if not run.done)
+
+    def _admit(self) -> None:
+        store = self.engine.store
+        while self.waiting:
+            run = self.waiting[0]
+            if run.done:
+                self.waiting.popleft()
+                continue
+            if run.cancelled:
+                self.waiting.popleft()
+                run.finish("cancelled")
+                continue
+            needed = run.needed_bytes()
+            if not store.make_room(needed, keep=run.session.cache):
+                if self.running:
+                    return  # running generations will free memory: wait for them
+                self.waiting.popleft()
+                run.fail(CacheBudgetExceeded(
+                    f"this generation needs {needed + store.used_bytes} bytes of KV cache, more than the "
+                    f"budget of {store.budget_bytes} (cache_budget_bytes) even with every idle cache evicted",
+                    limit="cache_budget_bytes", max=store.budget_bytes, value=needed + store.used_bytes))
+                continue
+            self.waiting.popleft()
+            try:
+                run.admit()
+            except Exception as error:
+                run.fail(error)
+                continue
+            self.running.append(run)
+
+    def _plan(self) -> list[Feed]:
+        feeds: list[Feed] = []
+        for run in self.running:
+            if not run.prefilling and not run.done:
+                feeds += run.plan(0)
+        budget = self.engine.prefill_chunk
+        for run in sorted((r for r in self.running if r.prefilling), key=lambda r: len(r.fresh)):
+            if budget <= 0:
+                break
+            planned = run.plan(budget)
+            budget -= sum(len(feed.token_ids) for feed in planned)
+            feeds += planned
+        return feeds
+
+    def _forward(self, feeds: list[Feed]) -> None:
+        token_ids, positions, keep = [], [], []
+        for feed in feeds:
+            token_ids += feed.token_ids
+            positions += range(feed.segment.start, feed.segment.start + feed.segment.length)
+            if feed.wants_logits:
+                keep.append(len(token_ids) - 1)
+        try:
+            logits = forward(self.engine.model, token_ids, positions, Plan([f.segment for f in feeds]), keep)
+        except Exception as error:
+            for run in {id(f.run): f.run for f in feeds}.values():
+                run.fail(error)
+            return
+        row = 0
+        for run, fed in _by_run(feeds):
+            wanted = sum(feed.wants_logits for feed in fed)
+            rows = logits[row : row + wanted] if wanted else None
+            row += wanted
+            try:
+                run.accept(fed, rows)
+            except Exception as error:
+                run.fail(error)
+
+
+def _by_run(feeds: list[Feed]):
+    """Groups consecutive feeds of the same run (a run's feeds are planned together)."""
+    group: list[Feed] = []
+    for feed in feeds:
+        if group and feed.run is not group[0].run:
+            yield group[0].run, group
+            group = []
+        group.append(feed)
+    if group:
+        yield group[0].run, group

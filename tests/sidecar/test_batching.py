@@ -1,0 +1,258 @@
+"""The batched engine against independent references: solo runs, `model.generate` (greedy, sampling and
+beam search), and the memory budget measured by the store itself."""
+
+import pytest
+import torch
+
+import processors as P
+from sidecar import Engine
+from sidecar.errors import CacheBudgetExceeded
+
+from .conftest import tokens
+
+LENGTHS = [3, 9, 17, 30, 41, 56, 70, 101]  # eight sessions, eight prompt lengths
+
+
+def reference_greedy(engine, token_ids, max_new_tokens):
+    """`model.generate` alone: transformers' own loop and cache, one row."""
+    out = engine.model.generate(torch.tensor([token_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)
+    return out[0, len(token_ids):].tolist()
+
+
+def drain(generations, engine, cancel_after=None):
+    """Ticks the engine until every generation is done; returns each one's streamed token ids."""
+    seen = {id(g): [] for g in generations}
+    while engine.scheduler.busy:
+        engine.scheduler.tick()
+        for g in generations:
+            seen[id(g)] += [e.token_id for e in g.take_events()]
+            if cancel_after and g is cancel_after[0] and len(seen[id(g)]) >= cancel_after[1] and not g.done:
+                g.cancel()
+    return [seen[id(g)] for g in generations]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_eight_sessions_batched_equal_their_solo_runs(kind, engine, gpt2_engine):
+    engine = {"llama": engine, "gpt2": gpt2_engine}[kind]
+    prompts = [tokens(n, seed=100 + n, high=engine.vocab_size) for n in LENGTHS]
+    sessions = [engine.session() for _ in prompts]
+    try:
+        # four start together; three join while those decode; one is cancelled part-way
+        first = [s.stream(token_ids=p, max_new_tokens=12, eos_token_ids=[]) for s, p in zip(sessions[:4], prompts[:4])]
+        for _ in range(3):
+            engine.scheduler.tick()
+        late = [s.stream(token_ids=p, max_new_tokens=12, eos_token_ids=[]) for s, p in zip(sessions[4:], prompts[4:])]
+        generations = first + late
+        early_events = [[e.token_id for e in g.take_events()] for g in first] + [[] for _ in late]
+        streamed = drain(generations, engine, cancel_after=(generations[5], 4))
+        streamed = [a + b for a, b in zip(early_events, streamed)]
+        for i, (g, p) in enumerate(zip(generations, prompts)):
+            expected = reference_greedy(engine, p, 12)
+            if i == 5:
+                assert g.result.finish_reason == "cancelled" and 4 <= len(g.result.token_ids) < 12
+                expected = expected[: len(g.result.token_ids)]
+            assert g.result.token_ids == streamed[i] == expected, f"session {i} (prompt of {len(p)})"
+        assert engine.scheduler.ticks > 0
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_one_forward_pass_per_tick_serves_every_row(engine):
+    calls = []
+    hook = engine.model.register_forward_hook(lambda m, a, kw, out: calls.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        sessions = [engine.session() for _ in range(4)]
+        generations = [s.stream(token_ids=tokens(5 + i, seed=i), max_new_tokens=6, eos_token_ids=[]) for i, s in enumerate(sessions)]
+        drain(generations, engine)
+    finally:
+        hook.remove()
+    # one pass prefills all four prompts together (5+6+7+8 tokens), then 5 passes of four decode rows
+    assert calls == [26] + [4] * 5
+    for s in sessions:
+        s.close()
+
+
+def test_a_short_request_gets_its_first_token_before_a_long_prompt_is_prefilled(default_dir):
+    engine = Engine.load(default_dir, prefill_chunk=256)
+    with engine.session() as long_session, engine.session() as short_session:
+        long = long_session.stream(token_ids=tokens(1800, seed=1), max_new_tokens=2, eos_token_ids=[])
+        engine.scheduler.tick()
+        short = short_session.stream(token_ids=tokens(12, seed=2), max_new_tokens=2, eos_token_ids=[])
+        first_token_tick = None
+        while engine.scheduler.busy:
+            engine.scheduler.tick()
+            if first_token_tick is None and short.take_events():
+                first_token_tick = engine.scheduler.ticks
+            if long.take_events():
+                long_first = engine.scheduler.ticks
+                break
+        # the short prompt goes first in the tick after it arrived; the long one needs 1800 / 256 ticks
+        assert first_token_tick == 2 and long_first == 8
+
+
+def test_cancelling_a_queued_generation_runs_nothing(engine):
+    calls = []
+    hook = engine.model.register_forward_hook(lambda m, a, kw, out: calls.append(1), with_kwargs=True)
+    try:
+        with engine.session() as session:
+            generation = session.stream(token_ids=tokens(600, seed=3), max_new_tokens=4)
+            generation.cancel()
+            assert generation.result.finish_reason == "cancelled" and generation.result.stats.prefill_tokens == 0
+            assert not engine.scheduler.busy and not session.busy
+    finally:
+        hook.remove()
+    assert calls == []
+
+
+def test_a_failure_in_one_generation_leaves_the_others_of_its_batch_alone(engine):
+    def explode(logits, context):
+        if context.length > context.input_length + 2:
+            raise RuntimeError("boom")
+        return logits
+
+    prompts = [tokens(7, seed=40), tokens(11, seed=41)]
+    with engine.session() as bad, engine.session() as good:
+        failing = bad.stream(token_ids=prompts[0], max_new_tokens=8, eos_token_ids=[], processors=[explode])
+        fine = good.stream(token_ids=prompts[1], max_new_tokens=8, eos_token_ids=[])
+        with pytest.raises(RuntimeError, match="boom"):
+            list(failing)
+        list(fine)
+        assert fine.result.token_ids == reference_greedy(engine, prompts[1], 8)
+        assert bad.history == [] and bad.cached == 0
+
+
+# ---- beam search ------------------------------------------------------------------------------------
+
+BEAM_CASES = [
+    dict(num_beams=4, max_new_tokens=10),
+    dict(num_beams=3, max_new_tokens=8, num_return_sequences=3, length_penalty=0.5),
+    dict(num_beams=4, max_new_tokens=9, early_stopping=True, num_return_sequences=2),
+    dict(num_beams=2, max_new_tokens=7, early_stopping="never", length_penalty=2.0),
+]
+PROCESSORS = {
+    "none": ([], {}),
+    "repetition 1.3 + no-repeat 2": ([P.RepetitionPenalty(1.3), P.NoRepeatNGram(2)],
+                                      {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}),
+}
+
+
+@pytest.mark.parametrize("case", BEAM_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("chain", list(PROCESSORS), ids=list(PROCESSORS))
+def test_beam_search_equals_transformers(any_engine, case, chain):
+    engine = any_engine
+    ours_chain, theirs = PROCESSORS[chain]
+    eos = 2
+    prompt = tokens(9, seed=7, high=engine.vocab_size)
+    theirs_out = engine.model.generate(
+        torch.tensor([prompt]), do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+        eos_token_id=eos, **case, **theirs)
+    with engine.session() as session:
+        result = session.generate(token_ids=prompt, strategy="beam", eos_token_ids=[eos], processors=ours_chain, **case)
+    expected_ids = [row[len(prompt):].tolist() for row in theirs_out.sequences]
+    got_ids = [s.token_ids for s in result.sequences]
+    # transformers pads shorter beams to the longest one's length
+    assert [ids[: len(got)] for ids, got in zip(expected_ids, got_ids)] == got_ids
+    assert all(set(ids[len(got):]) <= {0, eos} for ids, got in zip(expected_ids, got_ids))
+    assert torch.allclose(torch.tensor([s.score for s in result.sequences]), theirs_out.sequences_scores, atol=1e-4)
+    assert result.token_ids == got_ids[0] and result.text == result.sequences[0].text
+
+
+def test_beams_batched_with_other_sessions_equal_beams_alone(engine):
+    prompt = tokens(9, seed=8)
+    with engine.session() as alone:
+        expected = alone.generate(token_ids=prompt, strategy="beam", num_beams=3, max_new_tokens=8, num_return_sequences=3)
+    with engine.session() as beam, engine.session() as other:
+        beams = beam.stream(token_ids=prompt, strategy="beam", num_beams=3, max_new_tokens=8, num_return_sequences=3)
+        greedy = other.stream(token_ids=tokens(30, seed=9), max_new_tokens=12, eos_token_ids=[])
+        drain([beams, greedy], engine)
+        assert [s.token_ids for s in beams.result.sequences] == [s.token_ids for s in expected.sequences]
+        assert [s.score for s in beams.result.sequences] == pytest.approx([s.score for s in expected.sequences], abs=1e-4)
+        assert greedy.result.token_ids == reference_greedy(engine, tokens(30, seed=9), 12)
+
+
+def test_after_beam_search_the_session_holds_the_best_sequence_and_caches_the_prompt(engine):
+    prompt = tokens(10, seed=11)
+    with engine.session() as session:
+        result = session.generate(token_ids=prompt, strategy="beam", num_beams=3, max_new_tokens=6, eos_token_ids=[])
+        assert session.history == prompt + result.token_ids and session.cached == len(prompt)
+        follow = session.generate(token_ids=session.history + [5], max_new_tokens=3, eos_token_ids=[])
+        assert follow.stats.reused_tokens == len(prompt)
+        assert follow.token_ids == reference_greedy(engine, session.history[: len(prompt) + 7], 3)
+
+
+# ---- n samples --------------------------------------------------------------------------------------
+
+def test_n_samples_equal_transformers_sampling_with_the_same_seed(engine):
+    prompt = tokens(12, seed=12)
+    torch.manual_seed(5)
+    theirs = engine.model.generate(torch.tensor([prompt]), do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                                   num_return_sequences=4, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
+    with engine.session() as session:
+        result = session.generate(token_ids=prompt, strategy="sample", num_samples=4, seed=5, max_new_tokens=10,
+                                  eos_token_ids=[])
+    assert [s.token_ids for s in result.sequences] == theirs[:, len(prompt):].tolist()
+    assert result.stats.prefill_tokens == len(prompt) and result.stats.generated_tokens == 40
+
+
+def test_n_samples_prefill_once_are_reproducible_and_stream_tagged(engine):
+    prompt = tokens(40, seed=13)
+    calls = []
+    hook = engine.model.register_forward_hook(lambda m, a, kw, out: calls.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        with engine.session() as session:
+            stream = session.stream(token_ids=prompt, strategy="sample", num_samples=3, seed=9, max_new_tokens=5,
+                                    eos_token_ids=[], processors=[P.TopK(20)])
+            events = list(stream)
+    finally:
+        hook.remove()
+    assert calls == [40] + [3] * 4  # the prompt once, then three rows per pass
+    by_sequence = {i: [e.token_id for e in events if e.sequence == i] for i in range(3)}
+    assert [by_sequence[i] for i in range(3)] == [s.token_ids for s in stream.result.sequences]
+    with engine.session() as again:
+        repeat = again.generate(token_ids=prompt, strategy="sample", num_samples=3, seed=9, max_new_tokens=5,
+                                eos_token_ids=[], processors=[P.TopK(20)])
+    assert [s.token_ids for s in repeat.sequences] == [s.token_ids for s in stream.result.sequences]
+
+
+def test_samples_end_on_their_own_and_the_rest_go_on(engine):
+    prompt = tokens(8, seed=14)
+    with engine.session() as session:
+        result = session.generate(token_ids=prompt, strategy="sample", num_samples=6, seed=3, max_new_tokens=30,
+                                  eos_token_ids=list(range(3, 200)))  # a fifth of the vocabulary ends a row
+    lengths = sorted(len(s.token_ids) for s in result.sequences)
+    assert lengths[0] < lengths[-1]
+    for s in result.sequences:
+        ended = s.token_ids[-1] in range(3, 200)
+        assert s.finish_reason == ("eos" if ended else "length") and all(t not in range(3, 200) for t in s.token_ids[:-1])
+
+
+# ---- the memory budget ------------------------------------------------------------------------------
+
+def test_the_budget_holds_while_ten_generations_run(default_dir):
+    per_token = Engine.load(default_dir).store.bytes_per_token
+    budget = 3 * 60 * per_token  # room for three of the ten at a time
+    engine = Engine.load(default_dir, cache_budget_bytes=budget)
+    sessions = [engine.session() for _ in range(10)]
+    prompts = [tokens(20 + i, seed=60 + i) for i in range(10)]
+    generations = [s.stream(token_ids=p, max_new_tokens=20, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
+    streamed = drain(generations, engine)
+    assert engine.store.peak_bytes <= budget
+    for g, p, got in zip(generations, prompts, streamed):
+        assert g.result.token_ids == got == reference_greedy(engine, p, 20)
+    assert engine.stats()["evictions"] > 0
+
+
+def test_a_generation_that_cannot_fit_alone_is_refused_and_changes_nothing(default_dir):
+    per_token = Engine.load(default_dir).store.bytes_per_token
+    engine = Engine.load(default_dir, cache_budget_bytes=40 * per_token)
+    with engine.session() as session:
+        first = session.generate(token_ids=tokens(20, seed=1), max_new_tokens=4, eos_token_ids=[])
+        before = (list(session.history), session.cached)
+        with pytest.raises(CacheBudgetExceeded) as caught:
+            session.generate(token_ids=tokens(30, seed=2), max_new_tokens=20)
+        assert caught.value.details["limit"] == "cache_budget_bytes" and caught.value.details["max"] == 40 * per_token
+        assert (session.history, session.cached) == before
+        again = session.generate(token_ids=tokens(20, seed=1), max_new_tokens=4, eos_token_ids=[])
+        assert again.token_ids == first.token_ids and again.stats.reused_tokens == 19
