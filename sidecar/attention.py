@@ -6,8 +6,10 @@ tokens belongs to which row of which `KVCache`, starting at which position. tran
 attention layer's fresh keys and values to the function registered for the model's attention
 implementation, with the extra keywords of the call. This one writes each row's keys and values into
 its cache and runs the stock SDPA attention of the row's queries against the row's cached keys, with a
-causal mask offset by what the row already holds. A row therefore computes exactly what it computes
-alone (a batch of one is bit-identical to transformers' own `DynamicCache` path).
+causal mask offset by what the row already holds. A decode step of several rows that share one cache
+(beams, samples) is one SDPA call over those rows. A row therefore computes what it computes alone:
+a lone session's decode steps are bit-identical to transformers' own `DynamicCache` path (its prefill
+logits differ only by the rounding of the output layer's matmul over fewer positions, ~4e-7).
 
 Called without a plan (`model.generate`, a plain forward), it is transformers' SDPA attention, so the
 model stays usable as a reference.
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -29,12 +32,19 @@ NAME = "sidecar_rows"
 
 @dataclass(frozen=True)
 class Segment:
-    """`length` consecutive tokens of the batch, for row `row` of `cache`, at positions `start`..."""
+    """Tokens of the batch for one cache: `length` consecutive tokens of row `row` at positions
+    `start`... (a prefill chunk or one row's decode step), or, with `rows` > 1, one token for each of
+    the cache's rows, all at `start` (the decode step of beams or samples, which share one length)."""
 
     cache: KVCache
     row: int
     start: int
     length: int
+    rows: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.length * self.rows
 
 
 @dataclass
@@ -65,18 +75,36 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
         kv_plan.store.learn(module.layer_idx, key.shape[1], key.shape[3], key.dtype)
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout)
     layer = module.layer_idx
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
     outputs = []
     offset = 0
     for segment in kv_plan.segments:
-        end = offset + segment.length
-        keys, values = segment.cache.write(layer, segment.row, segment.start, key[0, :, offset:end], value[0, :, offset:end])
-        mask = None  # one query, or a whole prompt from position 0: SDPA's own causal flag
-        if segment.length > 1 and segment.start > 0:
-            mask = kv_plan.mask(segment.start, segment.length, query.device)
-        out, _ = sdpa_attention_forward(module, query[:, :, offset:end], keys, values, mask, scaling=scaling, dropout=dropout)
-        outputs.append(out)
+        end = offset + segment.tokens
+        if segment.length == 1:
+            outputs.append(_decode(segment, layer, query[0, :, offset:end], key[0, :, offset:end], value[0, :, offset:end],
+                                   scaling, gqa))
+        else:
+            keys, values = segment.cache.write(layer, segment.row, segment.start, key[0, :, offset:end], value[0, :, offset:end])
+            mask = None  # a whole prompt from position 0: SDPA's own causal flag
+            if segment.start > 0:
+                mask = kv_plan.mask(segment.start, segment.length, query.device)
+            out, _ = sdpa_attention_forward(module, query[:, :, offset:end], keys, values, mask, scaling=scaling, dropout=dropout)
+            outputs.append(out)
         offset = end
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool) -> torch.Tensor:
+    """One new token for each of `segment.rows` rows that share a length: one SDPA call for all of them.
+
+    The call transformers' SDPA attention makes for one query without a mask, batched over the rows:
+    `query` [heads, rows, head_dim] and the fresh `key`/`value` [kv_heads, rows, head_dim] of the
+    flattened batch become [rows, heads, 1, head_dim]; returns [1, rows, heads, head_dim].
+    """
+    keys, values = segment.cache.write_rows(layer, segment.row, segment.rows, segment.start,
+                                            key.transpose(0, 1), value.transpose(0, 1))
+    out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(2), keys, values, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(1, segment.rows, *out.shape[1:2], out.shape[3])
 
 
 AttentionInterface.register(NAME, rows_attention)

@@ -33,12 +33,13 @@ from .text import Detokenizer, StopMatcher
 
 @dataclass
 class Feed:
-    """Tokens a run wants fed in this tick, and whether it needs the logits after the last of them."""
+    """Tokens a run wants fed in this tick, and how many rows of logits it wants back: the last token's
+    (1), every row's (a decode step of several rows), or none (a prefill chunk that is not the last)."""
 
     run: "Run"
     segment: Segment
     token_ids: list[int]
-    wants_logits: bool
+    logits: int
 
 
 class _Row:
@@ -116,9 +117,9 @@ class Run:
             if n <= 0:
                 return []
             cache = self.session.cache
-            return [Feed(self, Segment(cache, 0, cache.length, n), self.fresh[:n], n == len(self.fresh))]
-        start = self.work.length
-        return [Feed(self, Segment(self.work, r, start, 1), [token], True) for r, token in enumerate(self.next_tokens)]
+            return [Feed(self, Segment(cache, 0, cache.length, n), self.fresh[:n], int(n == len(self.fresh)))]
+        rows = len(self.next_tokens)
+        return [Feed(self, Segment(self.work, 0, self.work.length, 1, rows), self.next_tokens, rows)]
 
     def accept(self, fed: list[Feed], logits: torch.Tensor | None) -> None:
         """Takes the rows of logits for what was fed (None when nothing asked for logits)."""

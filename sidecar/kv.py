@@ -143,6 +143,14 @@ class KVCache:
         self.values[layer][row, :, start:end] = values
         return self.keys[layer][row : row + 1, :, :end], self.values[layer][row : row + 1, :, :end]
 
+    def write_rows(self, layer: int, row: int, rows: int, position: int, keys: torch.Tensor, values: torch.Tensor):
+        """Writes one token ([rows, heads, head_dim]) at `position` for rows `row`..`row + rows`; returns those
+        rows' keys and values up to it, as views [rows, heads, position + 1, head_dim]."""
+        end = row + rows
+        self.keys[layer][row:end, :, position] = keys
+        self.values[layer][row:end, :, position] = values
+        return self.keys[layer][row:end, :, : position + 1], self.values[layer][row:end, :, : position + 1]
+
     def copy_rows_from(self, other: "KVCache", row: int) -> None:
         """Fills every row with `other`'s row `row` (a prompt prefilled once, expanded to beams or samples)."""
         for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):

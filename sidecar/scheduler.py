@@ -110,17 +110,17 @@ class Scheduler:
             if budget <= 0:
                 break
             planned = run.plan(budget)
-            budget -= sum(len(feed.token_ids) for feed in planned)
+            budget -= sum(feed.segment.tokens for feed in planned)
             feeds += planned
         return feeds
 
     def _forward(self, feeds: list[Feed]) -> None:
         token_ids, positions, keep = [], [], []
         for feed in feeds:
+            segment = feed.segment
+            positions += range(segment.start, segment.start + segment.length) if segment.rows == 1 else [segment.start] * segment.rows
             token_ids += feed.token_ids
-            positions += range(feed.segment.start, feed.segment.start + feed.segment.length)
-            if feed.wants_logits:
-                keep.append(len(token_ids) - 1)
+            keep += range(len(token_ids) - feed.logits, len(token_ids))
         try:
             logits = forward(self.engine.model, token_ids, positions, Plan([f.segment for f in feeds]), keep)
         except Exception as error:
@@ -129,7 +129,7 @@ class Scheduler:
             return
         row = 0
         for run, fed in _by_run(feeds):
-            wanted = sum(feed.wants_logits for feed in fed)
+            wanted = sum(feed.logits for feed in fed)
             rows = logits[row : row + wanted] if wanted else None
             row += wanted
             try:
