@@ -6,10 +6,10 @@ mode before anything imports transformers (see `__main__`).
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "Generation", "Result", "Session", "SidecarError", "Stats", "TokenEvent"]
+__all__ = ["Engine", "Generation", "Result", "Sequence", "Session", "SidecarError", "Stats", "TokenEvent"]
 
-_HOMES = {"Engine": "engine", "SidecarError": "errors", "Generation": "session", "Result": "session",
-          "Session": "session", "Stats": "session", "TokenEvent": "session"}
+_HOMES = {"Engine": "engine", "SidecarError": "errors", "Generation": "generation", "Result": "session",
+          "Sequence": "session", "Session": "session", "Stats": "session", "TokenEvent": "session"}
 
 
 def __getattr__(name):

@@ -211,3 +211,42 @@ def test_serves_both_ways_on_one_socket(default_dir):
     assert unpack(replies[0]) == {"id": 1, "ok": True, "result": {}}
     ours.shutdown(socket.SHUT_WR)
     assert process.wait(10) == 0
+
+
+def test_eight_sessions_at_once_through_the_server_equal_their_solo_runs(peer, engine):
+    from .conftest import tokens
+
+    prompts = [tokens(n, seed=n) for n in (4, 13, 27, 40, 66, 90, 130, 200)]
+    for i in range(8):
+        assert peer.call("open_session", session=f"c{i}")["ok"]
+    for i, prompt in enumerate(prompts):
+        generate(peer, 500 + i, session=f"c{i}", token_ids=prompt, max_new_tokens=10, eos_token_ids=[], stream=i % 2 == 0)
+    for i, prompt in enumerate(prompts):
+        events, reply = peer.reply_for(500 + i)
+        with engine.session() as solo:
+            expected = solo.generate(token_ids=prompt, max_new_tokens=10, eos_token_ids=[]).token_ids
+        assert reply["result"]["token_ids"] == expected
+        assert [e["token_ids"][0] for e in events] == (expected if i % 2 == 0 else [])
+    assert peer.call("stats")["result"]["models"]["default"]["cache_peak_bytes"] > 0
+
+
+def test_beams_and_samples_through_the_server_equal_the_python_api(peer, engine):
+    from .conftest import tokens
+
+    prompt = tokens(15, seed=3)
+    peer.call("open_session", session="b")
+    beams = peer.call("generate", session="b", token_ids=prompt, strategy="beam", num_beams=3, num_return_sequences=2,
+                      max_new_tokens=6, length_penalty=0.5, early_stopping="never")["result"]
+    rid = peer.next_id()
+    generate(peer, rid, session="b", token_ids=prompt, strategy="sample", num_samples=3, seed=4, max_new_tokens=5,
+             eos_token_ids=[], stream=True)
+    events, samples = peer.reply_for(rid)
+    with engine.session() as s:
+        expected = s.generate(token_ids=prompt, strategy="beam", num_beams=3, num_return_sequences=2, max_new_tokens=6,
+                              length_penalty=0.5, early_stopping="never")
+        drawn = s.generate(token_ids=prompt, strategy="sample", num_samples=3, seed=4, max_new_tokens=5, eos_token_ids=[])
+    assert [q["token_ids"] for q in beams["sequences"]] == [q.token_ids for q in expected.sequences]
+    assert [q["score"] for q in beams["sequences"]] == pytest.approx([q.score for q in expected.sequences])
+    assert [q["token_ids"] for q in samples["result"]["sequences"]] == [q.token_ids for q in drawn.sequences]
+    for index, sequence in enumerate(samples["result"]["sequences"]):
+        assert "".join(e["text"] for e in events if e["sequence"] == index) == sequence["text"]

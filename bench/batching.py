@@ -1,0 +1,251 @@
+"""The batched engine, side by side in one run: prints one table of medians, ratios and verdicts.
+
+    .venv/bin/python bench/batching.py [--runs 3] [--quick] [--baseline DIR] [--no-peer]
+
+Default model, CPU, one torch thread, greedy unless said. Server rows run the real server
+(`python -m sidecar --model default`) over pipes; in-process rows use the Python API. Compared
+measurements alternate run by run, so a noisy moment hits both sides.
+
+1. 8 sessions at once (prompts of 8 lengths, 96 new tokens each) through the server, against the same
+   8 prompts one at a time: aggregate tokens/s (target >= 4x).
+2. The same 8 prompts through transformers' own continuous batching (`generate_batch`), as the peer
+   figure; it cannot carry our processors (--no-peer skips it: it takes about 16 s a run here).
+3. 8 samples of 64 tokens from a 512-token prompt (one request, `num_samples: 8`) against 8 separate
+   requests sent at once on 8 sessions (target >= 3x).
+4. Beam search, 4 beams and 64 tokens, against transformers' beam search on the same model (identical
+   sequences checked first; target <= 0.9x its time).
+5. A short streamed request sent right behind an 1,800-token prompt: the time to its first token and
+   the time to the long prompt's first token (its prefill's end); target: the short one first.
+6. One session alone, decode ms/token over 128 tokens: this revision, and with `--baseline DIR` a
+   checkout of another revision (e.g. the one before the batched engine) side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.common import NO_TARGET, Target, judged, print_table, spread  # noqa: E402
+from protocol.peer import Peer  # noqa: E402
+
+HERE = Path(__file__).resolve().parents[1]
+LENGTHS = (16, 48, 96, 160, 240, 320, 416, 512)
+NEW_TOKENS = 96
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+PROMPTS = [ids(n, 100 + n) for n in LENGTHS]
+
+
+class Server:
+    """A server of one checkout, with a clock on every message it sends."""
+
+    def __init__(self, checkout: Path):
+        env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
+        self.peer = Peer([sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "ERROR"],
+                         env=env, stderr=subprocess.DEVNULL, cwd=checkout)
+        self.sessions = 0
+
+    def open(self) -> str:
+        self.sessions += 1
+        name = f"b{self.sessions}"
+        assert self.peer.call("open_session", session=name)["ok"]
+        return name
+
+    def close(self, name: str) -> None:
+        self.peer.call("close_session", session=name)
+
+    def run(self, requests: list[dict]) -> tuple[float, dict[int, float], dict[int, dict]]:
+        """Sends every request at once; returns the time until the last reply, each request's first-event
+        time (from the send), and the replies."""
+        started = time.perf_counter()
+        pending = {}
+        for request in requests:
+            rid = self.peer.next_id()
+            pending[rid] = request
+            self.peer.send({"id": rid, "op": "generate", **request})
+        first, replies = {}, {}
+        while len(replies) < len(pending):
+            message = self.peer.read_message()
+            rid = message.get("id")
+            first.setdefault(rid, time.perf_counter() - started)
+            if "event" not in message:
+                replies[rid] = message
+        for reply in replies.values():
+            assert reply["ok"], reply
+        return time.perf_counter() - started, first, replies
+
+    def stop(self) -> None:
+        self.peer.close()
+
+
+def aggregate(server: Server) -> tuple[float, float]:
+    """Tokens/s of the 8 prompts at once on 8 sessions, and of the same 8 one at a time on one session each."""
+    sessions = [server.open() for _ in PROMPTS]
+    requests = [{"session": s, "token_ids": p, "max_new_tokens": NEW_TOKENS, "eos_token_ids": []}
+                for s, p in zip(sessions, PROMPTS)]
+    together, _, _ = server.run(requests)
+    for s in sessions:
+        server.close(s)
+    sessions = [server.open() for _ in PROMPTS]
+    alone = sum(server.run([dict(r, session=s)])[0] for r, s in zip(requests, sessions))
+    for s in sessions:
+        server.close(s)
+    tokens = len(PROMPTS) * NEW_TOKENS
+    return tokens / together, tokens / alone
+
+
+def samples(server: Server) -> tuple[float, float]:
+    """Seconds for 8 x 64 sampled tokens from one 512-token prompt: num_samples 8, and 8 separate requests."""
+    prompt = ids(512, 7)
+    one = server.open()
+    n_samples, _, replies = server.run([{"session": one, "token_ids": prompt, "max_new_tokens": 64, "eos_token_ids": [],
+                                         "strategy": "sample", "seed": 1, "num_samples": 8}])
+    assert all(len(s["token_ids"]) == 64 for r in replies.values() for s in r["result"]["sequences"])
+    server.close(one)
+    sessions = [server.open() for _ in range(8)]
+    separate, _, _ = server.run([{"session": s, "token_ids": prompt, "max_new_tokens": 64, "eos_token_ids": [],
+                                  "strategy": "sample", "seed": i} for i, s in enumerate(sessions)])
+    for s in sessions:
+        server.close(s)
+    return n_samples, separate
+
+
+def short_behind_long(server: Server) -> tuple[float, float]:
+    """Time to the first token of a short streamed request sent right behind an 1,800-token prompt, and of that prompt."""
+    long_session, short_session = server.open(), server.open()
+    _, first, replies = server.run([
+        {"session": long_session, "token_ids": ids(1800, 8), "max_new_tokens": 4, "eos_token_ids": [], "stream": True},
+        {"session": short_session, "token_ids": ids(12, 9), "max_new_tokens": 4, "eos_token_ids": [], "stream": True},
+    ])
+    long_id, short_id = sorted(replies)
+    server.close(long_session)
+    server.close(short_session)
+    return first[short_id], first[long_id]
+
+
+def solo_decode(server: Server) -> float:
+    """ms per token of one session alone, 128 greedy tokens after a 32-token prompt."""
+    session = server.open()
+    seconds, _, _ = server.run([{"session": session, "token_ids": ids(32, 5), "max_new_tokens": 128, "eos_token_ids": []}])
+    server.close(session)
+    return seconds / 128 * 1e3
+
+
+def beams(engine, prompt: list[int]) -> tuple[float, float]:
+    """Seconds of our beam search and transformers' (4 beams, 64 tokens), sequences checked identical first."""
+    case = dict(num_beams=4, max_new_tokens=64, num_return_sequences=1)
+    with engine.session() as session:
+        started = time.perf_counter()
+        ours = session.generate(token_ids=prompt, strategy="beam", eos_token_ids=[2], **case)
+        ours_s = time.perf_counter() - started
+    started = time.perf_counter()
+    with torch.inference_mode():
+        theirs = engine.model.generate(torch.tensor([prompt]), do_sample=False, eos_token_id=2, pad_token_id=0, **case)
+    theirs_s = time.perf_counter() - started
+    expected = theirs[0, len(prompt):].tolist()
+    assert ours.token_ids == expected[: len(ours.token_ids)], "beam search outputs differ: refusing to time them"
+    return ours_s, theirs_s
+
+
+def transformers_batch(model_dir: Path) -> float:
+    """Seconds for the 8 prompts x 96 tokens through transformers' `generate_batch` (its paged cache on CPU)."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, attn_implementation="sdpa").eval()
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    started = time.perf_counter()
+    outputs = model.generate_batch(inputs=PROMPTS, generation_config=config, progress_bar=False)
+    seconds = time.perf_counter() - started
+    assert all(len(o.generated_tokens) == NEW_TOKENS for o in outputs.values()), "generate_batch stopped early"
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one run, no transformers peer")
+    parser.add_argument("--baseline", type=Path, help="a checkout of another revision: its solo decode side by side")
+    parser.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch (about 16 s a run)")
+    args = parser.parse_args()
+    runs = 1 if args.quick else args.runs
+    torch.set_num_threads(1)
+    from sidecar import Engine
+    from sidecar.default_model import materialise
+
+    engine = Engine.load()
+    server = Server(HERE)
+    baseline = Server(args.baseline.resolve()) if args.baseline else None
+    got: dict[str, list[float]] = {}
+
+    def record(name, value):
+        got.setdefault(name, []).append(value)
+
+    beam_prompt = ids(32, 6)
+    beams(engine, beam_prompt)  # warm-up (and the identity check)
+    for run in range(runs):
+        together, alone = aggregate(server)
+        record("together", together)
+        record("alone", alone)
+        if not (args.quick or args.no_peer):
+            record("peer", transformers_batch(materialise()))
+        n_samples, separate = samples(server)
+        record("n_samples", n_samples)
+        record("separate", separate)
+        ours, theirs = beams(engine, beam_prompt)
+        record("beam_ours", ours)
+        record("beam_theirs", theirs)
+        short, long = short_behind_long(server)
+        record("short_first", short)
+        record("long_first", long)
+        record("solo", solo_decode(server))
+        if baseline:
+            record("solo_baseline", solo_decode(baseline))
+        print(f"run {run + 1}/{runs} done", file=sys.stderr)
+    server.stop()
+    if baseline:
+        baseline.stop()
+
+    med = {name: statistics.median(values) for name, values in got.items()}
+    tokens = len(PROMPTS) * NEW_TOKENS
+    rows = [
+        ["8 sessions at once, 96 tokens each: aggregate tok/s", f"{med['together']:.0f} [{min(got['together']):.0f}-{max(got['together']):.0f}]",
+         f"{med['alone']:.0f} [{min(got['alone']):.0f}-{max(got['alone']):.0f}] (one at a time)",
+         f"{med['together'] / med['alone']:.2f}x", *judged(med["together"] / med["alone"], Target(4, at_least=True, unit="x"))],
+    ]
+    if "peer" in got:
+        rows.append(["the same 8 through transformers' generate_batch (peer)", spread(got["peer"], scale=1, unit="s"),
+                     f"{tokens / med['peer']:.0f} tok/s", f"{med['together'] * med['peer'] / tokens:.1f}x ours", *NO_TARGET])
+    rows += [
+        ["8 samples x 64 tokens, 512-token prompt: num_samples 8 vs 8 requests", spread(got["n_samples"], scale=1, unit="s"),
+         spread(got["separate"], scale=1, unit="s"), f"{med['separate'] / med['n_samples']:.2f}x",
+         *judged(med["separate"] / med["n_samples"], Target(3, at_least=True, unit="x"))],
+        ["beam search, 4 beams x 64 tokens: ours vs transformers", spread(got["beam_ours"], scale=1, unit="s"),
+         spread(got["beam_theirs"], scale=1, unit="s"), f"{med['beam_ours'] / med['beam_theirs']:.2f}",
+         *judged(med["beam_ours"] / med["beam_theirs"], Target(0.9))],
+        ["short streamed request behind an 1,800-token prompt: first tokens (short, long)", spread(got["short_first"]),
+         spread(got["long_first"]), f"{med['long_first'] / med['short_first']:.1f}x sooner",
+         "short first", "met" if all(s < l for s, l in zip(got["short_first"], got["long_first"])) else "MISSED"],
+        ["one session alone: decode ms/token (128 tokens)", spread(got["solo"], scale=1, unit="ms"),
+         spread(got["solo_baseline"], scale=1, unit="ms") + " (baseline)" if baseline else "-",
+         f"{med['solo'] / med['solo_baseline']:.2f}" if baseline else "-",
+         *(judged(med["solo"] / med["solo_baseline"], Target(1.05)) if baseline else NO_TARGET)],
+    ]
+    print_table(f"Batched engine, default model, CPU, 1 thread, median of {runs} run(s) [min-max]",
+                ["measure", "ours", "compared with", "ratio", "target", "verdict"], rows)
+
+
+if __name__ == "__main__":
+    main()
