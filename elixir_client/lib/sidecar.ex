@@ -18,6 +18,27 @@ defmodule Sidecar do
       messages = [%{role: "system", content: "Be brief."}, %{role: "user", content: "Hi!"}]
       {:ok, %{text: answer}} = Sidecar.generate(MyApp.Sidecar, session, messages, max_new_tokens: 64)
 
+  Several sequences from one prefill, with sampling or beam search (see `Sidecar.Generation`):
+
+      {:ok, %{sequences: samples}} =
+        Sidecar.generate(MyApp.Sidecar, session, "Once upon a time",
+          strategy: %{type: :multinomial_sampling, top_p: 0.9, num_samples: 3}, seed: 7)
+
+      {:ok, %{text: best, sequences: [%{score: _} | _] = beams}} =
+        Sidecar.generate(MyApp.Sidecar, session, "Once upon a time",
+          strategy: %{type: :beam_search, num_beams: 4, num_return_sequences: 2})
+
+  `:sequences` lists `%{text, token_ids, finish_reason, score}` maps (`score` for beams only, best
+  first); `:text`, `:token_ids` and `:finish_reason` are the first sequence's. `stream/4` tags the
+  chunks of several sequences with `sequence: index`.
+
+  More models, on a device of their own (`:device` at start sets the default for every load):
+
+      {:ok, %{"device" => "cuda:0", "dtype" => "bfloat16"}} =
+        Sidecar.load_model(MyApp.Sidecar, name: "big", path: "/models/big", device: "cuda:0", dtype: "bf16")
+
+      {:ok, session} = Sidecar.open_session(MyApp.Sidecar, model: "big")
+
   A session is the `%Sidecar.Session{}` that `open_session/2` returns, or just its name (a string).
   With the struct, calls on a session of a sidecar that has since died return `:session_lost`.
 
@@ -34,7 +55,36 @@ defmodule Sidecar do
   alias Sidecar.{Connection, Error, Generation, Options, Processors}
 
   @type conn :: GenServer.server()
-  @type result :: %{text: String.t(), token_ids: [non_neg_integer()], finish_reason: String.t(), stats: map()}
+  @typedoc """
+  A generation's result: the first (or best) sequence's `text`, `token_ids` and `finish_reason`,
+  every sequence in `sequences` (one but for `num_samples:` or `num_return_sequences:`), and `stats`.
+  """
+  @type result :: %{
+          text: String.t(),
+          token_ids: [non_neg_integer()],
+          finish_reason: String.t(),
+          sequences: [sequence()],
+          stats: map()
+        }
+
+  @typedoc "One generated sequence; `score` is the beam's score with beam search, `nil` otherwise."
+  @type sequence :: %{
+          text: String.t(),
+          token_ids: [non_neg_integer()],
+          finish_reason: String.t(),
+          score: float() | nil
+        }
+
+  @typedoc """
+  An element of `stream/4`: the text and token of one step. With several sequences (`num_samples:`
+  above 1, or `num_return_sequences:` above 1) it also carries `sequence`, the index of the
+  sequence it extends.
+  """
+  @type chunk :: %{
+          required(:text) => String.t(),
+          required(:token_ids) => [non_neg_integer()],
+          optional(:sequence) => non_neg_integer()
+        }
 
   defmodule Session do
     @moduledoc """
@@ -146,8 +196,9 @@ defmodule Sidecar do
 
   @doc """
   Starts a generation from `input` (as in `generate/4`) without waiting. The caller receives
-  `{Sidecar, ref, {:event, map}}` for each token and one `{Sidecar, ref, {:reply, result}}`. Pass the
-  request to `await/2` or `cancel/1`.
+  `{Sidecar, ref, {:event, map}}` for each token (the protocol's `token` event: `"text"`,
+  `"token_ids"`, and `"sequence"`, the sequence's index, when `num_samples:` is above 1; beam search
+  sends none) and one `{Sidecar, ref, {:reply, result}}`. Pass the request to `await/2` or `cancel/1`.
   """
   @spec start_generate(conn(), session(), Generation.input(), keyword()) ::
           {:ok, Request.t()} | {:error, Error.t()}
@@ -177,13 +228,21 @@ defmodule Sidecar do
 
   @doc """
   A lazy `Stream` of chunks `%{text: String.t(), token_ids: [integer]}` of the generation from
-  `input` (as in `generate/4`), for a LiveView or any consumer. The generation starts when the
-  stream is run; halting it early (`Enum.take/2`, a `:halt` in `Stream.transform/3` ...) cancels the
-  generation. `:timeout` (default: the
-  connection's `:call_timeout`) bounds the wait for each chunk. An error raises `Sidecar.Error`.
+  `input` (as in `generate/4`), for a LiveView or any consumer: one per generated token, whose texts
+  add up to the result's `text`. The generation starts when the stream is run; halting it early
+  (`Enum.take/2`, a `:halt` in `Stream.transform/3` ...) cancels the generation. `:timeout` (default:
+  the connection's `:call_timeout`) bounds the wait for each chunk. An error raises `Sidecar.Error`.
+
+  With several sequences each chunk also carries `sequence:`, the index of the sequence it extends
+  (`%{text: "a", token_ids: [64], sequence: 2}`); the chunks of one sequence add up to its text.
+  Samples (`num_samples:`) are streamed token by token, interleaved. Beam search streams no tokens:
+  its stream yields, once the search is over, one chunk per returned sequence with all of its text
+  and tokens (tagged with `sequence:` when `num_return_sequences:` is above 1), best first.
   """
   @spec stream(conn(), session(), Generation.input(), keyword()) :: Enumerable.t()
   def stream(conn, session, input, opts \\ []) do
+    unstreamed? = Generation.unstreamed?(opts)
+
     Stream.resource(
       fn ->
         case start_generate(conn, session, input, opts) do
@@ -199,8 +258,19 @@ defmodule Sidecar do
           timeout = opts[:timeout] || request.timeout
 
           receive do
-            {Sidecar, ^ref, {:event, %{"token_ids" => ids, "text" => text}}} ->
-              {[%{text: text, token_ids: ids}], {request, false}}
+            {Sidecar, ^ref, {:event, %{"token_ids" => ids, "text" => text} = event}} ->
+              {[put_sequence(%{text: text, token_ids: ids}, event["sequence"])], {request, false}}
+
+            {Sidecar, ^ref, {:reply, {:ok, result}}} when unstreamed? ->
+              Process.demonitor(ref, [:flush])
+              {:ok, %{sequences: sequences}} = generation_result({:ok, result})
+              tag? = length(sequences) > 1
+
+              chunks =
+                for {s, i} <- Enum.with_index(sequences),
+                    do: put_sequence(%{text: s.text, token_ids: s.token_ids}, if(tag?, do: i))
+
+              {chunks, {request, true}}
 
             {Sidecar, ^ref, {:reply, {:ok, _}}} ->
               {:halt, {request, true}}
@@ -225,6 +295,47 @@ defmodule Sidecar do
           forget(request)
       end
     )
+  end
+
+  @doc """
+  Loads a model into the sidecar and returns its model info (string keys, as the protocol gives it:
+  `"name"`, `"path"`, `"architecture"`, `"vocab_size"`, `"max_context"`, `"eos_token_ids"`,
+  `"chat_templates"`, `"device"` such as `"cpu"` or `"cuda:0"`, `"dtype"` in torch's spelling such
+  as `"float32"` or `"bfloat16"`). Open sessions on it with `open_session(conn, model: name)`.
+  Options:
+
+    * `:name` - the name to refer to it by (default `"default"`, which the sidecar started with
+      `model:` already has)
+    * `:path` - a model directory (default `nil`: the sidecar's embedded tiny model). Only the model
+      the sidecar was started with and directories under its `--model-root` flags may be loaded;
+      others are `reason: :forbidden`
+    * `:dtype` - `"f32"`, `"f16"` or `"bf16"` (also as atoms; default: as saved in the model)
+    * `:device` - `"cpu"`, `"cuda"`, `"cuda:N"` or `"mps"` (also as atoms; default: the sidecar's,
+      its `:device` start option). A device this machine does not have is `reason: :unknown_device`,
+      whose `details["available"]` lists the ones it has
+    * `:trust_remote_code` - run code shipped in the model directory (default `false`; needs a
+      sidecar started with `--trust-remote-code`)
+    * `:timeout` - milliseconds to wait (default: the connection's `:call_timeout`)
+
+  Bad option names or types raise `ArgumentError`. Load failures are errors such as
+  `:model_not_found`, `:model_exists`, `:invalid_model` or `:limit_exceeded` (`max_models`).
+  """
+  @spec load_model(conn(), keyword()) :: {:ok, map()} | {:error, Error.t()}
+  def load_model(conn, opts \\ []) do
+    {timeout, opts} = Keyword.pop(opts, :timeout)
+    call(conn, "load_model", load_model_params(opts), nil, timeout)
+  end
+
+  @doc "Unloads a model; its sessions are closed and their generations cancelled."
+  @spec unload_model(conn(), String.t(), timeout() | nil) :: :ok | {:error, Error.t()}
+  def unload_model(conn, name, timeout \\ nil) when is_binary(name) do
+    with {:ok, _} <- call(conn, "unload_model", %{"model" => name}, nil, timeout), do: :ok
+  end
+
+  @doc "The model info of every loaded model (see `load_model/2`)."
+  @spec models(conn(), timeout()) :: {:ok, [map()]} | {:error, Error.t()}
+  def models(conn, timeout \\ 5_000) do
+    with {:ok, %{"models" => models}} <- call(conn, "models", %{}, nil, timeout), do: {:ok, models}
   end
 
   @doc "Token ids of `text` under the model's tokenizer. Options: `:model`, `:add_special_tokens`, `:timeout`."
@@ -264,6 +375,38 @@ defmodule Sidecar do
   def configure(module_or_config, opts \\ []), do: Processors.configure(module_or_config, opts)
 
   # ---- plumbing ---------------------------------------------------------------------------------
+
+  # {option, check, what it must be}
+  @load_model_options [
+    {:name, &is_binary/1, "a string"},
+    {:path, &Options.path_or_nil?/1, "a directory path or nil"},
+    {:dtype, &Options.name_or_nil?/1, "a string, an atom or nil"},
+    {:device, &Options.name_or_nil?/1, "a string, an atom or nil"},
+    {:trust_remote_code, &is_boolean/1, "true or false"}
+  ]
+
+  defp load_model_params(opts) do
+    valid = for {key, _, _} <- @load_model_options, do: key
+
+    for {key, _} <- opts, key not in valid do
+      raise ArgumentError,
+            "unknown load_model option #{inspect(key)}; valid options: " <>
+              Enum.map_join([:timeout | valid], ", ", &inspect/1)
+    end
+
+    for {key, ok?, expected} <- @load_model_options, Keyword.has_key?(opts, key), into: %{} do
+      value = opts[key]
+
+      unless ok?.(value),
+        do:
+          raise(ArgumentError, "load_model option #{inspect(key)} must be #{expected}, got #{inspect(value)}")
+
+      {Atom.to_string(key), wire_name(value)}
+    end
+  end
+
+  defp wire_name(value) when is_atom(value) and value not in [nil, true, false], do: Atom.to_string(value)
+  defp wire_name(value), do: value
 
   defp start_request(conn, session, input, opts, stream?) do
     {name, eos_token_ids, incarnation} = identify(session)
@@ -360,18 +503,38 @@ defmodule Sidecar do
   defp whereis(name), do: GenServer.whereis(name)
 
   defp generation_result(
-         {:ok, %{"text" => text, "token_ids" => ids, "finish_reason" => finish, "stats" => stats}}
+         {:ok, %{"text" => text, "token_ids" => ids, "finish_reason" => finish, "stats" => stats} = result}
        ) do
+    sequences =
+      case result["sequences"] do
+        [_ | _] = sequences ->
+          for s <- sequences,
+              do: %{
+                text: s["text"],
+                token_ids: s["token_ids"],
+                finish_reason: s["finish_reason"],
+                score: s["score"]
+              }
+
+        # a sidecar older than result.sequences
+        _ ->
+          [%{text: text, token_ids: ids, finish_reason: finish, score: nil}]
+      end
+
     {:ok,
      %{
        text: text,
        token_ids: ids,
        finish_reason: finish,
+       sequences: sequences,
        stats: Map.new(stats, fn {k, v} -> {String.to_atom(k), v} end)
      }}
   end
 
   defp generation_result({:error, _} = error), do: error
+
+  defp put_sequence(chunk, nil), do: chunk
+  defp put_sequence(chunk, index), do: Map.put(chunk, :sequence, index)
 
   defp flush(ref) do
     receive do

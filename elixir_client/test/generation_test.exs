@@ -83,4 +83,55 @@ defmodule Sidecar.GenerationTest do
       Generation.params([1, 2], [continue_final_message: false], nil)
     end
   end
+
+  test "beam search and samples map onto the protocol's strategies, sending only the keys given" do
+    beam =
+      Generation.params("Hi", [strategy: %{type: :beam_search, num_beams: 3, early_stopping: :never}], nil)
+
+    assert %{"strategy" => "beam", "num_beams" => 3, "early_stopping" => "never"} = beam
+    # left out, the sidecar's defaults apply
+    refute Map.has_key?(beam, "num_return_sequences") or Map.has_key?(beam, "length_penalty")
+    assert beam["processors"] == []
+
+    assert %{"strategy" => "beam"} = Generation.params("Hi", [strategy: %{type: :beam_search}], nil)
+
+    all = %{
+      type: :beam_search,
+      num_beams: 5,
+      num_return_sequences: 2,
+      length_penalty: 0.5,
+      early_stopping: true
+    }
+
+    assert %{"num_beams" => 5, "num_return_sequences" => 2, "length_penalty" => 0.5, "early_stopping" => true} =
+             Generation.params("Hi", [strategy: all], nil)
+
+    sample =
+      Generation.params("Hi", [strategy: %{type: :multinomial_sampling, top_k: 5, num_samples: 3}], nil)
+
+    assert %{"strategy" => "sample", "num_samples" => 3, "processors" => [%{"name" => "top_k"}]} = sample
+    refute Map.has_key?(Generation.params("Hi", [], nil), "num_samples")
+
+    # which option goes with which strategy is the sidecar's to judge (its error names the option)
+    assert %{"strategy" => "greedy", "num_samples" => 2} =
+             Generation.params("Hi", [strategy: %{type: :greedy_search, num_samples: 2}], nil)
+  end
+
+  test "strategy maps with an unknown key, misplaced top_k/top_p or a mistyped value raise" do
+    for {strategy, pattern} <- [
+          {%{type: :beam_search, beams: 4}, ~r/unknown key :beams in the strategy/},
+          {%{type: :beam_search, num_beams: "4"},
+           ~r/strategy option :num_beams must be a non-negative integer/},
+          {%{type: :beam_search, num_return_sequences: -1}, ~r/:num_return_sequences must be a non-negative/},
+          {%{type: :beam_search, length_penalty: "1.0"}, ~r/:length_penalty must be a number/},
+          {%{type: :beam_search, early_stopping: :sometimes},
+           ~r/:early_stopping must be true, false or :never/},
+          {%{type: :multinomial_sampling, num_samples: 2.0}, ~r/:num_samples must be a non-negative integer/},
+          {%{type: :beam_search, top_k: 5},
+           ~r/:top_k and :top_p apply only to %{type: :multinomial_sampling}/},
+          {%{type: :contrastive_search}, ~r/unsupported strategy.*:beam_search/}
+        ] do
+      assert_raise ArgumentError, pattern, fn -> Generation.params("Hi", [strategy: strategy], nil) end
+    end
+  end
 end

@@ -19,6 +19,15 @@ defmodule Sidecar.OptionsTest do
     end
 
     assert_raise ArgumentError, ~r/option :env/, fn -> Sidecar.start_link(env: [{"A", 1}]) end
+
+    assert_raise ArgumentError, ~r/invalid value 7 for Sidecar option :device/, fn ->
+      Sidecar.start_link(device: 7)
+    end
+  end
+
+  test ":device and :dtype become the sidecar's --device and --dtype flags" do
+    assert Sidecar.Options.flags(device: "cuda:1", dtype: :bf16) == ["--device", "cuda:1", "--dtype", "bf16"]
+    assert Sidecar.Options.flags(device: nil, dtype: nil) == []
   end
 
   test "child_spec uses the name as id" do

@@ -9,7 +9,7 @@ defmodule SidecarTest do
   @moduletag timeout: 180_000
 
   setup_all do
-    %{conn: start_supervised!({Sidecar, sidecar_opts()})}
+    %{conn: start_supervised!({Sidecar, sidecar_opts(device: "cpu")})}
   end
 
   defp tokens(seed, n), do: for(i <- 1..n, do: 7 + rem(seed * 31 + i * 17, 900))
@@ -345,6 +345,142 @@ defmodule SidecarTest do
     {:ok, one} = fresh_generate(conn, [9, 10, 11], sampling)
     {:ok, two} = fresh_generate(conn, [9, 10, 11], sampling)
     assert one.token_ids == two.token_ids
+  end
+
+  describe "several sequences" do
+    @opts [max_new_tokens: 6, eos_token_id: []]
+
+    test "beam search returns the best beams, best first, the first as the result", %{conn: conn} do
+      beam = %{type: :beam_search, num_beams: 4, num_return_sequences: 3, length_penalty: 1.0}
+      assert {:ok, result} = fresh_generate(conn, [9, 10, 11], [strategy: beam] ++ @opts)
+
+      assert [best | _] = result.sequences
+      assert length(result.sequences) == 3
+
+      assert {result.text, result.token_ids, result.finish_reason} ==
+               {best.text, best.token_ids, best.finish_reason}
+
+      scores = Enum.map(result.sequences, & &1.score)
+      assert Enum.all?(scores, &is_float/1) and scores == Enum.sort(scores, :desc)
+      assert Enum.all?(result.sequences, &(length(&1.token_ids) == 6))
+      assert result.sequences |> Enum.map(& &1.token_ids) |> Enum.uniq() |> length() == 3
+
+      # one beam is greedy search
+      {:ok, greedy} = fresh_generate(conn, [9, 10, 11], @opts)
+
+      assert {:ok, %{token_ids: ids, sequences: [%{score: score}]}} =
+               fresh_generate(conn, [9, 10, 11], [strategy: %{type: :beam_search, num_beams: 1}] ++ @opts)
+
+      assert ids == greedy.token_ids and is_float(score)
+      assert [%{score: nil}] = greedy.sequences
+    end
+
+    test "beam search streams no tokens, only its final result", %{conn: conn} do
+      {:ok, session} = Sidecar.open_session(conn)
+      opts = [strategy: %{type: :beam_search, num_beams: 3, num_return_sequences: 2}] ++ @opts
+      {:ok, %{ref: ref} = request} = Sidecar.start_generate(conn, session, [9, 10, 11], opts)
+      assert_receive {Sidecar, ^ref, {:reply, {:ok, %{"sequences" => [_, _]}}}}, 30_000
+      refute_received {Sidecar, ^ref, {:event, _}}
+      Process.demonitor(request.ref, [:flush])
+
+      # the stream yields each returned sequence whole, once the search is over
+      {:ok, result} = Sidecar.generate(conn, session, [9, 10, 11], opts)
+      chunks = conn |> Sidecar.stream(session, [9, 10, 11], opts) |> Enum.to_list()
+
+      assert chunks ==
+               for(
+                 {s, i} <- Enum.with_index(result.sequences),
+                 do: %{text: s.text, token_ids: s.token_ids, sequence: i}
+               )
+
+      one = [strategy: %{type: :beam_search, num_beams: 3}] ++ @opts
+
+      assert [%{text: text, token_ids: [_, _, _, _, _, _]} = chunk] =
+               conn |> Sidecar.stream(session, [9, 10, 11], one) |> Enum.to_list()
+
+      refute Map.has_key?(chunk, :sequence)
+      assert {:ok, %{text: ^text}} = Sidecar.generate(conn, session, [9, 10, 11], one)
+      :ok = Sidecar.close_session(conn, session)
+    end
+
+    test "num_samples: a seed reproduces every sample; the stream tags each token with its sequence",
+         %{conn: conn} do
+      opts = [strategy: %{type: :multinomial_sampling, num_samples: 3}, temperature: 1.5, seed: 11] ++ @opts
+      {:ok, one} = fresh_generate(conn, [9, 10, 11], opts)
+      {:ok, two} = fresh_generate(conn, [9, 10, 11], opts)
+      assert length(one.sequences) == 3 and one.sequences == two.sequences
+      assert Enum.all?(one.sequences, &(&1.score == nil and length(&1.token_ids) == 6))
+      assert one.token_ids == hd(one.sequences).token_ids and one.text == hd(one.sequences).text
+      assert one.sequences |> Enum.map(& &1.token_ids) |> Enum.uniq() |> length() > 1
+
+      {:ok, session} = Sidecar.open_session(conn)
+      chunks = conn |> Sidecar.stream(session, [9, 10, 11], opts) |> Enum.to_list()
+      assert length(chunks) == 18 and Enum.all?(chunks, &(&1.sequence in 0..2))
+
+      for {sequence, i} <- Enum.with_index(one.sequences) do
+        mine = for %{sequence: ^i} = chunk <- chunks, do: chunk
+        assert Enum.map_join(mine, & &1.text) == sequence.text
+        assert Enum.flat_map(mine, & &1.token_ids) == sequence.token_ids
+      end
+
+      :ok = Sidecar.close_session(conn, session)
+    end
+
+    test "combinations the sidecar refuses come back as errors naming the option", %{conn: conn} do
+      {:ok, session} = Sidecar.open_session(conn)
+
+      for {strategy, option} <- [
+            {%{type: :greedy_search, num_samples: 2}, "num_samples"},
+            {%{type: :multinomial_sampling, num_beams: 2}, "num_beams"},
+            {%{type: :beam_search, num_beams: 2, num_return_sequences: 3}, "num_return_sequences"},
+            {%{type: :beam_search, num_beams: 0}, "num_beams"}
+          ] do
+        assert {:error, %Error{reason: :invalid_argument, details: %{"option" => ^option}}} =
+                 Sidecar.generate(conn, session, [9, 10], strategy: strategy, max_new_tokens: 2)
+      end
+
+      assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "stop"}}} =
+               Sidecar.generate(conn, session, [9, 10], strategy: %{type: :beam_search}, stop: ["x"])
+
+      assert {:error, %Error{reason: :limit_exceeded, details: %{"limit" => "max_sequences"}}} =
+               Sidecar.generate(conn, session, [9, 10],
+                 strategy: %{type: :multinomial_sampling, num_samples: 100_000}
+               )
+
+      :ok = Sidecar.close_session(conn, session)
+    end
+  end
+
+  test "load_model takes a device; one this machine lacks is unknown_device", %{conn: conn} do
+    # the connection was started with device: "cpu"
+    assert {:ok, [%{"name" => "default", "device" => "cpu", "dtype" => dtype}]} = Sidecar.models(conn)
+    assert is_binary(dtype)
+
+    assert {:ok, %{"name" => "on-cpu", "device" => "cpu", "dtype" => "float32"}} =
+             Sidecar.load_model(conn, name: "on-cpu", device: "cpu", dtype: :f32)
+
+    {:ok, session} = Sidecar.open_session(conn, model: "on-cpu")
+    assert session.model["device"] == "cpu"
+
+    assert {:ok, %{token_ids: [_, _]}} =
+             Sidecar.generate(conn, session, [9, 10], max_new_tokens: 2, eos_token_id: [])
+
+    assert :ok = Sidecar.unload_model(conn, "on-cpu")
+    assert {:error, %Error{reason: :unknown_session}} = Sidecar.session_info(conn, session)
+
+    assert {:error, %Error{reason: :unknown_device, details: %{"available" => available}}} =
+             Sidecar.load_model(conn, name: "far-away", device: "cuda:7")
+
+    assert "cpu" in available
+    assert {:ok, [%{"name" => "default"}]} = Sidecar.models(conn)
+
+    assert_raise ArgumentError, ~r/unknown load_model option :devise/, fn ->
+      Sidecar.load_model(conn, devise: "cpu")
+    end
+
+    assert_raise ArgumentError, ~r/load_model option :device must be/, fn ->
+      Sidecar.load_model(conn, device: 0)
+    end
   end
 
   test "the sidecar's stderr goes to Logger" do

@@ -125,6 +125,16 @@ defmodule Sidecar.SupervisionTest do
       assert eventually(fn -> ours() -- before == [] end, 1_000)
     end
 
+    test "a device this machine lacks: the sidecar's message names it and what there is", %{before: before} do
+      assert {:error,
+              %Error{reason: :sidecar_exited, message: message, details: %{status: 2, stderr: stderr}}} =
+               Sidecar.start_link(sidecar_opts(model: nil, device: "cuda:7"))
+
+      assert message =~ ~r/^the sidecar exited with status 2 during startup: --device: .*cuda:7.*: cpu/
+      assert stderr =~ "cuda:7"
+      assert eventually(fn -> ours() -- before == [] end, 1_000)
+    end
+
     test "a Python without the sidecar package: the message says how to point :python at the venv",
          %{before: before} do
       python = python_without_sidecar()

@@ -73,7 +73,7 @@ defmodule Sidecar.Connection do
         path -> ["--model", path]
       end
 
-    args = ["-m", "sidecar", "--fds", "3,4"] ++ model_args ++ opts[:args]
+    args = ["-m", "sidecar", "--fds", "3,4"] ++ model_args ++ Sidecar.Options.flags(opts) ++ opts[:args]
     env = for {k, v} <- opts[:env], do: {String.to_charlist(k), String.to_charlist(v)}
     port_opts = [:binary, {:packet, 4}, :exit_status, :nouse_stdio, env: env]
     port_opts = if opts[:cd], do: [{:cd, opts[:cd]} | port_opts], else: port_opts

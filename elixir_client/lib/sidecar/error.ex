@@ -15,10 +15,14 @@ defmodule Sidecar.Error do
     * sessions and models: `:unknown_session`, `:session_exists`, `:session_closed`,
       `:session_busy`, `:unknown_model`, `:model_exists`
     * `load_model` failures: `:model_not_found`, `:invalid_model` (config or weights unreadable),
-      `:not_causal_lm`, `:no_tokenizer`, `:remote_code_required`
-    * rejected `generate` input: `:invalid_argument`, `:empty_input`, `:token_out_of_range`,
-      `:context_overflow`, `:unknown_strategy`, `:invalid_processor`, `:no_chat_template` (messages
-      for a model whose tokenizer has no chat template)
+      `:not_causal_lm`, `:no_tokenizer`, `:remote_code_required`, `:unknown_device` (a device torch
+      does not know or this machine does not have; `details["available"]` lists the ones it has)
+    * rejected `generate` input: `:invalid_argument` (`details["option"]` names the option),
+      `:empty_input`, `:token_out_of_range`, `:context_overflow`, `:unknown_strategy`,
+      `:invalid_processor`, `:no_chat_template` (messages for a model whose tokenizer has no chat
+      template)
+    * `:cache_budget_exceeded` - the generation needs more KV memory than the sidecar's cache budget
+      even with every idle cache evicted; `details` carry `"limit"`, `"max"` and `"value"` (bytes)
     * `:invalid_logits` - the processors left no token to sample from at some step
     * `:cancelled` - the generation was cancelled; `details` carry its partial `"text"`,
       `"token_ids"` and `"stats"`
@@ -43,7 +47,8 @@ defmodule Sidecar.Error do
     duplicate_id limit_exceeded forbidden unknown_session session_exists unknown_model model_exists
     invalid_model cancelled too_many_requests internal model_not_found not_causal_lm no_tokenizer
     remote_code_required invalid_argument empty_input token_out_of_range context_overflow
-    unknown_strategy session_closed session_busy invalid_processor invalid_logits no_chat_template)
+    unknown_strategy session_closed session_busy invalid_processor invalid_logits no_chat_template
+    cache_budget_exceeded unknown_device)
 
   @doc false
   @spec from_reply(map()) :: t()

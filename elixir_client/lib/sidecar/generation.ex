@@ -18,8 +18,7 @@ defmodule Sidecar.Generation do
   Other options:
 
     * `:max_new_tokens` (default 16), `:min_new_tokens`
-    * `:strategy` - `%{type: :greedy_search}` (default) or
-      `%{type: :multinomial_sampling, top_k: ..., top_p: ...}` (both optional)
+    * `:strategy` - one of the maps below (default `%{type: :greedy_search}`)
     * `:temperature`, `:no_repeat_ngram_length`, `:suppressed_token_ids`, `:forced_bos_token_id`
     * `:eos_token_id` - an id or a list of ids (default: the model's; `[]` never stops early)
     * `:seed` - makes sampling reproducible
@@ -29,6 +28,34 @@ defmodule Sidecar.Generation do
 
   The built-in processors come first, in Bumblebee's order: no-repeat n-gram, min new tokens,
   suppressed tokens, forced BOS, temperature, then top-k and top-p when sampling.
+
+  ## Strategies
+
+    * `%{type: :greedy_search}` - the most likely token at each step (the default)
+    * `%{type: :multinomial_sampling, top_k: k, top_p: p, num_samples: n}` - sampling, each key
+      optional. `:num_samples` (default 1) draws `n` sequences from one prefill of the input; one
+      `:seed` reproduces all of them.
+    * `%{type: :beam_search, num_beams: 4, num_return_sequences: 1, length_penalty: 1.0,
+      early_stopping: false}` - beam search with transformers' semantics, each key optional with
+      those defaults. `:early_stopping` is `true`, `false` or `:never`. The `:num_return_sequences`
+      best beams come back, best first, each with its score (sum of the token log-probabilities
+      divided by generated length ** `:length_penalty`). Beam search streams no tokens (beams are
+      reordered until the end) and takes no `:stop` strings.
+
+  Several sequences come back in the result's `:sequences`, a list of
+  `%{text: ..., token_ids: ..., finish_reason: ..., score: ...}` (`score` is `nil` but for beams);
+  the result's own `:text`, `:token_ids` and `:finish_reason` are those of the first. The session
+  keeps the input and the first sequence as its history.
+
+  A strategy map with an unknown key, `:top_k`/`:top_p` outside sampling, or a value of the wrong
+  type (`:num_samples`, `:num_beams` and `:num_return_sequences` non-negative integers,
+  `:length_penalty` a number) raises `ArgumentError`. The other checks are the sidecar's, which
+  answers `{:error, %Sidecar.Error{reason: :invalid_argument, details: %{"option" => name}}}` naming
+  the option: a sequence option that does not go with the strategy (`:num_samples` above 1 with
+  greedy search, say), `num_beams: 0`, `:num_return_sequences` above `:num_beams`, `:stop` with
+  beam search. `:num_beams` and `:num_samples` above the sidecar's `max_sequences` are
+  `reason: :limit_exceeded`. A generation whose KV cache (rows x (input + `:max_new_tokens`)
+  tokens) cannot fit the sidecar's cache budget is `reason: :cache_budget_exceeded`.
   """
 
   alias Sidecar.Processors
@@ -80,7 +107,7 @@ defmodule Sidecar.Generation do
       raise ArgumentError, ":min_new_tokens needs :eos_token_id when the session is given by name"
     end
 
-    {strategy, sampling} = strategy(Keyword.get(opts, :strategy, %{type: :greedy_search}))
+    {strategy, sequence_params, sampling} = strategy(Keyword.get(opts, :strategy, %{type: :greedy_search}))
 
     processors =
       [
@@ -107,9 +134,15 @@ defmodule Sidecar.Generation do
       "processors" => for(p <- processors, p, do: Processors.to_wire(p)),
       "stop" => List.wrap(Keyword.get(opts, :stop, []))
     })
+    |> Map.merge(sequence_params)
     |> put_present("eos_token_ids", eos_ids && List.wrap(eos_ids))
     |> put_present("seed", opts[:seed])
   end
+
+  @doc false
+  # Whether a generation streams no tokens, its reply alone carrying the result.
+  @spec unstreamed?(keyword()) :: boolean()
+  def unstreamed?(opts), do: match?(%{type: :beam_search}, opts[:strategy])
 
   defp input_param(prompt, opts) when is_binary(prompt), do: no_chat_options!(opts, %{"prompt" => prompt})
 
@@ -197,22 +230,67 @@ defmodule Sidecar.Generation do
         "message #{index} must be a map with role and content, got #{inspect(other, limit: 8)}"
       )
 
-  defp strategy(%{type: :greedy_search}), do: {"greedy", []}
+  # The protocol's name of each strategy type.
+  @strategies %{
+    greedy_search: "greedy",
+    multinomial_sampling: "sample",
+    beam_search: "beam"
+  }
 
-  defp strategy(%{type: :multinomial_sampling} = s) do
-    {"sample",
-     [
-       s[:top_k] && Processors.configure(Processors.TopK, k: s[:top_k]),
-       s[:top_p] && Processors.configure(Processors.TopP, p: s[:top_p])
-     ]}
+  # {key, check, what it must be}: protocol parameters of several sequences, sent as given. Which go
+  # with which strategy, and their ranges, are the sidecar's to judge: its error names the option.
+  @sequence_options [
+    {:num_samples, :uint, "a non-negative integer"},
+    {:num_beams, :uint, "a non-negative integer"},
+    {:num_return_sequences, :uint, "a non-negative integer"},
+    {:length_penalty, :number, "a number"},
+    {:early_stopping, :early_stopping, "true, false or :never"}
+  ]
+
+  @strategy_keys [:type, :top_k, :top_p | for({key, _, _} <- @sequence_options, do: key)]
+
+  # {the protocol's strategy name, its parameters, the sampling processors}
+  defp strategy(%{type: type} = s) when is_map_key(@strategies, type) do
+    for {key, _} <- s, key not in @strategy_keys do
+      raise ArgumentError,
+            "unknown key #{inspect(key)} in the strategy #{inspect(s)}; valid keys: " <>
+              Enum.map_join(@strategy_keys, ", ", &inspect/1)
+    end
+
+    if type != :multinomial_sampling and (Map.has_key?(s, :top_k) or Map.has_key?(s, :top_p)) do
+      raise ArgumentError, ":top_k and :top_p apply only to %{type: :multinomial_sampling}, got #{inspect(s)}"
+    end
+
+    params =
+      for {key, type, expected} <- @sequence_options, Map.has_key?(s, key), into: %{} do
+        value = s[key]
+
+        unless valid?(type, value) do
+          raise ArgumentError, "strategy option #{inspect(key)} must be #{expected}, got #{inspect(value)}"
+        end
+
+        {Atom.to_string(key), if(value == :never, do: "never", else: value)}
+      end
+
+    sampling = [
+      s[:top_k] && Processors.configure(Processors.TopK, k: s[:top_k]),
+      s[:top_p] && Processors.configure(Processors.TopP, p: s[:top_p])
+    ]
+
+    {Map.fetch!(@strategies, type), params, sampling}
   end
 
   defp strategy(other),
     do:
       raise(
         ArgumentError,
-        "unsupported strategy #{inspect(other)}; use %{type: :greedy_search} or %{type: :multinomial_sampling}"
+        "unsupported strategy #{inspect(other)}; use %{type: :greedy_search}, " <>
+          "%{type: :multinomial_sampling} or %{type: :beam_search}"
       )
+
+  defp valid?(:uint, value), do: is_integer(value) and value >= 0
+  defp valid?(:number, value), do: is_number(value)
+  defp valid?(:early_stopping, value), do: value in [true, false, :never, "never"]
 
   defp non_empty(nil), do: nil
   defp non_empty([]), do: nil

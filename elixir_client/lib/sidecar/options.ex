@@ -13,6 +13,17 @@ defmodule Sidecar.Options do
       doc: ~s(a local model directory, or `:default` for the embedded tiny model, or `nil` to load none),
       default: :default
     ],
+    device: [
+      doc:
+        ~s{where models run unless `load_model/2` names a device: `"cpu"`, `"cuda"`, `"cuda:N"` or `"mps"` } <>
+          ~s{(`--device`); `nil` leaves it to the sidecar (CPU); a device this machine lacks fails the start},
+      default: nil
+    ],
+    dtype: [
+      doc:
+        ~s{dtype of the `model:` loaded at start: `"f32"`, `"f16"` or `"bf16"` (`--dtype`); `nil`: as saved},
+      default: nil
+    ],
     args: [doc: "extra command-line arguments for `python -m sidecar`", default: []],
     env: [doc: "extra environment variables, as `[{name, value}]` strings", default: []],
     cd: [doc: "working directory of the Python process", default: nil],
@@ -51,6 +62,7 @@ defmodule Sidecar.Options do
 
   defp check!(:python, v) when is_binary(v) and v != "", do: :ok
   defp check!(:model, v) when v in [:default, nil] or (is_binary(v) and v != ""), do: :ok
+  defp check!(key, v) when key in [:device, :dtype], do: if(name_or_nil?(v), do: :ok, else: invalid!(key, v))
   defp check!(:args, v) when is_list(v), do: each!(:args, v, &is_binary/1)
 
   defp check!(:env, v) when is_list(v),
@@ -69,12 +81,30 @@ defmodule Sidecar.Options do
 
   defp check!(:log_stderr, v) when is_boolean(v), do: :ok
 
-  defp check!(key, v),
+  defp check!(key, v), do: invalid!(key, v)
+
+  defp invalid!(key, v),
     do:
       raise(
         ArgumentError,
         "invalid value #{inspect(v)} for Sidecar option #{inspect(key)}: #{@definitions[key][:doc]}"
       )
+
+  @doc false
+  # A device or dtype name: a non-empty string, an atom (not a boolean), or nil.
+  def name_or_nil?(v), do: is_nil(v) or (is_binary(v) and v != "") or (is_atom(v) and not is_boolean(v))
+
+  @doc false
+  def path_or_nil?(v), do: is_nil(v) or is_binary(v)
+
+  @doc false
+  # The command-line flags of the start options that become flags of `python -m sidecar`.
+  @spec flags(keyword()) :: [String.t()]
+  def flags(opts) do
+    Enum.flat_map([device: "--device", dtype: "--dtype"], fn {key, flag} ->
+      if opts[key] == nil, do: [], else: [flag, to_string(opts[key])]
+    end)
+  end
 
   defp each!(key, list, ok?) do
     unless Enum.all?(list, ok?),
