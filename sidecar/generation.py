@@ -164,12 +164,15 @@ class Run:
 
     def _choose(self, logits: torch.Tensor) -> None:
         """Processes the logits of the decoding rows and appends one token to each."""
-        if logits.shape[0] != len(self.rows):
-            logits = logits.expand(len(self.rows), -1)
+        if logits.shape[0] != len(self.rows):  # the prompt's logits, for every row (a copy: processors may edit in place)
+            logits = logits.expand(len(self.rows), -1).clone()
         if self.beams is not None:
             logits = logits.log_softmax(dim=-1)  # beam search scores log-probabilities, as transformers does
-        self.states, processed = self.request.chain.process(self.states, logits, self.context)
-        check_logits(processed, self.request.chain, logits.shape)
+        chain = self.request.chain
+        processed = logits
+        if chain.processors:
+            self.states, processed = chain.process(self.states, logits, self.context)
+        check_logits(processed, chain, logits.shape)
         if self.stats.ttft_s is None:
             self.stats.ttft_s = time.perf_counter() - self.started
         if self.beams is not None:
