@@ -103,3 +103,10 @@ class BeamSearch:
         """The best `count` finished hypotheses, best first: (generated tokens, score)."""
         return [(self.finished[i, : int(self.finished_lengths[i])].tolist(), float(self.finished_scores[i]))
                 for i in range(count)]
+
+    def running_results(self, count: int) -> list[tuple[list[int], float]]:
+        """The best `count` running beams as they stand (a search cancelled part-way), best first, scored
+        like finished ones at their current length."""
+        length = max(self.step_count, 1)
+        return [(self.running[i, : self.step_count].tolist(), float(self.running_scores[i]) / length ** self.length_penalty)
+                for i in range(count)]

@@ -236,18 +236,25 @@ class Run:
 
     # ---- the end ---------------------------------------------------------------------------------
 
-    def finish_beams(self) -> None:
+    def finish_beams(self, cancelled: bool = False) -> None:
+        """Ends a beam search with its best finished hypotheses, or, cancelled, its best running beams."""
         request, tokenizer = self.request, self.session.engine.tokenizer
+        count = request.num_return_sequences
+        found = self.beams.running_results(count) if cancelled else self.beams.results(count)
         sequences = []
-        for token_ids, score in self.beams.results(request.num_return_sequences):
+        for token_ids, score in found:
             is_eos = bool(token_ids) and token_ids[-1] in request.eos_token_ids
             text = tokenizer.decode(token_ids[:-1] if is_eos else token_ids, skip_special_tokens=True)
-            sequences.append(Sequence(text, token_ids, "eos" if is_eos else "length", score))
+            reason = "cancelled" if cancelled else "eos" if is_eos else "length"
+            sequences.append(Sequence(text, token_ids, reason, score))
         self._settle(sequences, sequences[0].finish_reason)
 
     def finish(self, reason: str) -> None:
         """Ends the run with `reason`; a row still decoding (a cancel) keeps what it has, as 'cancelled'."""
         if self.done:
+            return
+        if self.beams is not None:
+            self.finish_beams(cancelled=True)
             return
         sequences = [row.sequence() for row in self.all_rows] or [Sequence("", [], reason)]
         self._settle(sequences, reason)

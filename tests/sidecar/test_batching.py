@@ -256,3 +256,50 @@ def test_a_generation_that_cannot_fit_alone_is_refused_and_changes_nothing(defau
         assert (session.history, session.cached) == before
         again = session.generate(token_ids=tokens(20, seed=1), max_new_tokens=4, eos_token_ids=[])
         assert again.token_ids == first.token_ids and again.stats.reused_tokens == 19
+
+
+# ---- clumsy callers -----------------------------------------------------------------------------------
+
+def test_a_beam_search_cancelled_part_way_returns_its_best_running_beams(engine):
+    prompt = tokens(9, seed=21)
+    with engine.session() as session:
+        search = session.stream(token_ids=prompt, strategy="beam", num_beams=3, num_return_sequences=2,
+                                max_new_tokens=20, eos_token_ids=[])
+        for _ in range(6):  # six steps, the first with the prefill
+            engine.scheduler.tick()
+        search.cancel()
+        result = search.result
+        assert result.finish_reason == "cancelled" and [len(s.token_ids) for s in result.sequences] == [6, 6]
+        assert result.sequences[0].score >= result.sequences[1].score
+        assert session.history == prompt + result.token_ids and not session.busy
+        with engine.session() as fresh:  # without EOS, the best of six steps is what a search of six tokens finds
+            full = fresh.generate(token_ids=prompt, strategy="beam", num_beams=3, max_new_tokens=6, eos_token_ids=[])
+        assert full.token_ids == result.token_ids
+
+
+def test_a_generation_waiting_for_memory_can_be_cancelled_and_ran_nothing(default_dir):
+    per_token = Engine.load(default_dir).store.bytes_per_token
+    engine = Engine.load(default_dir, cache_budget_bytes=40 * per_token)
+    with engine.session() as first, engine.session() as second:
+        running = first.stream(token_ids=tokens(10, seed=1), max_new_tokens=20, eos_token_ids=[])
+        waiting = second.stream(token_ids=tokens(10, seed=2), max_new_tokens=20, eos_token_ids=[])
+        engine.scheduler.tick()
+        assert not waiting._run.admitted and engine.store.used_bytes <= 40 * per_token
+        waiting.cancel()
+        assert waiting.result.finish_reason == "cancelled" and waiting.result.stats.prefill_tokens == 0
+        assert second.history == [] and not second.busy
+        list(running)
+        assert running.result.token_ids == reference_greedy(engine, tokens(10, seed=1), 20)
+
+
+def test_closing_a_session_under_n_samples_cancels_them_with_what_they_had(engine):
+    session = engine.session()
+    drawn = session.stream(token_ids=tokens(6, seed=5), strategy="sample", num_samples=3, seed=2, max_new_tokens=30,
+                           eos_token_ids=[])
+    for _ in range(4):
+        engine.scheduler.tick()
+    session.close()
+    assert drawn.result.finish_reason == "cancelled" and len(drawn.result.sequences) == 3
+    assert all(s.finish_reason == "cancelled" and len(s.token_ids) == 4 for s in drawn.result.sequences)  # a token a tick
+    assert not engine.scheduler.busy and engine.store.used_bytes == sum(
+        s.cache.nbytes for s in engine._sessions.values())
