@@ -103,8 +103,36 @@ def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool)
     """
     keys, values = segment.cache.write_rows(layer, segment.row, segment.rows, segment.start,
                                             key.transpose(0, 1), value.transpose(0, 1))
+    if segment.cache.prefix is not None:
+        return _decode_after_prefix(segment.cache.prefix, layer, query, keys, values, scaling)
     out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(2), keys, values, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(1, segment.rows, *out.shape[1:2], out.shape[3])
+
+
+def _decode_after_prefix(prefix: KVCache, layer: int, query, keys, values, scaling) -> torch.Tensor:
+    """Attention of one new token per row over a prefix all rows share, then each row's own keys.
+
+    The prefix's keys and values are read once for all rows (the rows' queries stacked), instead of
+    once per row from a copy: for n samples or beams of a long prompt, most of what attention reads.
+    Both parts are scored, one softmax runs over their concatenation, and the weights are split again.
+    `query` is [heads, rows, head_dim]; `keys`/`values` [rows, kv_heads, suffix, head_dim].
+    """
+    heads, rows, dim = query.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    scale = scaling if scaling is not None else dim**-0.5
+    shared_k = prefix.keys[layer][0, :, : prefix.length]  # [kv_heads, prefix, head_dim]
+    shared_v = prefix.values[layer][0, :, : prefix.length]
+    q = query.transpose(0, 1).reshape(rows, kv_heads, group, dim)  # the heads of one kv head side by side
+    stacked = q.transpose(0, 1).reshape(kv_heads, rows * group, dim)
+    shared_scores = torch.matmul(stacked, shared_k.transpose(1, 2)).mul_(scale)  # [kv_heads, rows * group, prefix]
+    own_scores = torch.matmul(q, keys.transpose(2, 3)).mul_(scale)  # [rows, kv_heads, group, suffix]
+    shared_scores = shared_scores.reshape(kv_heads, rows, group, -1).transpose(0, 1)
+    weights = torch.cat([shared_scores, own_scores], dim=-1).float().softmax(dim=-1).to(q.dtype)
+    split = prefix.length
+    shared_out = torch.matmul(weights[..., :split].transpose(0, 1).reshape(kv_heads, rows * group, split), shared_v)
+    out = shared_out.reshape(kv_heads, rows, group, dim).transpose(0, 1) + torch.matmul(weights[..., split:], values)
+    return out.reshape(1, rows, heads, dim)
 
 
 AttentionInterface.register(NAME, rows_attention)

@@ -8,7 +8,7 @@ engine's scheduler until the run has an event, so a lone Python caller and the s
 machine.
 
 Several rows: `num_samples` or `num_beams`. The prompt is prefilled once in the session's own cache,
-then copied to the rows of a working cache. Rows that finish are dropped (their cache rows and
+which the rows of a working cache then share as their prefix (never copied). Rows that finish are dropped (their cache rows and
 processor states go with one index, `Chain.reorder`); beams are reordered the same way every step.
 The session keeps the prompt's cache and, as its history, the prompt plus the first sequence.
 """
@@ -90,7 +90,7 @@ class Run:
         prompt, total = len(request.input_ids), len(request.input_ids) + request.max_new_tokens
         if self.width == 1:
             return cache.bytes_for(1, total) - cache.nbytes
-        working = cache.bytes_for(self.width, total) if request.max_new_tokens else 0
+        working = cache.bytes_for(self.width, request.max_new_tokens)
         return cache.bytes_for(1, prompt) - cache.nbytes + working
 
     def admit(self) -> None:
@@ -147,8 +147,8 @@ class Run:
         else:
             self.work = engine.store.cache(width)
             self.work.pinned = True
-            self.work.reserve(prompt + request.max_new_tokens)
-            self.work.copy_rows_from(session.cache, 0)
+            self.work.prefix = session.cache  # the prompt, shared by every row
+            self.work.reserve(request.max_new_tokens)
         self.sequence = torch.empty(width, prompt + request.max_new_tokens, dtype=torch.long, device=logits.device)
         self.sequence[:, :prompt] = torch.tensor(request.input_ids, device=logits.device)
         self.context = proc.Context(self.sequence, prompt, prompt, logits.shape[-1])

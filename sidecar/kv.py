@@ -2,7 +2,9 @@
 
 A `KVCache` holds the keys and values of `rows` sequences that share one length (a session's single
 row, or the beams / samples of one generation), as one tensor per layer and kind shaped
-[rows, kv_heads, capacity, head_dim]. Capacity is reserved up front for a whole generation, so a
+[rows, kv_heads, capacity, head_dim]. The rows of beams and samples continue one prompt: their cache
+holds only what they generate, after a `prefix` (the session's cache of the prompt), which all rows
+read and nobody copies. Capacity is reserved up front for a whole generation, so a
 decode step writes in place (no concatenation), cropping to a shorter prefix is setting `length`, and
 following beam search or dropping finished rows is one `index_select` on the row dimension.
 
@@ -94,6 +96,12 @@ class KVCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.pinned = False  # held by a running generation: never evicted
+        self.prefix: KVCache | None = None  # a one-row cache every row continues (read-only while linked)
+
+    @property
+    def offset(self) -> int:
+        """The position of this cache's first token: the length of its prefix."""
+        return self.prefix.length if self.prefix is not None else 0
 
     @property
     def nbytes(self) -> int:
@@ -150,13 +158,6 @@ class KVCache:
         self.keys[layer][row:end, :, position] = keys
         self.values[layer][row:end, :, position] = values
         return self.keys[layer][row:end, :, : position + 1], self.values[layer][row:end, :, : position + 1]
-
-    def copy_rows_from(self, other: "KVCache", row: int) -> None:
-        """Fills every row with `other`'s row `row` (a prompt prefilled once, expanded to beams or samples)."""
-        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
-            for layer in range(len(mine)):
-                mine[layer][:, :, : other.length] = theirs[layer][row : row + 1, :, : other.length]
-        self.length = other.length
 
     def tail(self, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of every layer's keys/values from `start` to `length` (what a crop would lose)."""

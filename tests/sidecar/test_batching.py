@@ -303,3 +303,14 @@ def test_closing_a_session_under_n_samples_cancels_them_with_what_they_had(engin
     assert all(s.finish_reason == "cancelled" and len(s.token_ids) == 4 for s in drawn.result.sequences)  # a token a tick
     assert not engine.scheduler.busy and engine.store.used_bytes == sum(
         s.cache.nbytes for s in engine._sessions.values())
+
+
+def test_samples_share_the_prompt_cache_instead_of_copying_it(default_dir):
+    engine = Engine.load(default_dir)
+    per_token = engine.store.bytes_per_token
+    with engine.session() as session:
+        result = session.generate(token_ids=tokens(300, seed=31), strategy="sample", num_samples=8, seed=1,
+                                  max_new_tokens=10, eos_token_ids=[])
+    assert len(result.sequences) == 8
+    # the prompt once, and ten tokens for each of eight rows: not eight copies of the prompt
+    assert engine.store.peak_bytes == (300 + 8 * 10) * per_token
