@@ -54,7 +54,7 @@ defmodule Sidecar.Generation do
   the option: a sequence option that does not go with the strategy (`:num_samples` above 1 with
   greedy search, say), `num_beams: 0`, `:num_return_sequences` above `:num_beams`, `:stop` with
   beam search. `:num_beams` and `:num_samples` above the sidecar's `max_sequences` are
-  `reason: :limit_exceeded`. A generation whose KV cache (rows x (input + `:max_new_tokens`)
+  `reason: :limit_exceeded`. A generation whose KV cache (input + rows x `:max_new_tokens`
   tokens) cannot fit the sidecar's cache budget is `reason: :cache_budget_exceeded`.
   """
 
