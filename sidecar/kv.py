@@ -4,7 +4,7 @@ A `KVCache` holds the keys and values of `rows` sequences that share one length 
 row, or the beams / samples of one generation), as one tensor per layer and kind shaped
 [rows, kv_heads, capacity, head_dim]. The rows of beams and samples continue one prompt: their cache
 holds only what they generate, after a `prefix` (the session's cache of the prompt), which all rows
-read and nobody copies. Capacity is reserved up front for a whole generation, so a
+read and nobody copies (when the prompt is long enough for that to pay; a short one is copied). Capacity is reserved up front for a whole generation, so a
 decode step writes in place (no concatenation), cropping to a shorter prefix is setting `length`, and
 following beam search or dropping finished rows is one `index_select` on the row dimension.
 
@@ -158,6 +158,13 @@ class KVCache:
         self.keys[layer][row:end, :, position] = keys
         self.values[layer][row:end, :, position] = values
         return self.keys[layer][row:end, :, : position + 1], self.values[layer][row:end, :, : position + 1]
+
+    def copy_prefix(self, prefix: "KVCache") -> None:
+        """Fills every row with the one-row `prefix` (a prompt prefilled once, copied to each beam or sample)."""
+        for mine, theirs in ((self.keys, prefix.keys), (self.values, prefix.values)):
+            for layer in range(len(mine)):
+                mine[layer][:, :, : prefix.length] = theirs[layer][:, :, : prefix.length]
+        self.length = prefix.length
 
     def tail(self, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of every layer's keys/values from `start` to `length` (what a crop would lose)."""

@@ -159,6 +159,19 @@ def test_beam_search_equals_transformers(any_engine, case, chain):
     assert result.token_ids == got_ids[0] and result.text == result.sequences[0].text
 
 
+def test_beam_search_over_a_shared_long_prompt_equals_transformers(any_engine):
+    engine = any_engine
+    prompt = tokens(200, seed=17, high=engine.vocab_size)  # 3 more beams x 200 tokens: the prompt is shared
+    case = dict(num_beams=4, max_new_tokens=8, num_return_sequences=2)
+    theirs = engine.model.generate(torch.tensor([prompt]), do_sample=False, output_scores=True, return_dict_in_generate=True,
+                                   pad_token_id=0, eos_token_id=2, **case)
+    with engine.session() as session:
+        result = session.generate(token_ids=prompt, strategy="beam", eos_token_ids=[2], **case)
+    got = [s.token_ids for s in result.sequences]
+    assert [row[len(prompt):].tolist()[: len(g)] for row, g in zip(theirs.sequences, got)] == got
+    assert torch.allclose(torch.tensor([s.score for s in result.sequences]), theirs.sequences_scores, atol=1e-4)
+
+
 def test_beams_batched_with_other_sessions_equal_beams_alone(engine):
     prompt = tokens(9, seed=8)
     with engine.session() as alone:
@@ -184,8 +197,9 @@ def test_after_beam_search_the_session_holds_the_best_sequence_and_caches_the_pr
 
 # ---- n samples --------------------------------------------------------------------------------------
 
-def test_n_samples_equal_transformers_sampling_with_the_same_seed(engine):
-    prompt = tokens(12, seed=12)
+@pytest.mark.parametrize("length", [12, 400], ids=["prompt copied to each row", "prompt shared by the rows"])
+def test_n_samples_equal_transformers_sampling_with_the_same_seed(engine, length):
+    prompt = tokens(length, seed=12)
     torch.manual_seed(5)
     theirs = engine.model.generate(torch.tensor([prompt]), do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
                                    num_return_sequences=4, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
