@@ -5,6 +5,7 @@ import torch
 from transformers.generation import logits_process as hf
 
 import processors as P
+from processors import sampling
 
 from .conftest import INPUT_LENGTH, LENGTH, make_logits, make_sequence, padded_context
 
@@ -87,8 +88,8 @@ def test_forced_bos_at_length_one(dtype):
 
 
 @pytest.mark.parametrize("p", [0.5, 0.9, 0.99])
-def test_top_p_large_nucleus_grows_the_slice(p):
-    """Flat logits put most of the vocabulary in the nucleus: every growth step and the sort fallback run."""
+def test_top_p_large_nucleus(p):
+    """Flat logits put most of the vocabulary in the nucleus: the bucketed path and its exact fallbacks run."""
     for scale in (0.05, 0.5, 1.0, 2.0):
         logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(7)) * scale
         context = P.Context(torch.zeros(3, 1, dtype=torch.long), 1, 1, 5000)
@@ -100,7 +101,7 @@ def test_top_p_stress_against_transformers():
     """Many shapes of row: peaked and flat, p up to 1 (whose cut sits in the tiny tail), ties, -inf, min_keep.
 
     Flat rows with wide nuclei go through the bucketed path; cuts within float32 summation error of
-    1 - p go to the reference sort. Every row must come out bit-identical to transformers.
+    1 - p are recomputed from sorted values. Every row must come out bit-identical to transformers.
     """
     g = torch.Generator().manual_seed(11)
     for case in range(120):
@@ -138,3 +139,195 @@ def test_processors_in_a_chain_match_transformers_list(dtype):
     logits, tokens = make_logits("plain", dtype), make_sequence()
     context = padded_context(tokens)
     assert torch.equal(ours.process(ours.init(context), logits, context)[1], theirs(tokens, logits.clone()))
+
+
+def same_bits(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Bit for bit: tells -0.0 from 0.0, and a NaN equals itself."""
+    as_int = {torch.float32: torch.int32, torch.float64: torch.int64}[got.dtype]
+    return got.dtype == expected.dtype and torch.equal(got.view(as_int), expected.view(as_int))
+
+
+def wide_and_peaked_rows(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """One batch of every shape of row the paths split on, in turn: flat at three scales, language-model
+    peaked, top-k filtered (mostly -inf), half -inf, quantised (ties everywhere)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g)
+    for row in range(rows):
+        kind = row % 7
+        if kind < 3:
+            logits[row] *= (0.3, 1.0, 3.0)[kind]
+        elif kind == 3:
+            favourites = torch.randint(0, vocab, (40,), generator=g)
+            logits[row] = (logits[row] * 2).index_add_(0, favourites, torch.full((40,), 9.0))
+        elif kind == 4:
+            top = logits[row].topk(50).values[-1]
+            logits[row] = logits[row].masked_fill(logits[row] < top, float("-inf"))
+        elif kind == 5:
+            logits[row, torch.rand(vocab, generator=g) < 0.5] = float("-inf")
+        else:
+            logits[row] = torch.round(logits[row] * 8) / 8
+    return logits
+
+
+class PathSpy:
+    """Records how many rows each path of TopP was given, call by call, so a test can show which ran."""
+
+    PATHS = ("_cut_in_slice", "_cut_by_buckets", "_cut_by_sorted_values", "_top_p_sorted")
+
+    def __init__(self, monkeypatch):
+        self.calls = {name: [] for name in self.PATHS}
+        for name in self.PATHS:
+            monkeypatch.setattr(sampling, name, self.recording(name, getattr(sampling, name)))
+
+    def recording(self, name, path):
+        def recorded(logits, *args):
+            self.calls[name].append(logits.shape[0])
+            return path(logits, *args)
+
+        return recorded
+
+    def rows(self, name):
+        return sum(self.calls[name])
+
+
+@pytest.mark.parametrize("p", [1e-9, 0.1, 0.5, 0.9, 0.95, 0.99, 0.999, 1.0])
+@pytest.mark.parametrize("min_keep", [1, 5])
+def test_top_p_batches_of_every_kind_of_row(p, min_keep):
+    """A real vocabulary, rows of every shape in one batch: each row is decided as if it were alone."""
+    logits = wide_and_peaked_rows(14, 32000, seed=int(p * 1000) + min_keep)
+    got = P.TopP(p, min_tokens_to_keep=min_keep).transform(logits, None)
+    assert same_bits(got, hf.TopPLogitsWarper(p, min_tokens_to_keep=min_keep)(None, logits.clone()))
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_top_p_batch_size_does_not_change_a_row(rows):
+    logits = wide_and_peaked_rows(rows, 32000, seed=3)
+    got = P.TopP(0.9).transform(logits, None)
+    assert same_bits(got, hf.TopPLogitsWarper(0.9)(None, logits.clone()))
+    alone = torch.cat([P.TopP(0.9).transform(logits[r : r + 1], None) for r in range(rows)])
+    assert same_bits(got, alone)
+
+
+def test_top_p_float64():
+    """Also with logits so spread that float64 probabilities stay above 0 past the farthest bucket."""
+    spread = torch.randn(2, 20000, generator=torch.Generator().manual_seed(6)) * 40
+    logits = torch.cat([wide_and_peaked_rows(14, 20000, seed=5), spread]).double()
+    for p in (0.5, 0.9, 0.999, 1.0):
+        got = P.TopP(p, min_tokens_to_keep=3).transform(logits, None)
+        assert same_bits(got, hf.TopPLogitsWarper(p, min_tokens_to_keep=3)(None, logits.clone()))
+
+
+def test_top_p_non_contiguous_rows():
+    logits = wide_and_peaked_rows(8, 32000, seed=8).t().contiguous().t()
+    got = P.TopP(0.9).transform(logits, None)
+    assert same_bits(got, hf.TopPLogitsWarper(0.9)(None, logits.clone()))
+
+
+def test_top_p_flat_rows_skip_the_slice_and_recompute_near_cuts(monkeypatch):
+    """Flat rows at p=0.9 put ~14% of their cuts within 1e-5 of 0.1: those are redone from sorted values."""
+    spy = PathSpy(monkeypatch)
+    logits = torch.randn(64, 32000, generator=torch.Generator().manual_seed(2))
+    assert same_bits(P.TopP(0.9).transform(logits, None), hf.TopPLogitsWarper(0.9)(None, logits.clone()))
+    assert spy.calls["_cut_in_slice"] == [] and spy.calls["_cut_by_buckets"] == [64]
+    assert spy.rows("_cut_by_sorted_values") > 0 and spy.rows("_top_p_sorted") == 0
+
+
+def test_top_p_peaked_rows_go_on_to_buckets_when_the_cut_is_below_the_slice(monkeypatch):
+    spy = PathSpy(monkeypatch)
+    logits = wide_and_peaked_rows(70, 32000, seed=9)[[r for r in range(70) if r % 7 in (3, 4)]]
+    assert same_bits(P.TopP(0.9).transform(logits, None), hf.TopPLogitsWarper(0.9)(None, logits.clone()))
+    assert spy.calls["_cut_in_slice"] == [20] and 0 < spy.rows("_cut_by_buckets") < 20
+
+
+def test_top_p_quantised_rows_cut_inside_ties(monkeypatch):
+    spy = PathSpy(monkeypatch)
+    logits = torch.round(torch.randn(64, 32000, generator=torch.Generator().manual_seed(3)) * 4) / 4
+    assert same_bits(P.TopP(0.9).transform(logits, None), hf.TopPLogitsWarper(0.9)(None, logits.clone()))
+    assert spy.rows("_top_p_sorted") > 0
+
+
+@pytest.mark.parametrize("where", ["nan", "inf", "all -inf"])
+def test_top_p_non_finite_rows(where):
+    logits = wide_and_peaked_rows(7, 1000, seed=4)
+    logits[2] = float("-inf") if where == "all -inf" else logits[2]
+    logits[2, 7] = {"nan": float("nan"), "inf": float("inf"), "all -inf": float("-inf")}[where]
+    got = P.TopP(0.9).transform(logits, None)
+    assert same_bits(got, hf.TopPLogitsWarper(0.9)(None, logits.clone()))
+
+
+@pytest.mark.parametrize("min_keep", [999, 1000, 1500])
+def test_top_p_min_keep_near_and_past_the_vocabulary(min_keep):
+    logits = wide_and_peaked_rows(7, 1000, seed=6)
+    for p in (1e-9, 0.9):
+        got = P.TopP(p, min_tokens_to_keep=min_keep).transform(logits, None)
+        assert same_bits(got, hf.TopPLogitsWarper(p, min_tokens_to_keep=min_keep)(None, logits.clone()))
+
+
+def test_top_p_signed_zeros_at_the_cut():
+    """-0.0 and 0.0 compare equal: a cut between them is a tie, and which stays is the sort's to say."""
+    logits = torch.zeros(4, 3000)
+    logits[:, ::2] = -0.0
+    logits[:, :100] = torch.linspace(1, 3, 100)
+    for p in (0.5, 0.9):
+        got = P.TopP(p).transform(logits, None)
+        assert same_bits(got, hf.TopPLogitsWarper(p)(None, logits.clone()))
+
+
+@pytest.mark.parametrize("side", ["last kept", "first dropped"])
+def test_top_p_a_crowded_bucket_below_the_cut_is_summed_exactly(side):
+    """25k equal probabilities share a bucket just below the cut, and the cut is 1e-4 (relative) from
+    1 - p: outside the near-tie margin, but inside the 3e-4 that a float32 sum of that bucket strays by."""
+    g = torch.Generator().manual_seed(12)
+    logits = torch.cat([torch.zeros(1, 25000), torch.randn(1, 7000, generator=g) * 0.5 + 3], dim=1)
+    low_mass = logits.sort(dim=-1).values.softmax(dim=-1).cumsum(dim=-1)[0].double()
+    first_kept = 25100  # in ascending order: among the distinct logits just above the crowded bucket
+    bound = low_mass[first_kept] * (1 - 1e-4) if side == "last kept" else low_mass[first_kept - 1] * (1 + 1e-4)
+    got = P.TopP(1 - float(bound)).transform(logits, None)
+    expected = hf.TopPLogitsWarper(1 - float(bound))(None, logits.clone())
+    assert same_bits(got, expected) and expected.isfinite().sum() == 32000 - first_kept
+
+
+def test_top_p_nucleus_exactly_the_slice_goes_to_buckets_whole(monkeypatch):
+    """64 tokens well above a flat tail, the 64th kept and the 65th dropped: the slice cannot tell the
+    65th's value, so the buckets decide, and they need the slice's probabilities back in place."""
+    spy = PathSpy(monkeypatch)
+    g = torch.Generator().manual_seed(13)
+    logits = torch.randn(2, 32000, generator=g) * 0.5
+    logits[:, :64] = 8.65 + torch.linspace(0, 0.05, 64)
+    expected = hf.TopPLogitsWarper(0.9)(None, logits.clone())
+    assert (expected.isfinite().sum(dim=1) == 64).all()
+    assert same_bits(P.TopP(0.9).transform(logits, None), expected)
+    assert spy.calls["_cut_in_slice"] == [2] and spy.calls["_cut_by_buckets"] == [2]
+
+
+def crowded_row(nucleus: str, seed: int) -> torch.Tensor:
+    """50257 logits, all but a few equal: 10257 spread above the crowd, or 10 high ones. Shuffled, so
+    that our unsorted softmax does not add the crowd in a row as the sorted one does."""
+    g = torch.Generator().manual_seed(seed)
+    crowd = torch.full((1, 50257), float(torch.randn(1, generator=g)) / 2)
+    if nucleus == "wide":
+        crowd[:, 40000:] = torch.randn(1, 10257, generator=g) + 1
+    else:
+        crowd[:, :10] = 6 + torch.randn(1, 10, generator=g) * 0.1
+    return crowd[:, torch.randperm(50257, generator=g)]
+
+
+@pytest.mark.parametrize("nucleus", ["wide", "within the slice"])
+def test_top_p_a_crowd_of_equal_logits_is_decided_exactly(nucleus, monkeypatch):
+    """A crowd of equal logits shifts the sorted softmax's float32 normaliser by more than the near-tie
+    margin. With 1 - p on transformers' side of a mass and outside the margin on ours, only the crowd
+    check (buckets) or the crowd-widened margin (slice) keeps the answer transformers'."""
+    for seed in range(20):  # the shift depends on the values: take the first row where it is large
+        logits = crowded_row(nucleus, seed)
+        theirs = logits.sort(dim=-1).values.softmax(dim=-1).cumsum(dim=-1)[0].double()
+        ours = logits.softmax(dim=-1)[0, logits[0].argsort()].double().cumsum(dim=0)
+        at = 45000 if nucleus == "wide" else 50252  # a distinct logit above the crowd
+        if abs(ours[at] / theirs[at] - 1) > 1.1 * sampling.NEAR_TIE:
+            break
+    else:
+        pytest.fail("no row with a large enough shift")
+    spy = PathSpy(monkeypatch)
+    bound = float(theirs[at]) * (1 + 1e-7 if ours[at] > theirs[at] else 1 - 1e-7)
+    got = P.TopP(1 - bound).transform(logits, None)
+    assert same_bits(got, hf.TopPLogitsWarper(1 - bound)(None, logits.clone()))
+    assert spy.calls["_cut_by_sorted_values"] == [1]
