@@ -144,6 +144,9 @@ API_ROWS = [
     ("missing model directory", lambda s: Engine.load("/nonexistent/model"), "model_not_found"),
     ("prefill_chunk 0", lambda s: Engine(s.engine.model, s.engine.tokenizer, prefill_chunk=0), "invalid_argument"),
     ("negative cache budget", lambda s: Engine(s.engine.model, s.engine.tokenizer, cache_budget_bytes=-1), "invalid_argument"),
+    ("a generation that cannot fit the cache budget",
+     lambda s: Engine(s.engine.model, s.engine.tokenizer, cache_budget_bytes=1).session().generate(prompt="a"),
+     "cache_budget_exceeded"),
     # the session's own state (set up by PREPARE before the snapshot)
     ("closed session", {"prompt": "a"}, "session_closed"),
     ("busy session (stream started, not finished)", {"prompt": "a"}, "session_busy"),
