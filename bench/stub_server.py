@@ -2,7 +2,7 @@
 
     python bench/stub_server.py [--json-lines] [sidecar options...]
 
-Prefill and decode steps return fixed logits instantly (the argmax is token 5, every step), and the
+The scheduler's forward passes return fixed logits instantly (the argmax is token 5, every step), and the
 context limit is lifted, so a streamed generation exercises only the decode loop's bookkeeping,
 the server and the transport. --json-lines swaps the {packet, 4} + msgpack transport for one JSON
 object per line: the baseline people write by hand.
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import sidecar.__main__ as cli  # noqa: E402
+import sidecar.scheduler as scheduler_module  # noqa: E402
 import sidecar.server as server_module  # noqa: E402
-import sidecar.session as session_module  # noqa: E402
 from sidecar.engine import Engine  # noqa: E402
 from sidecar.transport import EOF_MARK, FrameWriter  # noqa: E402
 
@@ -30,12 +30,12 @@ LOGITS = torch.zeros(1, 1024)
 LOGITS[0, 5] = 1.0
 
 
-def stub_forward(*args, **kwargs):
-    return LOGITS
+def stub_forward(model, token_ids, positions, plan, keep):
+    """The scheduler's forward pass, without the model: fixed logits for every position asked for."""
+    return LOGITS.expand(len(keep), -1).clone()
 
 
-session_module.prefill = stub_forward
-session_module.decode_step = stub_forward
+scheduler_module.forward = stub_forward
 _load = Engine.load.__func__
 
 
