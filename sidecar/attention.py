@@ -72,7 +72,8 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
     if kv_plan is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if isinstance(kv_plan, Probe):
-        kv_plan.store.learn(module.layer_idx, key.shape[1], key.shape[3], key.dtype)
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        kv_plan.store.learn(module.layer_idx, key.shape[1], key.shape[3], key.dtype, window)
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout)
     layer = module.layer_idx
     gqa = getattr(module, "num_key_value_groups", 1) > 1

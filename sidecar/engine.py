@@ -60,6 +60,7 @@ class Engine:
         self.max_rows = max_rows  # num_beams and num_samples at most
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_context = getattr(model.config, "max_position_embeddings", None)
+        self.context_bound = "max_position_embeddings"  # what sets max_context
         self._sessions: OrderedDict[int, Session] = OrderedDict()  # least recently used first
         self._ids = itertools.count(1)
         self.store = KVStore(self.cache_budget_bytes, model.device, model.dtype)
@@ -75,6 +76,10 @@ class Engine:
         if not self.store.layers or None in self.store.layers:
             raise InvalidModel(f"{type(self.model).__name__}'s attention does not go through transformers' "
                                "attention interface, which the batched engine needs")
+        if self.store.sliding_window is not None:
+            # Our attention is causal over the whole row: exact as long as no row outgrows the window.
+            self.max_context = min(self.max_context or self.store.sliding_window, self.store.sliding_window)
+            self.context_bound = "the sliding attention window, which the batched engine does not apply"
 
     @classmethod
     def load(cls, path=None, *, dtype=None, device: str = "cpu", trust_remote_code: bool = False, **options) -> "Engine":
@@ -152,7 +157,7 @@ class Engine:
         if self.max_context is not None and len(input_ids) + max_new_tokens > self.max_context:
             raise ContextOverflow(
                 f"{len(input_ids)} input tokens + max_new_tokens {max_new_tokens} exceed the model's context "
-                f"of {self.max_context} tokens (max_position_embeddings)",
+                f"of {self.max_context} tokens ({self.context_bound})",
                 limit="max_context", max=self.max_context, value=len(input_ids) + max_new_tokens,
             )
         if strategy not in STRATEGIES:
@@ -183,6 +188,8 @@ class Engine:
             raise InvalidProcessor(f"processors[{index}] names token id {chain.processors[index].max_token_id()}, "
                                    f"outside the vocabulary of {self.vocab_size}", index=index)
         rows = self._check_rows(strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty, early_stopping)
+        if rows.get("num_beams") == 1:  # one beam is greedy search, as in transformers
+            strategy, rows = "greedy", {}
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows)
 
     def _check_rows(self, strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty,

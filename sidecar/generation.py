@@ -99,10 +99,12 @@ class Run:
         """Bytes of KV memory to add to the store before it can run to its end."""
         cache, request = self.session.cache, self.request
         prompt, total = len(request.input_ids), len(request.input_ids) + request.max_new_tokens
+        # A call that crops the cache keeps its capacity until it ends, so that a failure can put the
+        # cropped tail back without growing past the budget.
         if self.width == 1:
-            return cache.bytes_for(1, total) - cache.nbytes
+            return cache.bytes_for(1, max(total, cache.length)) - cache.nbytes
         working = cache.bytes_for(self.width, request.max_new_tokens if self.shares_prefix else total)
-        return cache.bytes_for(1, prompt) - cache.nbytes + working
+        return cache.bytes_for(1, max(prompt, cache.length)) - cache.nbytes + working
 
     def admit(self) -> None:
         session, request = self.session, self.request
@@ -114,7 +116,11 @@ class Run:
         session.history = list(request.input_ids)
         session.cache.pinned = True
         extra = request.max_new_tokens if self.width == 1 else 0
-        session.cache.reserve(len(request.input_ids) + extra)
+        session.cache.reserve(max(len(request.input_ids) + extra, self.saved.cached))
+        if self.width > 1:  # the rows' own cache, reserved now: what admission counted is what is held
+            self.work = session.engine.store.cache(self.width)
+            self.work.pinned = True
+            self.work.reserve(request.max_new_tokens if self.shares_prefix else len(request.input_ids) + request.max_new_tokens)
 
     # ---- one tick --------------------------------------------------------------------------------
 
@@ -156,13 +162,9 @@ class Run:
         if width == 1:
             self.work = session.cache
         else:
-            self.work = engine.store.cache(width)
-            self.work.pinned = True
             if self.shares_prefix:
                 self.work.prefix = session.cache  # the prompt, read by every row
-                self.work.reserve(request.max_new_tokens)
             else:
-                self.work.reserve(prompt + request.max_new_tokens)
                 self.work.copy_prefix(session.cache)
         self.sequence = torch.empty(width, prompt + request.max_new_tokens, dtype=torch.long, device=logits.device)
         self.sequence[:, :prompt] = torch.tensor(request.input_ids, device=logits.device)
