@@ -124,9 +124,6 @@ class Session:
         self.engine.store.release(self.cache)
         self.engine._forget(self)
 
-    def drop_cache(self) -> None:
-        self.cache.clear()
-
     @property
     def cached(self) -> int:
         return self.cache.length
