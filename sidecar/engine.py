@@ -114,10 +114,6 @@ class Engine:
         }
 
     @property
-    def evictions(self) -> int:
-        return self.store.evictions
-
-    @property
     def chat_templates(self) -> list[str]:
         """The names of the chat templates the model's tokenizer ships ([] for none)."""
         return chat.template_names(self.tokenizer)

@@ -291,7 +291,11 @@ class Run:
         if self.done:
             return
         if self.saved is not None:
-            self.session._restore(self.saved)
+            try:
+                self.session._restore(self.saved)
+            except Exception:  # no memory to put the tail back: the history stays, the cache is recomputed
+                self.session.history = self.saved.history
+                self.session.cache.clear()
         self.error = error
         self._release()
 

@@ -53,7 +53,6 @@ def test_eight_sessions_batched_equal_their_solo_runs(kind, engine, gpt2_engine)
                 assert g.result.finish_reason == "cancelled" and 4 <= len(g.result.token_ids) < 12
                 expected = expected[: len(g.result.token_ids)]
             assert g.result.token_ids == streamed[i] == expected, f"session {i} (prompt of {len(p)})"
-        assert engine.scheduler.ticks > 0
     finally:
         for s in sessions:
             s.close()
@@ -365,3 +364,20 @@ def test_two_beam_searches_admitted_together_stay_within_the_budget(default_dir)
         drain(searches, engine)
         assert all(s.result.finish_reason == "length" for s in searches)
     assert engine.store.peak_bytes <= int(one * 1.5)
+
+
+def test_a_failure_that_cannot_put_the_cache_back_keeps_the_history_and_empties_the_cache(engine, monkeypatch):
+    with engine.session() as session:
+        session.generate(token_ids=tokens(20, seed=53), max_new_tokens=4, eos_token_ids=[])
+        history = list(session.history)
+        monkeypatch.setattr(type(session.cache), "put_tail", lambda *a: (_ for _ in ()).throw(MemoryError("no room")))
+
+        def boom(logits, context):
+            raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError, match="boom"):
+            session.generate(token_ids=tokens(5, seed=54), max_new_tokens=4, processors=[boom])
+        monkeypatch.undo()
+        assert session.history == history and session.cached == 0 and not session.busy
+        again = session.generate(token_ids=history + [7], max_new_tokens=3, eos_token_ids=[])
+        assert again.token_ids == reference_greedy(engine, history + [7], 3)
