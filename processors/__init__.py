@@ -12,6 +12,7 @@ from .errors import InvalidInput, InvalidOption, ProcessorError
 from .penalties import FrequencyPenalty, NoRepeatNGram, PresencePenalty, RepetitionPenalty
 from .registry import BUILTINS, catalogue, from_name
 from .sampling import MinP, Temperature, TopK, TopP, TypicalP
+from .structured import Choice, Dfa, Grammar, JsonSchema, Regex, Vocabulary
 from .tokens import (
     ForcedBOS,
     ForcedEOS,
@@ -24,7 +25,7 @@ from .tokens import (
 )
 
 __all__ = [
-    "ArrayProcessor", "BUILTINS", "Chain", "Context", "ForcedBOS", "ForcedEOS", "FrequencyPenalty",
+    "ArrayProcessor", "BUILTINS", "Chain", "Choice", "Context", "Dfa", "Grammar", "JsonSchema", "Regex", "Vocabulary", "ForcedBOS", "ForcedEOS", "FrequencyPenalty",
     "FunctionProcessor", "InvalidInput", "InvalidOption", "LogitsProcessor", "MinLength", "MinNewTokens", "MinP",
     "NoBadWords", "NoRepeatNGram", "PresencePenalty", "ProcessorError", "RepetitionPenalty", "SequenceBias",
     "StatelessProcessor", "SuppressTokens", "SuppressTokensAtBegin", "Temperature", "TopK", "TopP", "TypicalP",

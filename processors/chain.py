@@ -36,9 +36,17 @@ class Chain:
     def __repr__(self) -> str:
         return f"Chain({list(self.processors)!r})"
 
+    def bind(self, vocabulary, eos_token_ids, device="cpu") -> "Chain":
+        """The chain ready for one model: constraints are compiled against `vocabulary` (see `LogitsProcessor.bind`)."""
+        return Chain(p.bind(vocabulary, eos_token_ids, device) for p in self.processors)
+
     def init(self, context: Context) -> tuple:
         check_context(context)
-        return tuple(p.init(context) for p in self.processors)
+        states = tuple(p.init(context) for p in self.processors)
+        rows = context.sequence.shape[0]
+        for index, (processor, state) in enumerate(zip(self.processors, states)):
+            check_state(state, rows, f"processors[{index}] ({processor.name})")
+        return states
 
     def process(self, states: tuple, logits: torch.Tensor, context: Context) -> tuple[tuple, torch.Tensor]:
         """Runs one step. Inputs are checked first and never modified, so a rejected step changes nothing."""
@@ -52,6 +60,28 @@ class Chain:
     def reorder(self, states: tuple, index: torch.Tensor) -> tuple:
         """Selects or reorders batch rows of every state (beam search, dropping finished rows)."""
         return tuple(p.reorder(s, index) for p, s in zip(self.processors, states))
+
+
+def check_state(state, rows: int, owner: str, path: str = "state") -> None:
+    """A state's tensors are per-row (leading with the rows) or shared by every row (0-dim), nothing between.
+
+    Bumblebee's own example keeps a shared value as `tensor([x])`: with several rows (beams, samples), no
+    single index can reorder that, so it is refused here, at `init`, instead of failing at some later step.
+    """
+    if isinstance(state, torch.Tensor):
+        if state.dim() > 0 and state.shape[0] != rows:
+            raise InvalidInput(
+                f"{owner}: {path} has shape {tuple(state.shape)} but there are {rows} rows; a per-row state leads "
+                f"with the rows (e.g. torch.full(({rows},), x)), a state shared by every row is a 0-dim tensor "
+                f"(torch.tensor(x))")
+    elif isinstance(state, tuple):
+        for i, item in enumerate(state):
+            check_state(item, rows, owner, f"{path}[{i}]")
+    elif isinstance(state, dict):
+        for key, item in state.items():
+            check_state(item, rows, owner, f"{path}[{key!r}]")
+    else:
+        raise InvalidInput(f"{owner}: {path} is a {type(state).__name__}; a state is tensors, tuples or dicts of them")
 
 
 def check_context(context: Context) -> None:

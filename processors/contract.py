@@ -68,6 +68,10 @@ class LogitsProcessor:
         """The largest token id this config names (-1 for none), checked against the vocabulary."""
         return -1
 
+    def bind(self, vocabulary, eos_token_ids, device="cpu") -> "LogitsProcessor":
+        """This processor ready for one model: constraints compile against its vocabulary; others are unchanged."""
+        return self
+
     def init(self, context: Context) -> State:
         return ()
 

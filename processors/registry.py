@@ -6,6 +6,7 @@ from .contract import LogitsProcessor, configure, describe
 from .errors import InvalidOption
 from .penalties import FrequencyPenalty, NoRepeatNGram, PresencePenalty, RepetitionPenalty
 from .sampling import MinP, Temperature, TopK, TopP, TypicalP
+from .structured import Choice, Dfa, Grammar, JsonSchema, Regex
 from .tokens import (
     ForcedBOS,
     ForcedEOS,
@@ -24,6 +25,7 @@ BUILTINS: dict[str, type[LogitsProcessor]] = {
         RepetitionPenalty, FrequencyPenalty, PresencePenalty, NoRepeatNGram,
         MinLength, MinNewTokens, SuppressTokens, SuppressTokensAtBegin, ForcedBOS, ForcedEOS,
         SequenceBias, NoBadWords,
+        Regex, Choice, JsonSchema, Grammar, Dfa,
     )
 }
 

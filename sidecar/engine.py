@@ -3,6 +3,7 @@ runs every generation of the model together."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import OrderedDict
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 import processors as proc
+from processors.structured import Vocabulary
 
 from . import attention, chat, models
 from .errors import (
@@ -183,10 +185,26 @@ class Engine:
             index = next(i for i, p in enumerate(chain.processors) if p.max_token_id() >= self.vocab_size)
             raise InvalidProcessor(f"processors[{index}] names token id {chain.processors[index].max_token_id()}, "
                                    f"outside the vocabulary of {self.vocab_size}", index=index)
+        chain = self._bind(chain, eos)
         rows = self._check_rows(strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty, early_stopping)
         if rows.get("num_beams") == 1:  # one beam is greedy search, as in transformers
             strategy, rows = "greedy", {}
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows)
+
+    def _bind(self, chain: proc.Chain, eos: frozenset[int]) -> proc.Chain:
+        """The chain compiled for this model: constraints against its vocabulary (cached per constraint)."""
+        bound = []
+        for index, processor in enumerate(chain.processors):
+            try:
+                bound.append(processor.bind(self.vocabulary, eos, self.model.device))
+            except proc.ProcessorError as error:
+                raise InvalidProcessor(f"processors[{index}] ({processor.name}): {error}", index=index) from error
+        return proc.Chain(bound)
+
+    @functools.cached_property
+    def vocabulary(self) -> Vocabulary:
+        """The bytes each token id writes, what constraints are compiled against."""
+        return Vocabulary.from_tokenizer(self.tokenizer, self.vocab_size)
 
     def _check_rows(self, strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty,
                     early_stopping) -> dict:

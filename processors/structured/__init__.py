@@ -1,0 +1,11 @@
+"""Constraints on the generated text: regular ones compiled to token automata, and a user's own automaton.
+
+    chain = Chain([configure(Regex, pattern=r"\\d{3}-\\d{4}")]).bind(Vocabulary.from_tokenizer(tok), [tok.eos_token_id])
+"""
+
+from .automaton import TokenAutomaton
+from .constraints import AutomatonProcessor, Choice, Constraint, Dfa, JsonSchema, Regex
+from .grammar import Grammar, GrammarProcessor
+from .vocabulary import Vocabulary
+
+__all__ = ["AutomatonProcessor", "Choice", "Constraint", "Dfa", "Grammar", "GrammarProcessor", "JsonSchema", "Regex", "TokenAutomaton", "Vocabulary"]

@@ -1,0 +1,135 @@
+"""A token-level automaton as tensors: the per-step work of every constraint is two lookups and a mask.
+
+States are numbered 0..S-1 and `S` is the dead state (a token no transition allows leads there). A state's
+transitions are found by `searchsorted` on sorted keys `state * vocab + token`, so advancing every row is
+one vectorised lookup; a state's forbidden tokens are one row of a boolean table holding each distinct
+mask once (many states share one: every state inside a JSON string allows the same tokens). Both tables
+are built once per (constraint, vocabulary) and shared by every generation using them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import InvalidOption
+
+MAX_MASK_BYTES = 256 * 2**20  # the distinct masks of one compiled constraint: states' masks x vocabulary
+MASK_CHUNK_STATES = 256  # states whose dense masks are built at once while finding the distinct ones
+
+
+@dataclass(frozen=True)
+class TokenAutomaton:
+    """The tables of a compiled constraint. `ends[s]`: the state may end (accepting, or nowhere to go)."""
+
+    initial: int
+    vocab_size: int
+    keys: torch.Tensor  # int64 [T], sorted: state * vocab_size + token
+    targets: torch.Tensor  # int64 [T]: the state each key leads to
+    mask_of: torch.Tensor  # int64 [S + 1]: the row of `forbidden` for each state, the dead state last
+    forbidden: torch.Tensor  # bool [M, vocab_size]: the distinct masks, text tokens only
+    ends: torch.Tensor  # bool [S + 1]
+
+    @property
+    def dead(self) -> int:
+        return self.mask_of.shape[0] - 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.targets, self.mask_of, self.forbidden, self.ends))
+
+    def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The state after each row's token: one `searchsorted` for all rows; a token with no transition leads to the dead state."""
+        wanted = states * self.vocab_size + tokens
+        where = torch.searchsorted(self.keys, wanted).clamp_(max=self.keys.shape[0] - 1)
+        return torch.where(self.keys[where] == wanted, self.targets[where], self.dead)
+
+    def with_end_tokens(self, eos_token_ids: torch.Tensor) -> "BoundMasks":
+        """The masks with the end-of-sequence tokens allowed exactly where a state may end."""
+        # a mask row shared by ending and non-ending states is split in two
+        pairs = torch.stack([self.mask_of, self.ends.long()], dim=1)
+        distinct, inverse = torch.unique(pairs, dim=0, return_inverse=True)
+        forbidden = self.forbidden.index_select(0, distinct[:, 0]).clone()
+        forbidden[:, eos_token_ids] = True
+        ending = distinct[:, 1].bool()
+        forbidden[ending.nonzero().squeeze(1).unsqueeze(1), eos_token_ids.unsqueeze(0)] = False
+        return BoundMasks(inverse, forbidden)
+
+    @classmethod
+    def from_transitions(cls, initial: int, sources, tokens, targets, accepting, vocab_size: int) -> "TokenAutomaton":
+        """Builds the tables from transition triples whose states may be any integers (they are renumbered).
+
+        Raises `InvalidOption` when two transitions leave one state on one token for different states, or
+        when the masks would exceed `MAX_MASK_BYTES`.
+        """
+        sources, tokens, targets = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (sources, tokens, targets))
+        accepting = np.asarray(sorted(accepting), dtype=np.int64)
+        labels, numbered = np.unique(np.concatenate([[initial], sources, targets, accepting]), return_inverse=True)
+        count, n = len(labels), len(sources)
+        src, dst = numbered[1 : 1 + n], numbered[1 + n : 1 + 2 * n]
+        acc = numbered[1 + 2 * n :]
+        keys = src * vocab_size + tokens
+        order = np.argsort(keys, kind="stable")
+        keys, dst = keys[order], dst[order]
+        repeated = np.nonzero(keys[1:] == keys[:-1])[0]
+        if len(repeated):
+            conflict = repeated[dst[repeated] != dst[repeated + 1]]
+            if len(conflict):
+                at = conflict[0]
+                raise InvalidOption(f"the automaton is not deterministic: state {labels[keys[at] // vocab_size]} has two "
+                                    f"transitions on token {keys[at] % vocab_size}")
+            keep = np.ones(len(keys), dtype=bool)
+            keep[repeated + 1] = False
+            keys, dst = keys[keep], dst[keep]
+        mask_of, forbidden = _distinct_masks(keys // vocab_size, keys % vocab_size, count, vocab_size)
+        has_moves = np.zeros(count + 1, dtype=bool)
+        has_moves[keys // vocab_size] = True
+        ends = ~has_moves
+        ends[acc] = True
+        return cls(
+            initial=int(numbered[0]),
+            vocab_size=vocab_size,
+            keys=torch.from_numpy(keys),
+            targets=torch.from_numpy(dst.astype(np.int64)),
+            mask_of=torch.from_numpy(mask_of),
+            forbidden=torch.from_numpy(forbidden),
+            ends=torch.from_numpy(ends),
+        )
+
+
+@dataclass(frozen=True)
+class BoundMasks:
+    """`forbidden[mask_of[state]]`: every token a state forbids, end-of-sequence tokens included."""
+
+    mask_of: torch.Tensor
+    forbidden: torch.Tensor
+
+    def to(self, device) -> "BoundMasks":
+        return BoundMasks(self.mask_of.to(device), self.forbidden.to(device))
+
+
+def _distinct_masks(sources: np.ndarray, tokens: np.ndarray, count: int, vocab_size: int):
+    """Each state's forbidden tokens, each distinct mask stored once; the dead state (index `count`) allows nothing."""
+    starts = np.searchsorted(sources, np.arange(count + 2))  # sources are sorted: state s owns [starts[s], starts[s+1])
+    seen: dict[bytes, int] = {}
+    rows: list[np.ndarray] = []
+    mask_of = np.empty(count + 1, dtype=np.int64)
+    for first in range(0, count + 1, MASK_CHUNK_STATES):
+        last = min(first + MASK_CHUNK_STATES, count + 1)
+        block = np.ones((last - first, vocab_size), dtype=bool)
+        lo, hi = starts[first], starts[last]
+        block[sources[lo:hi] - first, tokens[lo:hi]] = False
+        for offset, row in enumerate(block):
+            digest = hashlib.blake2b(row.tobytes(), digest_size=16).digest()
+            index = seen.get(digest)
+            if index is None:
+                index = seen[digest] = len(rows)
+                rows.append(row)
+                if len(rows) * vocab_size > MAX_MASK_BYTES:
+                    raise InvalidOption(f"the constraint is too large: its token masks exceed {MAX_MASK_BYTES >> 20} MiB "
+                                        f"(limit max_mask_bytes)")
+            mask_of[first + offset] = index
+    return mask_of, np.stack(rows)

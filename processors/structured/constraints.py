@@ -1,0 +1,270 @@
+"""Processors that constrain the generated text: `Regex`, `Choice`, `JsonSchema` and a user's own `Dfa`.
+
+A constraint is configured with what the user names (a pattern, options, a schema, transitions) and is
+checked then. It runs only once bound to a model's vocabulary and end-of-sequence tokens (`bind`, which
+the engine calls): binding compiles it into a `TokenAutomaton` and returns an `AutomatonProcessor`. The
+state of that processor is one int64 automaton state per row, so `Chain.reorder` moves it with its beam
+and `process` is a lookup and a mask, with no loop over rows and no hashing of histories.
+
+Only the generated tokens are constrained (the prompt is not), and the end-of-sequence tokens are allowed
+exactly in the states that may end: accepting ones, and any the vocabulary cannot leave, so a row never
+has nothing to choose.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from .. import checks
+from ..contract import Context, LogitsProcessor, option
+from ..errors import InvalidOption, ProcessorError
+from .automaton import BoundMasks, TokenAutomaton
+from .compile import compile_regex
+from .vocabulary import Vocabulary
+
+MAX_PATTERN_CHARS = 100_000  # a regex, a schema's JSON or the options of a choice, in characters
+MAX_CHOICES = 10_000
+MAX_TRANSITIONS = 1_000_000
+NEG_INF = float("-inf")
+
+
+def _checked(check, schema):
+    check.schema = schema
+    return check
+
+
+def _pattern(name, value) -> str:
+    if not isinstance(value, str) or not value:
+        raise InvalidOption(f"option {name!r} must be a non-empty string, got {checks._shown(value)}")
+    if len(value) > MAX_PATTERN_CHARS:
+        raise InvalidOption(f"option {name!r} has {len(value)} characters, more than the limit of {MAX_PATTERN_CHARS} "
+                            f"(limit max_pattern_chars)")
+    return value
+
+
+def _choices(name, value) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
+        raise InvalidOption(f"option {name!r} must be a non-empty list of non-empty strings, got {checks._shown(value)}")
+    if len(value) > MAX_CHOICES or sum(map(len, value)) > MAX_PATTERN_CHARS:
+        raise InvalidOption(f"option {name!r} is too large: at most {MAX_CHOICES} options of {MAX_PATTERN_CHARS} "
+                            f"characters in all (limits max_choices, max_pattern_chars)")
+    return tuple(value)
+
+
+def _schema(name, value) -> str:
+    """A JSON schema given as a map or as JSON text, kept as canonical JSON text (the cache key)."""
+    if isinstance(value, str):
+        _pattern(name, value)
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            raise InvalidOption(f"option {name!r} is not valid JSON: {error}") from None
+    if not isinstance(value, (dict, bool)):
+        raise InvalidOption(f"option {name!r} must be a JSON schema (an object), got {checks._shown(value)}")
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(value).check_schema(value)
+    except jsonschema.SchemaError as error:
+        raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message}") from None
+    text = json.dumps(value, sort_keys=True, ensure_ascii=False)
+    return _pattern(name, text)
+
+
+def _timeout(name, value) -> float:
+    return checks.real_in(0.0, 300.0, low_open=True)(name, value)
+
+
+_timeout.schema = {"type": "number", "exclusiveMinimum": 0, "maximum": 300}
+_pattern.schema = {"type": "string", "minLength": 1, "maxLength": MAX_PATTERN_CHARS}
+_choices.schema = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_CHOICES}
+_schema.schema = {"anyOf": [{"type": "object"}, {"type": "string"}]}
+
+STATE_ID = {"type": "integer", "minimum": 0, "maximum": checks.MAX_TOKEN_ID}
+
+
+def _transitions(name, value) -> tuple[tuple[int, int, int], ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise InvalidOption(f"option {name!r} must be a non-empty list of [state, token_id, next_state] triples")
+    if len(value) > MAX_TRANSITIONS:
+        raise InvalidOption(f"option {name!r} has {len(value)} transitions, more than the limit of {MAX_TRANSITIONS} "
+                            f"(limit max_transitions)")
+    out = []
+    for triple in value:
+        if not (isinstance(triple, (list, tuple)) and len(triple) == 3 and all(checks._is_int(x) and x >= 0 for x in triple)
+                and max(triple) <= checks.MAX_TOKEN_ID):
+            raise InvalidOption(f"option {name!r}: each transition is [state, token_id, next_state] with integers "
+                                f">= 0, got {checks._shown(triple)}")
+        out.append(tuple(int(x) for x in triple))
+    return tuple(out)
+
+
+_transitions.schema = {"type": "array", "minItems": 1, "maxItems": MAX_TRANSITIONS,
+                       "items": {"type": "array", "items": STATE_ID, "minItems": 3, "maxItems": 3}}
+
+
+def _states(name, value) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(checks._is_int(x) and x >= 0 for x in value):
+        raise InvalidOption(f"option {name!r} must be a list of states (integers >= 0), got {checks._shown(value)}")
+    return tuple(sorted(set(int(x) for x in value)))
+
+
+_states.schema = {"type": "array", "items": STATE_ID}
+
+
+class Constraint(LogitsProcessor):
+    """A processor that needs the model's vocabulary: configured by the user, compiled by `bind`."""
+
+    def automaton(self, vocabulary: Vocabulary) -> TokenAutomaton:
+        raise NotImplementedError
+
+    def bind(self, vocabulary: Vocabulary, eos_token_ids, device="cpu") -> LogitsProcessor:
+        eos = sorted(set(eos_token_ids))
+        if not eos:
+            raise InvalidOption(f"{self.name} needs an end-of-sequence token to end its text, and none is set "
+                                f"(eos_token_ids is empty)")
+        automaton = self.automaton(vocabulary)
+        masks = automaton.with_end_tokens(torch.tensor(eos, dtype=torch.long)).to(device)
+        return AutomatonProcessor(self, automaton, masks, torch.tensor(eos, dtype=torch.long, device=device))
+
+    def init(self, context: Context):
+        raise ProcessorError(f"{self.name} is not bound to a vocabulary: call chain.bind(Vocabulary.from_tokenizer("
+                             f"tokenizer), eos_token_ids) first (the engine does it for every generate)")
+
+    process = init
+
+
+def _compile_timeout():
+    return option("the longest compiling may take, in seconds (0, 300]", default=10.0, check=_timeout)
+
+
+class RegularConstraint(Constraint):
+    """A constraint that is a regular language: compiled from one regex by outlines-core."""
+
+    def regex(self) -> str:
+        raise NotImplementedError
+
+    def automaton(self, vocabulary):
+        return compile_regex(self.regex(), vocabulary, self.compile_timeout_s)
+
+
+@dataclass(frozen=True)
+class Regex(RegularConstraint):
+    """The generated text matches `pattern` in full (Rust `regex` syntax: no look-around, no back-references)."""
+
+    name: ClassVar[str] = "regex"
+    pattern: str = option("the regular expression the whole generated text must match", check=_pattern)
+    compile_timeout_s: float = _compile_timeout()
+
+    def validate(self):
+        _check_syntax(self.pattern, "pattern")
+
+    def regex(self):
+        return self.pattern
+
+
+@dataclass(frozen=True)
+class Choice(RegularConstraint):
+    """The generated text is exactly one of `options`."""
+
+    name: ClassVar[str] = "choice"
+    options: tuple[str, ...] = option("the texts to choose from", check=_choices)
+    compile_timeout_s: float = _compile_timeout()
+
+    def regex(self):
+        return "(" + "|".join(map(escape, self.options)) + ")"
+
+
+@dataclass(frozen=True)
+class JsonSchema(RegularConstraint):
+    """The generated text is JSON valid against `schema`, in outlines-core's subset of JSON Schema. Numeric
+    bounds (`minimum`, `maximum`) are not enforced: use an `enum` or a string `pattern` for those."""
+
+    name: ClassVar[str] = "json_schema"
+    schema: str = option("the JSON schema, as a map or as JSON text", check=_schema)
+    compile_timeout_s: float = _compile_timeout()
+
+    def validate(self):
+        self.regex()
+
+    def regex(self):
+        from outlines_core.json_schema import build_regex_from_schema
+
+        try:
+            return build_regex_from_schema(self.schema)
+        except Exception as error:  # outlines-core names the part of the schema it does not support
+            raise InvalidOption(f"option 'schema' cannot be compiled: {error}") from None
+
+
+@dataclass(frozen=True)
+class Dfa(Constraint):
+    """A user's own token-level automaton, as the DFA processor built on Bumblebee's stateful processors
+    takes it: `(state, token_id, next_state)` triples from `initial_state`. Tokens without a transition
+    from the current state are forbidden; end-of-sequence is allowed in `accepting_states` and in states
+    with no transition at all."""
+
+    name: ClassVar[str] = "dfa"
+    initial_state: int = option("the state before the first generated token", check=checks.int_at_least(0))
+    transitions: tuple[tuple[int, int, int], ...] = option("[state, token_id, next_state] triples", check=_transitions)
+    accepting_states: tuple[int, ...] = option("states where the text may end", default=(), check=_states)
+
+    def max_token_id(self):
+        return max(t for _, t, _ in self.transitions)
+
+    def automaton(self, vocabulary):
+        sources, tokens, targets = zip(*self.transitions)
+        return TokenAutomaton.from_transitions(self.initial_state, sources, tokens, targets, self.accepting_states,
+                                               vocabulary.size)
+
+
+@dataclass(frozen=True)
+class AutomatonProcessor(LogitsProcessor):
+    """A constraint bound to a vocabulary: its state is each row's automaton state (int64 [rows])."""
+
+    name: ClassVar[str] = "automaton"
+    constraint: Constraint = option("the constraint this runs")
+    automaton: TokenAutomaton = option("its compiled tables")
+    masks: BoundMasks = option("its masks, end-of-sequence tokens included")
+    eos_token_ids: torch.Tensor = option("the end-of-sequence tokens")
+
+    def init(self, context):
+        return torch.full((context.sequence.shape[0],), self.automaton.initial, dtype=torch.long,
+                          device=context.sequence.device)
+
+    def process(self, state, logits, context):
+        if context.length > context.input_length:
+            state = self.automaton.advance(state, context.sequence[:, context.length - 1])
+        logits = logits.masked_fill(self.masks.forbidden[self.masks.mask_of[state]], NEG_INF)
+        stuck = logits.amax(dim=1) == NEG_INF  # an earlier processor removed every token this state allows
+        if bool(stuck.any()):
+            logits[stuck.nonzero()[:, :1], self.eos_token_ids] = 0.0
+        return state, logits
+
+
+_META = set(r"\.+*?()|[]{}^$#&-~")
+
+
+def escape(text: str) -> str:
+    """`text` as a literal in the regex syntax of outlines-core and llguidance (Rust's `regex`)."""
+    return "".join("\\" + c if c in _META else c for c in text)
+
+
+def _check_syntax(pattern: str, name: str) -> None:
+    """Rejects a pattern Rust's regex syntax does not accept, at configure time and without a vocabulary."""
+    import llguidance
+
+    ok, problem = _validate_lark(llguidance.LLMatcher.grammar_from_regex(pattern))
+    if not ok:
+        raise InvalidOption(f"option {name!r} is not a valid regular expression: {problem}")
+
+
+def _validate_lark(grammar: str) -> tuple[bool, str]:
+    import llguidance
+
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return (not is_error, "; ".join(messages))
