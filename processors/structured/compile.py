@@ -120,14 +120,21 @@ def _compile_child(pattern: str, vocabulary: Vocabulary, sender) -> None:
         sources = np.fromiter((s for s, moves in transitions.items() for _ in moves), dtype=np.int64)
         tokens = np.fromiter((t for moves in transitions.values() for t in moves), dtype=np.int64)
         targets = np.fromiter((n for moves in transitions.values() for n in moves.values()), dtype=np.int64)
-        accepting = sorted(set(sources[tokens == sentinel].tolist()))
-        text = (tokens < sentinel) & ~np.isin(targets, np.array(sorted(index.get_final_states()), dtype=np.int64))
+        # the sentinel is also an ordinary character where the pattern allows any (inside a JSON string):
+        # only its transitions into a final state say "the pattern may end here"
+        final = np.isin(targets, np.array(sorted(index.get_final_states()), dtype=np.int64))
+        accepting = sorted(set(sources[(tokens == sentinel) & final].tolist()))
+        text = (tokens < sentinel) & ~final
         sender.send(("ok", (index.get_initial_state(), sources[text], tokens[text], targets[text], accepting)))
     except MemoryError:
         sender.send(("error", f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
                               f"(limit compile_memory)"))
     except Exception as error:  # outlines-core reports unusable patterns and vocabularies as plain exceptions
-        sender.send(("error", f"cannot compile the constraint: {error}"))
+        message = str(error).replace(f"(?:{pattern}){SENTINEL_REGEX}", pattern)
+        if "vocabulary provided is incompatible" in message:
+            missing = message[message.find("missing tokens"):].split(". This")[0]
+            message = f"the vocabulary cannot write any text that matches the constraint ({missing})"
+        sender.send(("error", message))
     finally:
         sender.close()
         os._exit(0)

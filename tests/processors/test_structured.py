@@ -1,0 +1,313 @@
+"""Constraints against independent references: the `regex` module's partial fullmatch for the masks of
+regular constraints, a plain-Python walk for user automata, a recursive checker for a context-free grammar,
+and the tokenizer's own encoding for the bytes of each token."""
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+import regex
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+import processors as P
+from processors import Chain, Context, configure
+from processors.structured import AutomatonProcessor, Choice, Dfa, Grammar, JsonSchema, Regex, Vocabulary
+
+ROOT = Path(__file__).resolve().parents[2]
+EOS = 2
+NEG_INF = float("-inf")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return PreTrainedTokenizerFast(tokenizer_file=str(ROOT / "sidecar/default_model/tokenizer.json"),
+                                   eos_token="</s>", bos_token="<s>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def vocab(tokenizer):
+    return Vocabulary.from_tokenizer(tokenizer, 1024)
+
+
+def sentencepiece_tokenizer():
+    """A Llama-style tokenizer: "▁" for spaces and <0xNN> byte fallback, trained on the repo's corpus."""
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.train([str(ROOT / "sidecar/default_model/corpus.txt")],
+              trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False))
+    # the byte tokens are ordinary entries of the vocabulary, not special tokens, as in Llama's tokenizer
+    spec = json.loads(tok.to_str())
+    table = spec["model"]["vocab"]
+    for byte in range(256):
+        table.setdefault(f"<0x{byte:02X}>", len(table))
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token="</s>",
+                                   bos_token="<s>", unk_token="<unk>")
+
+
+TEXTS = ["Hello world", "  two  spaces", "naïve café — 東京 🙂", "tabs\tand\nnewlines", "Ġ is not a space"]
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_token_bytes_spell_exactly_what_the_tokenizer_encoded(kind, tokenizer):
+    tok = tokenizer if kind == "byte_level" else sentencepiece_tokenizer()
+    vocab = Vocabulary.from_tokenizer(tok)
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        written = b"".join(vocab.token_bytes[i] for i in ids)
+        # SentencePiece's normaliser writes a space before the text ("▁Hello"), which its decoder strips
+        assert written == (text if kind == "byte_level" else " " + text).encode(), (kind, text, ids)
+    assert vocab.token_bytes[tok.eos_token_id] is None
+    assert vocab.fingerprint != Vocabulary(vocab.token_bytes[:-1] + (b"x",)).fingerprint
+
+
+def allowed(bound: AutomatonProcessor, states: torch.Tensor) -> list[set[int]]:
+    forbidden = bound.masks.forbidden[bound.masks.mask_of[states]]
+    return [set((~row).nonzero().flatten().tolist()) for row in forbidden]
+
+
+def whole_characters(vocab: Vocabulary) -> dict[int, str]:
+    """The tokens that write whole characters (the reference below works on text, not bytes)."""
+    out = {}
+    for token_id, token in enumerate(vocab.token_bytes):
+        try:
+            out[token_id] = token.decode("utf-8")
+        except (AttributeError, UnicodeDecodeError):
+            pass
+    return out
+
+
+def reference_allowed(pattern: str, text: str, pieces: dict[int, str]) -> set[int]:
+    """Token t may come next iff text + t can still be completed into a full match; EOS iff text is one."""
+    out = {EOS} if regex.fullmatch(pattern, text) else set()
+    return out | {t for t, piece in pieces.items() if regex.fullmatch(pattern, text + piece, partial=True)}
+
+
+PATTERNS = [
+    r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}",
+    r"[a-z]{1,8}@[a-z]{2,6}\.(com|org)",
+    r"(0|[1-9][0-9]?|1[0-9]{2}|2[0-4][0-9]|25[0-5])",
+    r"(no|none|nonetheless)",  # an earlier alternative is a prefix of a later one
+    r"([0-9]|1[0-9]{2})",
+    r"(ab)*c?",
+    r"[a-z]+( [a-z]+)*",
+    r'"[^"]{0,5}"',  # any character, the compiler's sentinel included, inside quotes
+]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_regex_masks_equal_partial_fullmatch(pattern, vocab):
+    bound = configure(Regex, pattern=pattern).bind(vocab, [EOS])
+    pieces = whole_characters(vocab)
+    for walk in range(3):
+        rnd = random.Random(walk)
+        text, state = "", torch.tensor([bound.automaton.initial])
+        for _ in range(20):
+            ours = allowed(bound, state)[0]
+            assert ours & (set(pieces) | {EOS}) == reference_allowed(pattern, text, pieces), (pattern, text)
+            moves = sorted((ours - {EOS}) & set(pieces))
+            if not moves:
+                break
+            token = rnd.choice(moves)
+            text += vocab.token_bytes[token].decode()
+            state = bound.automaton.advance(state, torch.tensor([token]))
+
+
+def run_chain(chain: Chain, rows: int, steps: int, vocab_size: int, seed: int = 0, reorder=None):
+    """Samples from random logits through `chain`; returns each row's tokens up to EOS (EOS excluded).
+    Every row must end with EOS within `steps`."""
+    g = torch.Generator().manual_seed(seed)
+    sequence = torch.zeros(rows, steps + 1, dtype=torch.long)
+    states = chain.init(Context(sequence, 1, 1, vocab_size))
+    finished = [None] * rows
+    for step in range(steps):
+        context = Context(sequence, step + 1, 1, vocab_size)
+        states, logits = chain.process(states, torch.randn(rows, vocab_size, generator=g) * 3, context)
+        assert not torch.isnan(logits).any() and (logits.amax(dim=1) > NEG_INF).all()
+        tokens = torch.multinomial(logits.softmax(-1), 1, generator=g).squeeze(1)
+        sequence[:, step + 1] = tokens
+        for row, token in enumerate(tokens.tolist()):
+            if finished[row] is None and token == EOS:
+                finished[row] = step + 1
+        if reorder is not None and step == reorder[0]:
+            states = chain.reorder(states, reorder[1])
+            sequence = sequence.index_select(0, reorder[1])
+            finished = [finished[i] for i in reorder[1].tolist()]
+        if all(f is not None for f in finished):
+            break
+    assert None not in finished, "a row did not end: give it more steps"
+    return [sequence[row, 1:end].tolist() for row, end in enumerate(finished)]
+
+
+def test_sampled_texts_match_and_end_with_eos(vocab, tokenizer):
+    cases = [
+        (configure(Regex, pattern=r"[a-z]{2,6}@[a-z]{3}\.com"), lambda t: regex.fullmatch(r"[a-z]{2,6}@[a-z]{3}\.com", t)),
+        (configure(Choice, options=["no", "none", "nonetheless", "yes"]), lambda t: t in {"no", "none", "nonetheless", "yes"}),
+        (configure(JsonSchema, schema={"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
+                                       "required": ["a", "b"]}), None),
+    ]
+    import json
+
+    import jsonschema
+
+    for config, matches in cases:
+        chain = Chain([config]).bind(vocab, [EOS])
+        for ids in run_chain(chain, rows=16, steps=60, vocab_size=1024):
+            text = tokenizer.decode(ids)
+            if matches is None:
+                jsonschema.validate(json.loads(text), json.loads(config.schema))
+            else:
+                assert matches(text), (config, text)
+    # "no" is a prefix of "none": the longer options are reachable (a leftmost-first automaton never allows them)
+    chain = Chain([configure(Choice, options=["no", "none", "nonetheless"])]).bind(vocab, [EOS])
+    texts = {tokenizer.decode(ids) for seed in range(8) for ids in run_chain(chain, 8, 20, 1024, seed=seed)}
+    assert texts == {"no", "none", "nonetheless"}
+
+
+def test_states_follow_beam_reordering(vocab, tokenizer):
+    """Rows swapped mid-way keep their own automaton state: every text still matches."""
+    pattern = r"(abc|xyz)[0-9]{2}"
+    chain = Chain([configure(Regex, pattern=pattern)]).bind(vocab, [EOS])
+    for seed in range(6):
+        index = torch.tensor([2, 2, 0, 1])  # a duplicated row and a dropped one, as beam search does
+        for ids in run_chain(chain, 4, 30, 1024, seed=seed, reorder=(2, index)):
+            assert regex.fullmatch(pattern, tokenizer.decode(ids))
+
+
+def reference_dfa(transitions, initial, accepting, tokens, vocab_size):
+    """The plain reading of a user's automaton: the allowed set after each prefix of `tokens`."""
+    table = {(s, t): n for s, t, n in transitions}
+    state, out = initial, []
+    for token in tokens + [None]:
+        moves = {t for (s, t) in table if s == state}
+        out.append(moves | ({EOS} if state in accepting or not moves else set()))
+        if token is not None:
+            state = table.get((state, token), -1)
+    return out
+
+
+def test_dfa_masks_equal_a_plain_walk_of_its_transitions(vocab):
+    rnd = random.Random(3)
+    states = [10, 20, 30, 40, 50]  # any integers, as in Bumblebee's example
+    transitions = sorted({(s, rnd.randrange(3, 60), rnd.choice(states)) for s in states[:4] for _ in range(6)})
+    transitions = list({(s, t): (s, t, n) for s, t, n in transitions}.values())
+    config = configure(Dfa, initial_state=10, transitions=transitions, accepting_states=[30])
+    chain = Chain([config]).bind(vocab, [EOS])
+    bound = chain.processors[0]
+    for ids in run_chain(chain, 8, 12, 1024, seed=1):
+        expected = reference_dfa(transitions, 10, {30}, ids, 1024)
+        state = torch.tensor([bound.automaton.initial])
+        for step, token in enumerate(ids + [None]):
+            assert allowed(bound, state)[0] == expected[step]
+            if token is not None:
+                state = bound.automaton.advance(state, torch.tensor([token]))
+
+
+def test_a_state_with_no_move_left_gets_eos_only(vocab):
+    """An earlier processor removed every token the constraint allows: the row ends, it is never all -inf."""
+    digits = [i for i, b in enumerate(vocab.token_bytes) if b and b.isdigit()]
+    chain = Chain([configure(P.SuppressTokens, token_ids=digits), configure(Regex, pattern=r"[0-9]+")]).bind(vocab, [EOS])
+    sequence = torch.zeros(2, 4, dtype=torch.long)
+    context = Context(sequence, 1, 1, 1024)
+    _, logits = chain.process(chain.init(context), torch.randn(2, 1024), context)
+    assert torch.equal((logits > NEG_INF).nonzero()[:, 1], torch.tensor([EOS, EOS]))
+
+
+def balanced(text: str) -> bool:
+    depth = 0
+    for c in text:
+        depth += 1 if c == "(" else -1
+        if depth < 0:
+            return False
+    return depth == 0 and text != ""
+
+
+def test_grammar_texts_are_balanced_through_reorders(vocab, tokenizer):
+    grammar = 'start: "(" inner ")"\ninner: start? start?'  # at most two children: texts stay short
+    chain = Chain([configure(Grammar, grammar=grammar)]).bind(vocab, [EOS])
+    texts = []
+    for seed in range(5):
+        index = torch.tensor([1, 1, 3, 0])  # two rows share one parser after this: each gets its own copy
+        texts += [tokenizer.decode(ids) for ids in run_chain(chain, 4, 200, 1024, seed=seed, reorder=(3, index))]
+    assert all(balanced(t) for t in texts), texts
+    assert any(t.count("(") > 1 for t in texts)  # nesting happened: this is not a finite pattern
+
+
+@pytest.mark.parametrize("cls, options, message", [
+    (Regex, {"pattern": "a(?=b)"}, "look-around"),
+    (Regex, {"pattern": "a(b"}, "unclosed group"),
+    (Regex, {"pattern": ""}, "non-empty string"),
+    (Regex, {"pattern": "a", "compile_timeout_s": 0}, "compile_timeout_s"),
+    (Choice, {"options": []}, "non-empty list"),
+    (Choice, {"options": ["a", ""]}, "non-empty strings"),
+    (JsonSchema, {"schema": "{not json"}, "not valid JSON"),
+    (JsonSchema, {"schema": {"type": "no such type"}}, "not a valid JSON schema"),
+    (Grammar, {"grammar": "start: undefined_rule"}, "not a valid Lark grammar"),
+    (Dfa, {"initial_state": 0, "transitions": [[0, 1]]}, "state, token_id, next_state"),
+    (Dfa, {"initial_state": -1, "transitions": [[0, 1, 1]]}, "initial_state"),
+])
+def test_bad_constraints_are_refused_at_configure_time(cls, options, message):
+    with pytest.raises(P.InvalidOption, match=message):
+        configure(cls, **options)
+
+
+def test_what_only_binding_can_tell_is_refused_when_bound(vocab):
+    with pytest.raises(P.InvalidOption, match="not deterministic: state 0 has two transitions on token 5"):
+        configure(Dfa, initial_state=0, transitions=[[0, 5, 1], [0, 5, 2]]).bind(vocab, [EOS])
+    with pytest.raises(P.InvalidOption, match="eos_token_ids is empty"):
+        configure(Regex, pattern="a").bind(vocab, [])
+    tiny = Vocabulary((b"a", b"b", None))
+    with pytest.raises(P.InvalidOption, match="cannot write any text"):
+        configure(Regex, pattern="c+").bind(tiny, [2])
+    with pytest.raises(P.ProcessorError, match="not bound to a vocabulary"):
+        Chain([configure(Regex, pattern="a")]).init(Context(torch.zeros(1, 2, dtype=torch.long), 1, 1, 1024))
+
+
+def test_a_pathological_pattern_is_stopped_by_its_timeout(vocab):
+    """(a|b)*a(a|b){k} needs 2^k states: compiling is killed at compile_timeout_s, not waited for."""
+    config = configure(Regex, pattern="(a|b)*a(a|b){40}", compile_timeout_s=0.5)
+    started = time.perf_counter()
+    with pytest.raises(P.InvalidOption, match="longer than compile_timeout_s = 0.5 s|more than .* MiB"):
+        config.bind(vocab, [EOS])
+    assert time.perf_counter() - started < 30
+
+
+def test_compiled_constraints_are_shared_per_vocabulary(vocab, tokenizer):
+    first = configure(Regex, pattern="[0-9]{4}").bind(vocab, [EOS])
+    again = configure(Regex, pattern="[0-9]{4}").bind(Vocabulary.from_tokenizer(tokenizer, 1024), [EOS])
+    assert again.automaton is first.automaton
+    other = configure(Regex, pattern="[0-9]{4}").bind(Vocabulary.from_tokenizer(tokenizer, 1030), [EOS])
+    assert other.automaton is not first.automaton
+
+
+class SharedCounter(P.LogitsProcessor):
+    """Bumblebee PR #425's example shape: one value for every row, kept as tensor([x])."""
+
+    name = "shared_counter"
+
+    def __init__(self, leading):
+        self.leading = leading
+
+    def init(self, context):
+        return {"count": torch.tensor([0]) if self.leading else torch.tensor(0)}
+
+    def process(self, state, logits, context):
+        return {"count": state["count"] + 1}, logits
+
+
+def test_state_shared_by_every_row_is_a_0_dim_tensor():
+    context = Context(torch.zeros(4, 3, dtype=torch.long), 1, 1, 10)
+    with pytest.raises(P.InvalidInput, match=r"processors\[0\] \(shared_counter\): state\['count'\] has shape \(1,\) "
+                                             r"but there are 4 rows.*0-dim tensor"):
+        Chain([SharedCounter(leading=True)]).init(context)
+    chain = Chain([SharedCounter(leading=False)])
+    states, _ = chain.process(chain.init(context), torch.zeros(4, 10), context)
+    moved = chain.reorder(states, torch.tensor([3, 3, 0, 1]))
+    assert moved[0]["count"].item() == 1
+    # with one row, tensor([x]) is a per-row state and stays accepted
+    Chain([SharedCounter(leading=True)]).init(Context(torch.zeros(1, 3, dtype=torch.long), 1, 1, 10))

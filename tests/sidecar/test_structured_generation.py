@@ -1,0 +1,172 @@
+"""Constrained generation through the engine, from the tiny random default model, which never "wants" to
+comply: every text must fullmatch its pattern (Python's `re`) or validate against its schema (`jsonschema`),
+whatever the strategy, the number of rows, or whether it is streamed."""
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from processors import Choice, Grammar, JsonSchema, Regex, configure
+from sidecar.errors import InvalidProcessor
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                      "zip": {"type": "string", "pattern": "[0-9]{5}"}},
+                    "required": ["city", "zip"]},
+    },
+    "required": ["name", "role", "address"],
+}
+PHONE = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
+EMAIL = r"[a-z]{1,10}@[a-z]{2,8}\.(com|org|net)"
+BYTE = r"(0|[1-9][0-9]?|1[0-9]{2}|2[0-4][0-9]|25[0-5])"  # an integer in [0, 255]
+OPTIONS = ["no", "none", "nonetheless", "yes", "yes indeed"]
+NESTED = 'start: "(" inner ")"\ninner: start? start?'
+
+
+def balanced(text, finished=True):
+    """Balanced parentheses; a text cut by max_new_tokens must be a prefix of one (never closes too much)."""
+    depth = 0
+    for c in text:
+        depth += {"(": 1, ")": -1}[c]
+        if depth < 0:
+            return False
+    return depth == 0 and bool(text) if finished else text.startswith("(")
+
+
+def in_range(text):
+    return re.fullmatch(BYTE, text) is not None and 0 <= int(text) <= 255
+
+
+def valid_json(text):
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+CONSTRAINTS = {  # name: (config, check, max_new_tokens)
+    "phone": (configure(Regex, pattern=PHONE), lambda t: re.fullmatch(PHONE, t) is not None, 24),
+    "email": (configure(Regex, pattern=EMAIL), lambda t: re.fullmatch(EMAIL, t) is not None, 40),
+    "choice": (configure(Choice, options=OPTIONS), lambda t: t in OPTIONS, 16),
+    "integer range": (configure(Regex, pattern=BYTE), in_range, 8),
+    "json": (configure(JsonSchema, schema=SCHEMA), valid_json, 400),
+    "grammar": (configure(Grammar, grammar=NESTED), balanced, 200),
+}
+
+
+@pytest.mark.parametrize("name", ["phone", "email", "choice", "integer range", "json"])
+def test_200_seeded_samples_all_comply(name, engine):
+    config, check, budget = CONSTRAINTS[name]
+    texts = []
+    with engine.session() as session:
+        for seed in range(25):
+            result = session.generate("The answer:", max_new_tokens=budget, strategy="sample", seed=seed,
+                                      num_samples=8, processors=[config])
+            assert {s.finish_reason for s in result.sequences} == {"eos"}
+            texts += [s.text for s in result.sequences]
+    assert len(texts) == 200
+    bad = [t for t in texts if not check(t)]
+    assert not bad, bad[:5]
+    assert len(set(texts)) > 1  # seeded sampling explores, it is not stuck on one text
+
+
+def test_seeded_constrained_sampling_is_reproducible(engine):
+    config = CONSTRAINTS["json"][0]
+    with engine.session() as a, engine.session() as b:
+        first = a.generate("x", max_new_tokens=400, strategy="sample", seed=11, num_samples=3, processors=[config])
+        again = b.generate("x", max_new_tokens=400, strategy="sample", seed=11, num_samples=3, processors=[config])
+    assert [s.token_ids for s in first.sequences] == [s.token_ids for s in again.sequences]
+
+
+def run(engine, session, name, strategy, rows, streamed):
+    """One generate of the matrix; returns its texts and, when streamed, the streamed texts per sequence."""
+    config, _, budget = (None, None, 12) if name == "free text" else CONSTRAINTS[name]
+    options = {"max_new_tokens": budget, "strategy": strategy, "processors": [config] if config else []}
+    if strategy == "sample":
+        options.update(seed=5, num_samples=rows)
+    elif strategy == "beam":
+        options.update(num_beams=max(rows, 2), num_return_sequences=rows)
+    if not streamed:
+        return session.generate("Once", **options), None
+    generation = session.stream("Once", **options)
+    pieces = {}
+    for event in generation:
+        pieces[event.sequence] = pieces.get(event.sequence, "") + event.text
+    return generation.result, pieces
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("strategy", ["greedy", "sample", "beam"])
+@pytest.mark.parametrize("rows", [1, 3], ids=["one row", "three rows"])
+@pytest.mark.parametrize("name", ["phone", "choice", "json", "grammar", "free text"])
+def test_matrix(name, rows, strategy, streamed, engine):
+    """{regex, choice, json, grammar, free text} x {one row, several} x {greedy, sampling, beam} x {streamed, not}.
+    Several greedy rows are three sessions generating together, each equal to its solo run."""
+    check = (lambda t: True) if name == "free text" else CONSTRAINTS[name][1]
+    sessions = [engine.session() for _ in range(3 if strategy == "greedy" and rows > 1 else 1)]
+    try:
+        if len(sessions) > 1:
+            config, _, budget = CONSTRAINTS.get(name, (None, None, 12))
+            prompts = ["Once", "Once upon a time there", "A"]
+            generations = [s.stream(p, max_new_tokens=budget, processors=[config] if config else [])
+                           for s, p in zip(sessions, prompts)]
+            while not all(g.done for g in generations):
+                for g in generations:
+                    next(g, None)
+            results = [g.result for g in generations]
+            with engine.session() as solo:
+                for prompt, result in zip(prompts, results):
+                    alone = solo.generate(prompt, max_new_tokens=budget, processors=[config] if config else [])
+                    assert alone.token_ids == result.token_ids
+            texts = [(r.text, r.finish_reason) for r in results]
+        else:
+            result, pieces = run(engine, sessions[0], name, strategy, rows, streamed)
+            texts = [(s.text, s.finish_reason) for s in result.sequences]
+            assert len(texts) == rows
+            if pieces is not None and strategy != "beam":  # beam search streams nothing, its result has it all
+                assert [pieces.get(i, "") for i in range(rows)] == [t for t, _ in texts]
+        if name == "grammar":  # a random model may nest for ever: a text cut short must be a valid beginning
+            assert all(balanced(t, finish == "eos") for t, finish in texts), texts
+        elif name != "free text":
+            assert all(finish == "eos" and check(t) for t, finish in texts), texts
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_a_choice_continues_free_text_reusing_its_cache(engine):
+    """outlines #667 / #781: free text, then a Choice that continues it, in one session."""
+    with engine.session() as session:
+        first = session.generate("Is it raining?", max_new_tokens=10)
+        prompt = "Is it raining?" + first.text + " Answer:"
+        answer = session.generate(prompt, max_new_tokens=8, processors=[configure(Choice, options=["yes", "no"])])
+        assert answer.text in {"yes", "no"}
+        prompt_tokens = len(engine.tokenizer.encode("Is it raining?", add_special_tokens=True))
+        assert answer.stats.reused_tokens >= prompt_tokens + len(first.token_ids) - 2  # the whole first call, or nearly
+        assert answer.stats.prefill_tokens == answer.stats.prompt_tokens - answer.stats.reused_tokens
+
+
+def test_a_bad_constraint_changes_nothing(engine):
+    with engine.session() as session:
+        before = session.generate("Hello", max_new_tokens=4)
+        history = list(session.history)
+        for bad, message in [
+            (configure(Regex, pattern="(a|b)*a(a|b){40}", compile_timeout_s=0.3), "compile_timeout_s|MiB"),
+            (configure(Regex, pattern="\U0001F600+", compile_timeout_s=5), None),
+        ]:
+            if message is None:  # byte-level BPE writes any text: this one compiles and runs
+                assert session.generate("Hello", max_new_tokens=8, processors=[bad]).text.startswith("\U0001F600")
+                history = list(session.history)
+                continue
+            with pytest.raises(InvalidProcessor, match=message):
+                session.generate("Hello", max_new_tokens=4, processors=[bad])
+            assert session.history == history
+        assert session.generate("Hello", max_new_tokens=4).token_ids == before.token_ids
