@@ -10,7 +10,7 @@ are built once per (constraint, vocabulary) and shared by every generation using
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -32,6 +32,18 @@ class TokenAutomaton:
     mask_of: torch.Tensor  # int64 [S + 1]: the row of `forbidden` for each state, the dead state last
     forbidden: torch.Tensor  # bool [M, vocab_size]: the distinct masks, text tokens only
     ends: torch.Tensor  # bool [S + 1]
+    copies: dict = field(default_factory=dict, compare=False, repr=False)  # device -> this automaton there
+
+    def to(self, device) -> "TokenAutomaton":
+        """This automaton on `device`, copied once per device and shared like the original."""
+        device = torch.device(device)
+        if self.keys.device == device:
+            return self
+        if device not in self.copies:
+            self.copies[device] = replace(self, keys=self.keys.to(device), targets=self.targets.to(device),
+                                          mask_of=self.mask_of.to(device), forbidden=self.forbidden.to(device),
+                                          ends=self.ends.to(device), copies={})
+        return self.copies[device]
 
     @property
     def dead(self) -> int:

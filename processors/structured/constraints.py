@@ -130,7 +130,7 @@ class Constraint(LogitsProcessor):
                                 f"(eos_token_ids is empty)")
         automaton = self.automaton(vocabulary)
         masks = automaton.with_end_tokens(torch.tensor(eos, dtype=torch.long)).to(device)
-        return AutomatonProcessor(self, automaton, masks, torch.tensor(eos, dtype=torch.long, device=device))
+        return AutomatonProcessor(self, automaton.to(device), masks, torch.tensor(eos, dtype=torch.long, device=device))
 
     def init(self, context: Context):
         raise ProcessorError(f"{self.name} is not bound to a vocabulary: call chain.bind(Vocabulary.from_tokenizer("

@@ -60,6 +60,7 @@ MAX_FRAME = 200_000  # every fuzz frame stays under this
 OUTSTANDING = 48  # replies the sender lets the server owe before it waits
 NULL_CODES = {"invalid_msgpack", "invalid_message", "invalid_id", "frame_too_large"}
 CATALOGUE = processors.catalogue()
+CONSTRAINTS = {"regex", "choice", "json_schema", "grammar", "dfa"}
 ID_BASE = 2**40  # the sender's own ids; hostile ids that happen to be valid are far below
 
 
@@ -161,6 +162,10 @@ def from_schema(schema: dict, rng: random.Random, edge: float = 0.1):
             return [from_schema(s, rng, edge) for s in prefix]
         low = schema.get("minItems", 0)
         return [from_schema(schema.get("items", {"type": "integer"}), rng, edge) for _ in range(low + rng.randrange(3))]
+    if kind == "string":  # a regex, a grammar, a schema as text: mostly invalid ones, all small
+        return random_text(rng, rng.randrange(1, 12))
+    if kind == "object":  # a JSON schema: the empty one accepts any JSON value
+        return rng.choice([{}, {"type": rng.choice(["integer", "string", "boolean", "nope"])}])
     return hostile(rng)  # an untyped schema accepts anything
 
 
@@ -524,6 +529,7 @@ class Fuzz:
         kind = self.rng.choice(["impossible", "impossible", "overflow", "maybe"])
         chain = self.rng.choice({"impossible": IMPOSSIBLE, "overflow": OVERFLOW, "maybe": MAYBE_IMPOSSIBLE}[kind])
         first = [] if kind == "overflow" else [processor_spec(self.rng, 0.0) for _ in range(self.rng.randrange(3))]
+        first = [p for p in first if p["name"] not in CONSTRAINTS]  # they need an end token, and probes have none
         tokens = self.tokens()[:20]
         before = self.canary(tokens, send=False)
         probe = {"id": self.new_id(), "op": "generate", "session": KEEP,

@@ -250,3 +250,27 @@ def test_beams_and_samples_through_the_server_equal_the_python_api(peer, engine)
     assert [q["token_ids"] for q in samples["result"]["sequences"]] == [q.token_ids for q in drawn.sequences]
     for index, sequence in enumerate(samples["result"]["sequences"]):
         assert "".join(e["text"] for e in events if e["sequence"] == index) == sequence["text"]
+
+
+def test_constraints_by_name_through_the_server(peer):
+    """Clients cannot send a tokenizer: they name the constraint, and the server binds it to its model."""
+    import json
+    import re
+
+    peer.call("open_session", session="c")
+    phone = peer.call("generate", session="c", prompt="Call", max_new_tokens=24,
+                      processors=[{"name": "regex", "options": {"pattern": r"[0-9]{3}-[0-9]{4}"}}])["result"]
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone["text"]) and phone["finish_reason"] == "eos"
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    rid = peer.next_id()
+    generate(peer, rid, session="c", prompt="JSON", max_new_tokens=40, strategy="sample", seed=2, num_samples=3,
+             stream=True, processors=[{"name": "json_schema", "options": {"schema": schema}}])
+    events, reply = peer.reply_for(rid)
+    for index, sequence in enumerate(reply["result"]["sequences"]):
+        assert isinstance(json.loads(sequence["text"])["ok"], bool)
+        assert "".join(e["text"] for e in events if e["sequence"] == index) == sequence["text"]
+    bad = peer.call("generate", session="c", prompt="x", processors=[{"name": "regex", "options": {"pattern": "(?<=a)b"}}])
+    assert bad["error"]["code"] == "invalid_processor" and bad["error"]["index"] == 0
+    assert "look-around" in bad["error"]["message"]
+    names = set(peer.call("hello")["result"]["capabilities"]["processors"])
+    assert {"regex", "choice", "json_schema", "grammar", "dfa"} <= names
