@@ -38,7 +38,7 @@ class Chain:
 
     def bind(self, vocabulary, eos_token_ids, device="cpu") -> "Chain":
         """The chain ready for one model: constraints are compiled against `vocabulary` (see `LogitsProcessor.bind`)."""
-        return Chain(p.bind(vocabulary, eos_token_ids, device) for p in self.processors)
+        return Chain(p.bind(vocabulary, eos_token_ids, device, after_others=i > 0) for i, p in enumerate(self.processors))
 
     def init(self, context: Context) -> tuple:
         check_context(context)

@@ -68,8 +68,12 @@ class LogitsProcessor:
         """The largest token id this config names (-1 for none), checked against the vocabulary."""
         return -1
 
-    def bind(self, vocabulary, eos_token_ids, device="cpu") -> "LogitsProcessor":
-        """This processor ready for one model: constraints compile against its vocabulary; others are unchanged."""
+    def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True) -> "LogitsProcessor":
+        """This processor ready for one model: constraints compile against its vocabulary; others are unchanged.
+
+        `after_others` says whether other processors run before this one: only then can a constraint find
+        every token it allows already removed, and need to check for it at each step.
+        """
         return self
 
     def init(self, context: Context) -> State:

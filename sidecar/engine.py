@@ -196,7 +196,7 @@ class Engine:
         bound = []
         for index, processor in enumerate(chain.processors):
             try:
-                bound.append(processor.bind(self.vocabulary, eos, self.model.device))
+                bound.append(processor.bind(self.vocabulary, eos, self.model.device, after_others=index > 0))
             except proc.ProcessorError as error:
                 raise InvalidProcessor(f"processors[{index}] ({processor.name}): {error}", index=index) from error
         return proc.Chain(bound)

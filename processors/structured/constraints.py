@@ -123,14 +123,15 @@ class Constraint(LogitsProcessor):
     def automaton(self, vocabulary: Vocabulary) -> TokenAutomaton:
         raise NotImplementedError
 
-    def bind(self, vocabulary: Vocabulary, eos_token_ids, device="cpu") -> LogitsProcessor:
+    def bind(self, vocabulary: Vocabulary, eos_token_ids, device="cpu", after_others=True) -> LogitsProcessor:
         eos = sorted(set(eos_token_ids))
         if not eos:
             raise InvalidOption(f"{self.name} needs an end-of-sequence token to end its text, and none is set "
                                 f"(eos_token_ids is empty)")
         automaton = self.automaton(vocabulary)
         masks = automaton.with_end_tokens(torch.tensor(eos, dtype=torch.long)).to(device)
-        return AutomatonProcessor(self, automaton.to(device), masks, torch.tensor(eos, dtype=torch.long, device=device))
+        return AutomatonProcessor(self, automaton.to(device), masks, torch.tensor(eos, dtype=torch.long, device=device),
+                                  after_others)
 
     def init(self, context: Context):
         raise ProcessorError(f"{self.name} is not bound to a vocabulary: call chain.bind(Vocabulary.from_tokenizer("
@@ -231,6 +232,7 @@ class AutomatonProcessor(LogitsProcessor):
     automaton: TokenAutomaton = option("its compiled tables")
     masks: BoundMasks = option("its masks, end-of-sequence tokens included")
     eos_token_ids: torch.Tensor = option("the end-of-sequence tokens")
+    after_others: bool = option("other processors run before it (they may remove every token it allows)")
 
     def init(self, context):
         return torch.full((context.sequence.shape[0],), self.automaton.initial, dtype=torch.long,
@@ -239,10 +241,11 @@ class AutomatonProcessor(LogitsProcessor):
     def process(self, state, logits, context):
         if context.length > context.input_length:
             state = self.automaton.advance(state, context.sequence[:, context.length - 1])
-        logits = logits.masked_fill(self.masks.forbidden[self.masks.mask_of[state]], NEG_INF)
-        stuck = logits.amax(dim=1) == NEG_INF  # an earlier processor removed every token this state allows
-        if bool(stuck.any()):
-            logits[stuck.nonzero()[:, :1], self.eos_token_ids] = 0.0
+        logits = logits + self.masks.rows(state).to(logits.dtype)
+        if self.after_others:
+            stuck = logits.amax(dim=1) == NEG_INF  # an earlier processor removed every token this state allows
+            if bool(stuck.any()):
+                logits[stuck.nonzero()[:, :1], self.eos_token_ids] = 0.0
         return state, logits
 
 

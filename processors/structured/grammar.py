@@ -35,7 +35,7 @@ class Grammar(Constraint):
         if not ok:
             raise InvalidOption(f"option 'grammar' is not a valid Lark grammar: {problem}")
 
-    def bind(self, vocabulary, eos_token_ids, device="cpu"):
+    def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True):
         eos = sorted(set(eos_token_ids))
         if not eos:
             raise InvalidOption("grammar needs an end-of-sequence token to end its text, and none is set "

@@ -67,8 +67,7 @@ def test_token_bytes_spell_exactly_what_the_tokenizer_encoded(kind, tokenizer):
 
 
 def allowed(bound: AutomatonProcessor, states: torch.Tensor) -> list[set[int]]:
-    forbidden = bound.masks.forbidden[bound.masks.mask_of[states]]
-    return [set((~row).nonzero().flatten().tolist()) for row in forbidden]
+    return [set(row.nonzero().flatten().tolist()) for row in bound.masks.allowed(states)]
 
 
 def whole_characters(vocab: Vocabulary) -> dict[int, str]:
