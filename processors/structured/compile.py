@@ -27,7 +27,7 @@ from collections import OrderedDict
 import numpy as np
 
 from ..errors import InvalidOption
-from .automaton import TokenAutomaton
+from .automaton import TokenAutomaton, renumber
 from .vocabulary import Vocabulary
 
 COMPILE_MEMORY_BYTES = 2 * 2**30  # what the compiling child may allocate beyond what it inherits
@@ -67,17 +67,20 @@ def compile_regex(pattern: str, vocabulary: Vocabulary, timeout_s: float) -> Tok
 
 def _reaching(accepting, sources: np.ndarray, targets: np.ndarray) -> set[int]:
     """The states from which an accepting state can be reached (on the graph of states, tokens merged)."""
-    edges = np.unique(np.stack([targets, sources], axis=1), axis=0)
+    labels, numbered = renumber(np.concatenate([sources, targets, np.asarray(accepting, dtype=np.int64)]))
+    n, count = len(sources), len(labels)
+    edges = np.unique(numbered[n : 2 * n] * count + numbered[:n])  # target * count + source, each pair once
     into: dict[int, list[int]] = {}
-    for target, source in edges.tolist():
-        into.setdefault(target, []).append(source)
-    live, frontier = set(accepting), list(accepting)
+    for target, source in zip(*np.divmod(edges, count)):
+        into.setdefault(int(target), []).append(int(source))
+    start = numbered[2 * n :].tolist()
+    live, frontier = set(start), list(start)
     while frontier:
         for source in into.get(frontier.pop(), ()):
             if source not in live:
                 live.add(source)
                 frontier.append(source)
-    return live
+    return set(labels[sorted(live)].tolist())
 
 
 def _in_child(pattern: str, vocabulary: Vocabulary, timeout_s: float):
