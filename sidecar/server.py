@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import processors as proc
+from processors.structured.constraints import RegularConstraint
 from protocol import (
     OPS, PROTOCOL_VERSION, Limits, OversizedFrame, ProtocolError, Request, error, event, ok, parse_request,
     peek_request_id, unpack,
@@ -45,6 +47,16 @@ class Job:
     size: int  # bytes of its frame: what it holds in memory is bounded through them (max_queued_bytes)
     generation: Generation | None = None
     streamed: bool = False
+    compiling: bool = False  # its constraints are being compiled on another thread
+    compiled: bool = False  # they are ready (or `problem` says why not)
+    problem: SidecarError | None = None
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """Put in the inbox by a compiling thread: the generation waiting at the head of `session` may start."""
+
+    session: str
 
 
 class Shutdown(Exception):
@@ -82,6 +94,7 @@ class Server:
     # ---- the loop --------------------------------------------------------------------------------
 
     def serve(self, inbox) -> int:
+        self.inbox = inbox
         try:
             while True:
                 if not self.active:
@@ -111,6 +124,9 @@ class Server:
                 raise Shutdown(0)
             if isinstance(item, OversizedFrame):
                 self.writer.send(oversized_frame_reply(item, self.limits.max_frame_bytes, self.in_flight))
+            elif isinstance(item, Compiled):
+                if item.session in self.queues:
+                    self._advance(item.session)
             else:
                 self.handle_payload(item)
 
@@ -163,6 +179,8 @@ class Server:
             job = jobs[0]
             try:
                 if job.request.op == "generate":
+                    if not job.compiled and self._compile_first(name, job):
+                        return  # the session waits for its constraints; the other sessions go on
                     self._start_generation(job)
                     return
                 reply = ok(job.request.id, getattr(self, f"op_{job.request.op}")(job.request.params, job.request.id))
@@ -175,7 +193,42 @@ class Server:
             self._retire(job, reply)
             jobs = self.queues.get(name)  # close_session removes the queue
 
+    def _compile_first(self, name: str, job: Job) -> bool:
+        """Starts compiling a generation's constraints that no earlier call compiled, on a thread, so that
+        the loop goes on ticking the other sessions meanwhile (a large vocabulary takes a second or more).
+        True while the job must wait."""
+        if job.compiling:
+            return True
+        _, session = self._session(name, job.request.id)
+        engine = session.engine
+        missing = [(index, p) for index, p in enumerate(build_processors(job.request.params["processors"], job.request.id))
+                   if isinstance(p, RegularConstraint) and not p.compiled_for(engine.vocabulary)]
+        if not missing:
+            job.compiled = True
+            return False
+        job.compiling = True
+        threading.Thread(target=self._compile, args=(name, job, engine, missing), daemon=True,
+                         name=f"compile-{job.request.id}").start()
+        return True
+
+    def _compile(self, name: str, job: Job, engine: Engine, missing) -> None:
+        """On the compiling thread: fills the shared cache, or records why a constraint cannot compile."""
+        try:
+            for index, constraint in missing:
+                try:
+                    constraint.automaton(engine.vocabulary)
+                except proc.ProcessorError as problem:
+                    job.problem = InvalidProcessor(f"processors[{index}] ({constraint.name}): {problem}", index=index)
+                    break
+        except Exception as bug:  # a defect of ours: the generation will meet it again when it starts
+            log.exception("compiling the constraints of request %s failed", job.request.id, exc_info=bug)
+        finally:
+            job.compiling, job.compiled = False, True
+            self.inbox.put(Compiled(name), 0, lambda: False)
+
     def _start_generation(self, job: Job) -> None:
+        if job.problem is not None:
+            raise job.problem
         p = job.request.params
         _, session = self._session(p["session"], job.request.id)
         if p["chat_template"] is not None and p["chat_template"] not in session.engine.chat_templates:

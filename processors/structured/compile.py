@@ -25,6 +25,7 @@ import threading
 from collections import OrderedDict
 
 import numpy as np
+from outlines_core import Index, Vocabulary as OutlinesVocabulary
 
 from ..errors import InvalidOption
 from .automaton import TokenAutomaton, renumber
@@ -63,6 +64,11 @@ def compile_regex(pattern: str, vocabulary: Vocabulary, timeout_s: float) -> Tok
         while sum(a.nbytes for a in _cache.values()) > CACHE_BYTES and len(_cache) > 1:
             _cache.popitem(last=False)
     return automaton
+
+
+def is_compiled(pattern: str, vocabulary: Vocabulary) -> bool:
+    with _cache_lock:
+        return (pattern, vocabulary.fingerprint) in _cache
 
 
 def _reaching(accepting, sources: np.ndarray, targets: np.ndarray) -> set[int]:
@@ -113,8 +119,6 @@ def _compile_child(pattern: str, vocabulary: Vocabulary, sender) -> None:
     text tokens' transitions, and the states where the sentinel may come (where the pattern may end)."""
     try:
         _cap_memory(COMPILE_MEMORY_BYTES)
-        from outlines_core import Index, Vocabulary as OutlinesVocabulary
-
         sentinel, end = vocabulary.size, vocabulary.size + 1  # ids no token has
         tokens_by_bytes = vocabulary.text_tokens()
         tokens_by_bytes.setdefault(SENTINEL.encode(), []).append(sentinel)

@@ -24,7 +24,7 @@ from .. import checks
 from ..contract import Context, LogitsProcessor, option
 from ..errors import InvalidOption, ProcessorError
 from .automaton import BoundMasks, TokenAutomaton
-from .compile import compile_regex
+from .compile import compile_regex, is_compiled
 from .vocabulary import Vocabulary
 
 MAX_PATTERN_CHARS = 100_000  # a regex, a schema's JSON or the options of a choice, in characters
@@ -66,13 +66,16 @@ def _schema(name, value) -> str:
             raise InvalidOption(f"option {name!r} is not valid JSON: {error}") from None
     if not isinstance(value, (dict, bool)):
         raise InvalidOption(f"option {name!r} must be a JSON schema (an object), got {checks._shown(value)}")
+    try:  # a map from msgpack may hold what JSON cannot (bytes, NaN, non-string keys)
+        text = json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise InvalidOption(f"option {name!r} is not JSON: {error}") from None
     import jsonschema
 
     try:
         jsonschema.validators.validator_for(value).check_schema(value)
     except jsonschema.SchemaError as error:
         raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message}") from None
-    text = json.dumps(value, sort_keys=True, ensure_ascii=False)
     return _pattern(name, text)
 
 
@@ -152,6 +155,10 @@ class RegularConstraint(Constraint):
 
     def automaton(self, vocabulary):
         return compile_regex(self.regex(), vocabulary, self.compile_timeout_s)
+
+    def compiled_for(self, vocabulary) -> bool:
+        """Whether binding to `vocabulary` takes no compiling (an earlier call compiled the same pattern)."""
+        return is_compiled(self.regex(), vocabulary)
 
 
 @dataclass(frozen=True)

@@ -274,3 +274,19 @@ def test_constraints_by_name_through_the_server(peer):
     assert "look-around" in bad["error"]["message"]
     names = set(peer.call("hello")["result"]["capabilities"]["processors"])
     assert {"regex", "choice", "json_schema", "grammar", "dfa"} <= names
+
+
+def test_a_slow_compile_holds_up_only_its_own_session(peer):
+    """Constraints compile on another thread: other sessions stream meanwhile, and the compiling session's
+    later requests wait their turn behind it."""
+    for name in ("slow", "other"):
+        peer.call("open_session", session=name)
+    slow, behind, other = peer.next_id(), peer.next_id(), peer.next_id()
+    generate(peer, slow, session="slow", prompt="a", max_new_tokens=4,
+             processors=[{"name": "regex", "options": {"pattern": "(a|b)*a(a|b){40}", "compile_timeout_s": 3}}])
+    generate(peer, behind, session="slow", prompt="a", max_new_tokens=2)
+    generate(peer, other, session="other", prompt="a", max_new_tokens=8, stream=True)
+    replies = {rid: peer.reply_for(rid)[1] for rid in (slow, behind, other)}
+    assert [rid for rid in peer.replied if rid in replies] == [other, slow, behind]
+    assert replies[slow]["error"]["code"] == "invalid_processor" and "compile_timeout_s" in replies[slow]["error"]["message"]
+    assert replies[behind]["ok"] and replies[other]["ok"]
