@@ -33,6 +33,91 @@ defmodule Sidecar.ProcessorsTest do
              %{"name" => "sequence_bias", "options" => %{"sequence_bias" => [[[1, 2], -1.5]]}}
   end
 
+  describe "constraints" do
+    test "configure takes their options, with the sidecar's defaults" do
+      assert %Processors.Regex{pattern: "[0-9]+", compile_timeout_s: 10.0} =
+               Sidecar.configure(Processors.Regex, pattern: "[0-9]+")
+
+      assert %Processors.DFA{accepting_states: []} =
+               Sidecar.configure(Processors.DFA, initial_state: 0, transitions: [{0, 5, 1}])
+
+      assert_raise ArgumentError, ~r/requires option\(s\) :options/, fn ->
+        Sidecar.configure(Processors.Choice)
+      end
+
+      assert_raise ArgumentError, ~r/requires option\(s\) :grammar/, fn ->
+        Sidecar.configure(Processors.Grammar)
+      end
+    end
+
+    test "wire form: DFA transitions go as lists, given as tuples or lists" do
+      dfa =
+        Sidecar.configure(Processors.DFA,
+          initial_state: 0,
+          transitions: [{0, 5, 1}, [1, 6, 0]],
+          accepting_states: [0]
+        )
+
+      assert Processors.to_wire(dfa) == %{
+               "name" => "dfa",
+               "options" => %{
+                 "initial_state" => 0,
+                 "transitions" => [[0, 5, 1], [1, 6, 0]],
+                 "accepting_states" => [0]
+               }
+             }
+
+      assert {:ok, _} = Sidecar.Msgpack.encode(Processors.to_wire(dfa))
+    end
+
+    test "wire form: a JSON schema map gets string keys at every level; JSON text goes as it is" do
+      schema = %{:type => :object, "properties" => %{ok: %{type: :boolean}}, :required => [:ok]}
+      wire = Processors.to_wire(Sidecar.configure(Processors.JSONSchema, schema: schema))
+
+      expected = %{"type" => :object, "properties" => %{"ok" => %{"type" => :boolean}}, "required" => [:ok]}
+
+      assert wire == %{
+               "name" => "json_schema",
+               "options" => %{"schema" => expected, "compile_timeout_s" => 10.0}
+             }
+
+      # atoms travel as str, so the bytes are those of the all-string schema
+      all_strings = %{
+        "type" => "object",
+        "properties" => %{"ok" => %{"type" => "boolean"}},
+        "required" => ["ok"]
+      }
+
+      assert encoded(wire["options"]["schema"]) == encoded(all_strings)
+
+      text = ~s({"type": "string"})
+
+      assert Processors.to_wire(Sidecar.configure(Processors.JSONSchema, schema: text))["options"]["schema"] ==
+               text
+
+      assert_raise ArgumentError, ~r/gives the key "type" twice/, fn ->
+        Processors.to_wire(
+          Sidecar.configure(Processors.JSONSchema, schema: %{:type => :object, "type" => "string"})
+        )
+      end
+    end
+
+    test "wire form: regex, choice and grammar options go as given" do
+      assert Processors.to_wire(
+               Sidecar.configure(Processors.Choice, options: ["yes", "no"], compile_timeout_s: 2)
+             ) ==
+               %{"name" => "choice", "options" => %{"options" => ["yes", "no"], "compile_timeout_s" => 2}}
+
+      assert Processors.to_wire(Sidecar.configure(Processors.Grammar, grammar: ~S|start: "(" start* ")"|)) ==
+               %{"name" => "grammar", "options" => %{"grammar" => ~S|start: "(" start* ")"|}}
+    end
+  end
+
+  defp encoded(term) do
+    {:ok, iodata} = Sidecar.Msgpack.encode(term)
+    IO.iodata_to_binary(iodata)
+  end
+
   test "Bumblebee generation options become processors in Bumblebee's order" do
     params =
       Sidecar.Generation.params(

@@ -8,6 +8,45 @@ defmodule Sidecar.Processors do
   Options without a default are required. An unknown option raises `ArgumentError`, as
   `Bumblebee.configure/2` does. Values are range-checked by the sidecar, which is the single authority
   on their meaning; a bad value comes back as `{:error, %Sidecar.Error{reason: :invalid_processor}}`.
+
+  ## Constrained generation
+
+  Five processors constrain the generated text (never the prompt) to a language; the end-of-sequence
+  token is allowed exactly where the text may end, so a generation that ends by EOS ends with a whole
+  match (one that runs out of `:max_new_tokens` ends with a prefix of one):
+
+    * `Regex` - `pattern:` the whole text matches it, in Rust's regex syntax (no look-around, no
+      back-references)
+    * `Choice` - `options:` a non-empty list of non-empty strings; the text is exactly one of them
+    * `JSONSchema` - `schema:` a map (atom or string keys) or JSON text; the text is JSON valid
+      against it, in outlines-core's subset of JSON Schema (`minimum`/`maximum` are not enforced)
+    * `Grammar` - `grammar:` a context-free grammar in Lark syntax, as llguidance reads it; the
+      text is one `start`
+    * `DFA` - your own automaton over token ids, as Bumblebee's stateful processors take one:
+      `initial_state:`, `transitions:` as `{state, token_id, next_state}` tuples (or 3-element lists),
+      `accepting_states:` (default `[]`). A token with no transition from the current state is
+      forbidden; EOS is allowed in accepting states and in states with no transitions
+
+  `Regex`, `Choice` and `JSONSchema` take `compile_timeout_s:` (default `10.0`, at most `300`), the
+  longest the sidecar may spend compiling them against the model's vocabulary; they are compiled
+  once per model and cached, so a constraint used again on the same model starts at once.
+
+  Processors apply in order, and `:processors` come after the strategy's `:top_k` and `:top_p`
+  (Bumblebee's order). A top-k or top-p cut before a constraint may keep none of the tokens it
+  allows, which ends the text there, unmatched. With a constraint, sample with `TopK`/`TopP` structs
+  placed after it instead: `processors: [json, Sidecar.configure(Sidecar.Processors.TopK, k: 50)]`.
+  A constraint needs an end-of-sequence token to end its text: with `eos_token_id: []` it is refused.
+
+      json = Sidecar.configure(Sidecar.Processors.JSONSchema,
+        schema: %{type: :object, properties: %{ok: %{type: :boolean}}, required: [:ok]})
+      {:ok, %{text: text}} = Sidecar.generate(conn, session, "Answer in JSON:", processors: [json])
+
+  A pattern, schema or grammar the sidecar cannot use, a `DFA` with two transitions on one token
+  from one state, a vocabulary that cannot write any match, or a compile past its timeout is
+  `{:error, %Sidecar.Error{reason: :invalid_processor}}`, its message naming the problem and its
+  `details["index"]` the processor's position. Write `Sidecar.Processors.Regex` in full, or alias it
+  under another name (`alias Sidecar.Processors.Regex, as: RegexConstraint`): a plain alias hides
+  Elixir's `Regex`.
   """
 
   # {module, protocol name, [{option, default}]}; :required marks options without a default.
@@ -28,7 +67,12 @@ defmodule Sidecar.Processors do
     {ForcedBOS, "forced_bos", [token_id: :required]},
     {ForcedEOS, "forced_eos", [max_length: :required, eos_token_ids: :required]},
     {SequenceBias, "sequence_bias", [sequence_bias: :required]},
-    {NoBadWords, "no_bad_words", [bad_words_ids: :required, eos_token_ids: nil]}
+    {NoBadWords, "no_bad_words", [bad_words_ids: :required, eos_token_ids: nil]},
+    {Regex, "regex", [pattern: :required, compile_timeout_s: 10.0]},
+    {Choice, "choice", [options: :required, compile_timeout_s: 10.0]},
+    {JSONSchema, "json_schema", [schema: :required, compile_timeout_s: 10.0]},
+    {Grammar, "grammar", [grammar: :required]},
+    {DFA, "dfa", [initial_state: :required, transitions: :required, accepting_states: []]}
   ]
 
   for {short, name, options} <- @declarations do
@@ -106,5 +150,28 @@ defmodule Sidecar.Processors do
         [ids, bias] -> [ids, bias]
       end)
 
+  defp wire_value(:transitions, transitions) when is_list(transitions),
+    do: Enum.map(transitions, fn t -> if is_tuple(t), do: Tuple.to_list(t), else: t end)
+
+  defp wire_value(:schema, schema) when is_map(schema), do: json_keys(schema)
+
   defp wire_value(_key, value), do: value
+
+  # A schema map's keys as strings: atom and string keys would otherwise both reach the sidecar, where
+  # the last of two equal keys silently wins.
+  defp json_keys(map) when is_map(map) and not is_struct(map) do
+    Enum.reduce(map, %{}, fn {key, value}, acc ->
+      name = if is_atom(key) and key not in [nil, true, false], do: Atom.to_string(key), else: key
+
+      if Map.has_key?(acc, name) do
+        raise ArgumentError,
+              "the JSON schema gives the key #{inspect(name)} twice, as an atom and as a string"
+      end
+
+      Map.put(acc, name, json_keys(value))
+    end)
+  end
+
+  defp json_keys(list) when is_list(list), do: Enum.map(list, &json_keys/1)
+  defp json_keys(value), do: value
 end
