@@ -37,8 +37,16 @@ class Chain:
         return f"Chain({list(self.processors)!r})"
 
     def bind(self, vocabulary, eos_token_ids, device="cpu") -> "Chain":
-        """The chain ready for one model: constraints are compiled against `vocabulary` (see `LogitsProcessor.bind`)."""
-        return Chain(p.bind(vocabulary, eos_token_ids, device, after_others=i > 0) for i, p in enumerate(self.processors))
+        """The chain ready for one model: constraints compiled against `vocabulary` (see `LogitsProcessor.bind`)
+        and moved to the front, the others keeping their order.
+
+        A constraint is a hard rule on the text; every other processor then chooses among the tokens it
+        allows. The other way round, a `TopK(2)` before a regex would keep two tokens the regex forbids
+        and leave it nothing. transformers runs its logits processors before its sampling warpers, and
+        vLLM applies its grammar bitmask before sampling, for the same reason.
+        """
+        ordered = constraints_first(self.processors)
+        return Chain(p.bind(vocabulary, eos_token_ids, device, after_others=i > 0) for i, (_, p) in enumerate(ordered))
 
     def init(self, context: Context) -> tuple:
         check_context(context)
@@ -60,6 +68,11 @@ class Chain:
     def reorder(self, states: tuple, index: torch.Tensor) -> tuple:
         """Selects or reorders batch rows of every state (beam search, dropping finished rows)."""
         return tuple(p.reorder(s, index) for p, s in zip(self.processors, states))
+
+
+def constraints_first(processors) -> list[tuple[int, LogitsProcessor]]:
+    """(index given, processor) pairs: the constraints first, then the others, each in their given order."""
+    return sorted(enumerate(processors), key=lambda pair: not pair[1].constrains)
 
 
 def check_state(state, rows: int, owner: str, path: str = "state") -> None:

@@ -53,6 +53,7 @@ class LogitsProcessor:
     """Base of every processor config. Subclasses are frozen dataclasses built with `option` fields."""
 
     name: ClassVar[str]
+    constrains: ClassVar[bool] = False  # a hard rule on the text: bound chains run these first
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

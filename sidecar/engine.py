@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 import processors as proc
+from processors.chain import constraints_first
 from processors.structured import Vocabulary
 
 from . import attention, chat, models
@@ -192,11 +193,12 @@ class Engine:
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows)
 
     def _bind(self, chain: proc.Chain, eos: frozenset[int]) -> proc.Chain:
-        """The chain compiled for this model: constraints against its vocabulary (cached per constraint)."""
+        """The chain compiled for this model (`Chain.bind`, with errors naming the processor as given):
+        constraints compiled against its vocabulary (cached per constraint) and run first."""
         bound = []
-        for index, processor in enumerate(chain.processors):
+        for position, (index, processor) in enumerate(constraints_first(chain.processors)):
             try:
-                bound.append(processor.bind(self.vocabulary, eos, self.model.device, after_others=index > 0))
+                bound.append(processor.bind(self.vocabulary, eos, self.model.device, after_others=position > 0))
             except proc.ProcessorError as error:
                 raise InvalidProcessor(f"processors[{index}] ({processor.name}): {error}", index=index) from error
         return proc.Chain(bound)

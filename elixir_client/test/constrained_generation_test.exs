@@ -28,14 +28,25 @@ defmodule Sidecar.ConstrainedGenerationTest do
 
     assert Regex.match?(~r/\A(yes|no), [0-9]{1,3}\z/u, text)
 
-    # sampling's top-k after the constraint, so that it cuts among the tokens the pattern allows
+    # listed first, top-k still runs after the constraint: it cuts among the tokens the pattern allows
     top_k = Sidecar.configure(Processors.TopK, k: 2)
 
     for seed <- 1..3 do
       opts = [
-        processors: [regex, top_k],
+        processors: [top_k, regex],
         max_new_tokens: 16,
         strategy: %{type: :multinomial_sampling},
+        seed: seed
+      ]
+
+      assert {:ok, %{text: text, finish_reason: "eos"}} = Sidecar.generate(conn, session, "hi", opts)
+      assert Regex.match?(~r/\A(yes|no), [0-9]{1,3}\z/u, text), "seed #{seed}: #{inspect(text)}"
+
+      # the strategy's own top_k, which the client puts before :processors (Bumblebee's order)
+      opts = [
+        processors: [regex],
+        max_new_tokens: 16,
+        strategy: %{type: :multinomial_sampling, top_k: 2},
         seed: seed
       ]
 

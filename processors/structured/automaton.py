@@ -17,7 +17,7 @@ import torch
 
 from ..errors import InvalidOption
 
-MAX_MASK_BYTES = 256 * 2**20  # the distinct masks of one compiled constraint: states' masks x vocabulary
+MAX_MASK_BYTES = 256 * 2**20  # the distinct masks of one compiled constraint, as float32 bias rows x vocabulary
 MASK_CHUNK_STATES = 256  # states whose dense masks are built at once while finding the distinct ones
 
 
@@ -33,6 +33,7 @@ class TokenAutomaton:
     forbidden: torch.Tensor  # bool [M, vocab_size]: the distinct masks, text tokens only
     ends: torch.Tensor  # bool [S + 1]
     copies: dict = field(default_factory=dict, compare=False, repr=False)  # device -> this automaton there
+    bound: dict = field(default_factory=dict, compare=False, repr=False)  # (eos ids, device) -> its masks
 
     def to(self, device) -> "TokenAutomaton":
         """This automaton on `device`, copied once per device and shared like the original."""
@@ -42,7 +43,7 @@ class TokenAutomaton:
         if device not in self.copies:
             self.copies[device] = replace(self, keys=self.keys.to(device), targets=self.targets.to(device),
                                           mask_of=self.mask_of.to(device), forbidden=self.forbidden.to(device),
-                                          ends=self.ends.to(device), copies={})
+                                          ends=self.ends.to(device), copies={}, bound={})
         return self.copies[device]
 
     @property
@@ -51,7 +52,10 @@ class TokenAutomaton:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.targets, self.mask_of, self.forbidden, self.ends))
+        """Its tables and the masks bound from them (what the compile cache holds on to)."""
+        tensors = [self.keys, self.targets, self.mask_of, self.forbidden, self.ends]
+        tensors += [t for masks in self.bound.values() for t in (masks.mask_of, masks.bias)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The state after each row's token: one `searchsorted` for all rows; a token with no transition leads to the dead state."""
@@ -59,6 +63,13 @@ class TokenAutomaton:
         where = torch.searchsorted(self.keys, wanted)  # the keys end with a sentinel larger than any key
         found = self.keys.index_select(0, where) == wanted
         return torch.where(found, self.targets.index_select(0, where), self.targets[-1])
+
+    def masks(self, eos_token_ids: tuple[int, ...], device) -> "BoundMasks":
+        """`with_end_tokens` on `device`, built once per set of end tokens and device, and shared."""
+        key = (eos_token_ids, torch.device(device))
+        if key not in self.bound:
+            self.bound[key] = self.with_end_tokens(torch.tensor(eos_token_ids, dtype=torch.long)).to(device)
+        return self.bound[key]
 
     def with_end_tokens(self, eos_token_ids: torch.Tensor) -> "BoundMasks":
         """The masks with the end-of-sequence tokens allowed exactly where a state may end."""
@@ -165,7 +176,7 @@ def _distinct_masks(sources: np.ndarray, tokens: np.ndarray, count: int, vocab_s
             if index is None:
                 index = seen[digest] = len(rows)
                 rows.append(row)
-                if len(rows) * vocab_size > MAX_MASK_BYTES:
+                if len(rows) * vocab_size * 4 > MAX_MASK_BYTES:
                     raise InvalidOption(f"the constraint is too large: its token masks exceed {MAX_MASK_BYTES >> 20} MiB "
                                         f"(limit max_mask_bytes)")
             mask_of[first + offset] = index

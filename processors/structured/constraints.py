@@ -123,6 +123,8 @@ _states.schema = {"type": "array", "items": STATE_ID}
 class Constraint(LogitsProcessor):
     """A processor that needs the model's vocabulary: configured by the user, compiled by `bind`."""
 
+    constrains = True
+
     def automaton(self, vocabulary: Vocabulary) -> TokenAutomaton:
         raise NotImplementedError
 
@@ -132,7 +134,7 @@ class Constraint(LogitsProcessor):
             raise InvalidOption(f"{self.name} needs an end-of-sequence token to end its text, and none is set "
                                 f"(eos_token_ids is empty)")
         automaton = self.automaton(vocabulary)
-        masks = automaton.with_end_tokens(torch.tensor(eos, dtype=torch.long)).to(device)
+        masks = automaton.masks(tuple(eos), device)
         return AutomatonProcessor(self, automaton.to(device), masks, torch.tensor(eos, dtype=torch.long, device=device),
                                   after_others)
 

@@ -207,10 +207,20 @@ def test_dfa_masks_equal_a_plain_walk_of_its_transitions(vocab):
                 state = bound.automaton.advance(state, torch.tensor([token]))
 
 
+def test_constraints_run_first_so_sampling_chooses_among_what_they_allow(vocab, tokenizer):
+    """TopK(2) given before a regex would keep two tokens the regex forbids: binding puts the regex first."""
+    chain = Chain([configure(P.TopK, k=2), configure(Regex, pattern=r"[0-9]{3}")]).bind(vocab, [EOS])
+    assert [p.name for p in chain.processors] == ["automaton", "top_k"]
+    for ids in run_chain(chain, 8, 10, 1024, seed=4):
+        assert regex.fullmatch(r"[0-9]{3}", tokenizer.decode(ids))
+
+
 def test_a_state_with_no_move_left_gets_eos_only(vocab):
-    """An earlier processor removed every token the constraint allows: the row ends, it is never all -inf."""
+    """A second constraint that allows none of what the first allows: the row ends, it is never all -inf."""
     digits = [i for i, b in enumerate(vocab.token_bytes) if b and b.isdigit()]
-    chain = Chain([configure(P.SuppressTokens, token_ids=digits), configure(Regex, pattern=r"[0-9]+")]).bind(vocab, [EOS])
+    letters = [(0, i, 0) for i, b in enumerate(vocab.token_bytes) if b and b.isalpha()]
+    chain = Chain([configure(Regex, pattern=r"[0-9]+"), configure(Dfa, initial_state=0, transitions=letters)]).bind(vocab, [EOS])
+    assert digits
     sequence = torch.zeros(2, 4, dtype=torch.long)
     context = Context(sequence, 1, 1, 1024)
     _, logits = chain.process(chain.init(context), torch.randn(2, 1024), context)

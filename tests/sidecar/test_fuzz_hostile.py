@@ -560,6 +560,8 @@ class Fuzz:
             target = self.rng.choice([0, 2**64 - 1, self.last_id + 1])
         rid = self.new_id()
         self.cancels.append((rid, target))
+        if target in self.expect:  # a canary or a probe cancelled by chance: that is an answer too
+            self.expect[target] = self.expect[target] | {"cancelled"}
         self.send({"id": rid, "op": "cancel", "target": target})
 
     def do_cancel_running(self) -> None:

@@ -31,10 +31,8 @@ defmodule Sidecar.Processors do
   longest the sidecar may spend compiling them against the model's vocabulary; they are compiled
   once per model and cached, so a constraint used again on the same model starts at once.
 
-  Processors apply in order, and `:processors` come after the strategy's `:top_k` and `:top_p`
-  (Bumblebee's order). A top-k or top-p cut before a constraint may keep none of the tokens it
-  allows, which ends the text there, unmatched. With a constraint, sample with `TopK`/`TopP` structs
-  placed after it instead: `processors: [json, Sidecar.configure(Sidecar.Processors.TopK, k: 50)]`.
+  The sidecar runs constraints before every other processor, wherever they are listed, so the
+  strategy's `:top_k` and `:top_p` choose among the tokens a constraint allows.
   A constraint needs an end-of-sequence token to end its text: with `eos_token_id: []` it is refused.
 
       json = Sidecar.configure(Sidecar.Processors.JSONSchema,
