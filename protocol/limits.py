@@ -19,7 +19,8 @@ def _limit(default: int, doc: str, *, bounds: tuple[tuple[str, str], ...] = (), 
     return dataclasses.field(default=default, metadata={"doc": doc, "bounds": bounds, "measure": measure})
 
 
-NAMES = (("*", "session"), ("*", "model"), ("load_model", "name"), ("load_model", "path"))
+NAMES = (("*", "session"), ("*", "model"), ("load_model", "name"), ("load_model", "path"), ("fork_session", "new"),
+         ("save_session", "name"), ("restore_session", "name"))
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Limits:
         bounds=(("generate", "processors"),), measure="option_values")
     max_name_bytes: int = _limit(4096, "UTF-8 bytes of a session or model name or a model path", bounds=NAMES, measure="bytes")
     max_sessions: int = _limit(1024, "open sessions, over all models")
+    max_saved_sessions: int = _limit(256, "sessions saved in the --session-dir (saving again under a name replaces it)")
     max_models: int = _limit(4, "loaded models")
 
     def __post_init__(self):

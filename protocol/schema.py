@@ -71,6 +71,19 @@ OPS: dict[str, dict[str, Param]] = {
     },
     "close_session": {"session": SESSION},
     "session_info": {"session": SESSION},
+    "fork_session": {
+        "session": SESSION,
+        "new": Param("str|null", doc="the fork's name; default: chosen by the server"),
+    },
+    "save_session": {
+        "session": SESSION,
+        "name": Param("str", required=True, doc="the saved session's name: letters, digits, '.', '_', '-' (never a path)"),
+    },
+    "restore_session": {
+        "model": MODEL,
+        "name": Param("str", required=True, doc="the saved session's name"),
+        "session": Param("str|null", doc="the restored session's name; default: chosen by the server"),
+    },
     "generate": {
         "session": SESSION,
         "prompt": Param("str|null", doc="text input (exactly one of prompt, token_ids and messages)"),

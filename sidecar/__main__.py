@@ -35,6 +35,9 @@ def parse_args(argv=None):
     parser.add_argument("--fds", help="IN,OUT file descriptors to serve on instead of stdin/stdout (Erlang's :nouse_stdio uses 3,4)")
     parser.add_argument("--model-root", action="append", default=[], metavar="DIR",
                         help="load_model may load directories under DIR (repeatable); --model is always allowed")
+    parser.add_argument("--session-dir", metavar="DIR",
+                        help="where save_session writes and restore_session reads saved sessions (created if missing; "
+                             "without it both are refused)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let load_model run code shipped inside a model directory (off by default)")
     parser.add_argument("--cache-budget-bytes", type=int, help="KV cache budget per model (default 2 GiB)")
@@ -62,6 +65,11 @@ def parse_args(argv=None):
         parser.error(str(problem))
     if args.limits.max_frame_bytes < 65536:
         parser.error("--max-frame-bytes must be at least 65536: hello's reply, error replies and token events must fit")
+    if args.session_dir:
+        try:
+            os.makedirs(args.session_dir, exist_ok=True)
+        except OSError as problem:
+            parser.error(f"--session-dir: cannot create {args.session_dir}: {problem.strerror}")
     return args
 
 
@@ -97,7 +105,7 @@ def main(argv=None) -> int:
     writer = FrameWriter(out_fd, max_frame_bytes=args.limits.max_frame_bytes, closed=closed,
                          coalesce_s=args.stream_interval_ms / 1000)
     server = Server(writer, limits=args.limits, model_roots=args.model_root, trust_remote_code=args.trust_remote_code,
-                    engine_options=engine_options)
+                    engine_options=engine_options, session_dir=args.session_dir)
     if args.model:
         path = None if args.model == "default" else args.model
         if path is not None:

@@ -16,7 +16,7 @@ import processors as proc
 from processors.chain import constraints_first
 from processors.structured import Vocabulary
 
-from . import attention, chat, models
+from . import attention, chat, models, persist
 from .errors import (
     ContextOverflow,
     EmptyInput,
@@ -202,6 +202,15 @@ class Engine:
             except proc.ProcessorError as error:
                 raise InvalidProcessor(f"processors[{index}] ({processor.name}): {error}", index=index) from error
         return proc.Chain(bound)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """What a saved session must have been saved from (`persist.model_fingerprint`)."""
+        return persist.model_fingerprint(self.model, self.vocabulary.fingerprint)
+
+    def restore(self, path) -> Session:
+        """A new session holding what `Session.save` wrote to `path`, in this process or another one."""
+        return persist.restore(self, path)
 
     @functools.cached_property
     def vocabulary(self) -> Vocabulary:

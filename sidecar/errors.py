@@ -97,3 +97,9 @@ class UnknownDevice(SidecarError):
     """A device name torch does not know, or a device this machine does not have."""
 
     code = "unknown_device"
+
+
+class InvalidSessionFile(SidecarError):
+    """A saved session that cannot be restored: unreadable, truncated, corrupted, or from another model or dtype."""
+
+    code = "invalid_session_file"

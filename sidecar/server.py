@@ -13,6 +13,7 @@ requests answers each of them before the closing op's own reply.
 from __future__ import annotations
 
 import logging
+import re
 import queue
 import threading
 import time
@@ -31,14 +32,16 @@ from protocol.schema import request_id_of
 
 from . import __version__
 from .engine import Engine
-from .errors import InvalidArgument, InvalidProcessor, SessionClosed, SidecarError
+from .errors import InvalidArgument, InvalidProcessor, InvalidSessionFile, SessionClosed, SidecarError
 from .generation import Generation
 from .session import STRATEGIES, Stats
 from .transport import EOF_MARK, Hangup
 
 log = logging.getLogger("sidecar")
 
-SESSION_OPS = ("generate", "close_session", "session_info")
+SESSION_OPS = ("generate", "close_session", "session_info", "fork_session", "save_session")
+SAVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SAVED_SUFFIX = ".safetensors"
 
 
 @dataclass
@@ -75,13 +78,14 @@ class Server:
     """
 
     def __init__(self, writer, *, limits: Limits = Limits(), model_roots=(), trust_remote_code: bool = False,
-                 engine_options=None):
+                 engine_options=None, session_dir=None):
         self.writer = writer
         self.limits = limits
         self.model_roots = tuple(Path(root).resolve() for root in model_roots)
         self.allowed_paths: set[Path] = set()
         self.trust_remote_code = trust_remote_code
         self.engine_options = engine_options or {}
+        self.session_dir = Path(session_dir).resolve() if session_dir is not None else None
         self.engines: dict[str, Engine] = {}
         self.sessions: dict[str, tuple[str, object]] = {}  # name -> (model name, Session)
         self.queues: dict[str, deque[Job]] = {}  # session name -> jobs in arrival order
@@ -378,16 +382,60 @@ class Server:
 
     def op_open_session(self, params, rid):
         engine = self._engine(params["model"], rid)
-        name = params["session"]
+        name = self._claim_session_name(params["session"], rid)
+        self._add_session(name, params["model"], engine.session())
+        return {"session": name, "model": model_info(params["model"], engine)}
+
+    def _claim_session_name(self, name: str | None, rid: int) -> str:
+        """A name for a new session: the one asked for if it is free, else a fresh one; within max_sessions."""
         if name is not None and name in self.sessions:
             raise ProtocolError(codes.SESSION_EXISTS, f"a session named {name!r} is already open", rid, session=name)
         if len(self.sessions) >= self.limits.max_sessions:
             raise self.limits.exceeded("max_sessions", len(self.sessions) + 1, rid)
-        if name is None:
-            name = self._fresh_session_name()
-        self.sessions[name] = (params["model"], engine.session())
+        return self._fresh_session_name() if name is None else name
+
+    def _add_session(self, name: str, model: str, session) -> None:
+        self.sessions[name] = (model, session)
         self.queues[name] = deque()
-        return {"session": name, "model": model_info(params["model"], engine)}
+
+    def op_fork_session(self, params, rid):
+        model, session = self._session(params["session"], rid)
+        name = self._claim_session_name(params["new"], rid)
+        twin = session.fork()  # it runs at the head of the source's queue: the source is idle
+        self._add_session(name, model, twin)
+        return {"session": name, "history_tokens": len(twin.history), "cached_tokens": twin.cached}
+
+    def op_save_session(self, params, rid):
+        _, session = self._session(params["session"], rid)
+        path = self._saved_path(params["name"], rid)
+        if not path.exists():
+            count = sum(1 for _ in self.session_dir.glob("*" + SAVED_SUFFIX))
+            if count >= self.limits.max_saved_sessions:
+                raise self.limits.exceeded("max_saved_sessions", count + 1, rid)
+        session.save(path)
+        return {"name": params["name"], "history_tokens": len(session.history), "cached_tokens": session.cached,
+                "bytes": path.stat().st_size}
+
+    def op_restore_session(self, params, rid):
+        engine = self._engine(params["model"], rid)
+        path = self._saved_path(params["name"], rid)
+        name = self._claim_session_name(params["session"], rid)
+        if not path.is_file():
+            raise InvalidSessionFile(f"no session was saved as {params['name']!r}", name=params["name"])
+        session = engine.restore(path)
+        self._add_session(name, params["model"], session)
+        return {"session": name, "model": model_info(params["model"], engine), "history_tokens": len(session.history),
+                "cached_tokens": session.cached}
+
+    def _saved_path(self, name: str, rid: int) -> Path:
+        """Where a saved session of this name lives: clients name saved sessions, never paths."""
+        if self.session_dir is None:
+            raise ProtocolError(codes.FORBIDDEN, "saving and restoring sessions is off: start the sidecar with "
+                                "--session-dir DIR", rid)
+        if not SAVED_NAME.fullmatch(name):
+            raise ProtocolError(codes.INVALID_PARAMS, "a saved session's name is 1 to 128 letters, digits, '.', '_' "
+                                "or '-', starting with a letter or digit", rid, param="name")
+        return self.session_dir / (name + SAVED_SUFFIX)
 
     def op_close_session(self, params, rid):
         name = params["session"]

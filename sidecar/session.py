@@ -175,6 +175,18 @@ class Session:
         self._running = weakref.ref(generation)
         return generation
 
+    def fork(self) -> "Session":
+        """An independent session with this one's history and cache (copied, not recomputed)."""
+        from . import persist
+
+        return persist.fork(self)
+
+    def save(self, path) -> None:
+        """Writes the history and the cache to `path` (safetensors); `Engine.restore(path)` brings it back."""
+        from . import persist
+
+        persist.save(self, path)
+
     def _reuse(self, input_ids: list[int]) -> Checkpoint:
         """Crops the cache to the longest reusable prefix of `input_ids`; the checkpoint's `keep` is its length."""
         cache = self.cache

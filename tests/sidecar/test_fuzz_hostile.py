@@ -370,12 +370,19 @@ class Fuzz:
             name = message.get("session")
             if isinstance(name, str):
                 self.session_names.add(name)
-            elif name is None:
+            elif name is None:  # the server's names are s1, s2, ...: at most one per request that asks for one
                 self.unnamed_opens += 1
-                self.session_names.add(f"s{self.unnamed_opens}")
+                self.session_names.update(f"s{i}" for i in range(1, self.unnamed_opens + 1))
             if (isinstance(name, str) and len(name.encode()) <= 4096 and set(message) <= {"id", "op", "session", "model"}
                     and message.get("model", "default") in ["default", *self.models] and name not in self.sessions):
                 self.sessions.append(name)  # believed open: it is a clean request (it may still meet max_sessions)
+        if op == "fork_session":  # a fork of a session that may or may not exist by then: closed at the end anyway
+            name = message.get("new")
+            if isinstance(name, str):
+                self.session_names.add(name)
+            elif name is None:
+                self.unnamed_opens += 1
+                self.session_names.update(f"s{i}" for i in range(1, self.unnamed_opens + 1))
         if op == "close_session" and message.get("session") in self.sessions:
             self.sessions.remove(message["session"])
         if op == "load_model" and isinstance(message.get("name"), str):

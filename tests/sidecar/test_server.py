@@ -290,3 +290,44 @@ def test_a_slow_compile_holds_up_only_its_own_session(peer):
     assert [rid for rid in peer.replied if rid in replies] == [other, slow, behind]
     assert replies[slow]["error"]["code"] == "invalid_processor" and "compile_timeout_s" in replies[slow]["error"]["message"]
     assert replies[behind]["ok"] and replies[other]["ok"]
+
+
+def test_fork_save_and_restore_sessions_by_name(default_dir, tmp_path):
+    """Saved sessions are files the server names: clients give names, never paths; a restore in another
+    server process continues exactly as the saved session would."""
+    server = SERVER + ["--session-dir", str(tmp_path / "saved")]
+    prompt = list(range(5, 60))
+    with Peer(server, stderr=subprocess.DEVNULL) as peer:
+        peer.call("open_session", session="a")
+        rid = peer.next_id()
+        generate(peer, rid, session="a", token_ids=prompt, max_new_tokens=5, eos_token_ids=[])
+        saved = peer.call("save_session", session="a", name="chat-1")  # queued behind the generate
+        first = peer.reply_for(rid)[1]["result"]
+        assert saved["result"]["history_tokens"] == len(prompt) + 5
+        fork = peer.call("fork_session", session="a", new="b")["result"]
+        assert fork["session"] == "b" and fork["cached_tokens"] == saved["result"]["cached_tokens"]
+        follow = prompt + first["token_ids"] + [9]
+        in_fork = peer.call("generate", session="b", token_ids=follow, max_new_tokens=6, eos_token_ids=[])["result"]
+        assert in_fork["stats"]["reused_tokens"] == fork["cached_tokens"]
+        assert peer.call("restore_session", name="chat-1", session="a")["error"]["code"] == "session_exists"
+        assert peer.call("restore_session", name="nope")["error"]["code"] == "invalid_session_file"
+        for bad in ("../a", "a/b", "", ".hidden", "x" * 200):
+            reply = peer.call("save_session", session="a", name=bad)
+            assert reply["error"]["code"] in ("invalid_params", "limit_exceeded"), (bad, reply)
+    with Peer(server, stderr=subprocess.DEVNULL) as peer:  # another process
+        restored = peer.call("restore_session", name="chat-1", session="c")["result"]
+        assert restored["history_tokens"] == len(prompt) + 5
+        again = peer.call("generate", session="c", token_ids=follow, max_new_tokens=6, eos_token_ids=[])["result"]
+        assert again["token_ids"] == in_fork["token_ids"] and again["stats"]["reused_tokens"] == restored["cached_tokens"]
+    path = tmp_path / "saved" / "chat-1.safetensors"
+    path.write_bytes(path.read_bytes()[:-64])
+    with Peer(server, stderr=subprocess.DEVNULL) as peer:
+        reply = peer.call("restore_session", name="chat-1")
+        assert reply["error"]["code"] == "invalid_session_file" and "cannot read" in reply["error"]["message"]
+        assert peer.call("stats")["result"]["sessions"] == 0
+
+
+def test_saving_is_off_without_a_session_dir(peer):
+    peer.call("open_session", session="a")
+    assert peer.call("save_session", session="a", name="x")["error"]["code"] == "forbidden"
+    assert peer.call("restore_session", name="x")["error"]["code"] == "forbidden"

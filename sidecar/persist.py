@@ -1,0 +1,135 @@
+"""A session saved to one file and restored from it, also in another process.
+
+The file is safetensors: each layer's keys and values of the cached tokens as tensors, and in its header
+the metadata as JSON (the format, the token history, what the model is, the dtype, and a digest of the
+tensors' bytes). safetensors checks that the header and the tensors fit the file, so a truncated file is
+refused; the digest catches bytes changed inside the tensors, which nothing else would. A file written
+for another model (weights, config or tokenizer) or dtype is refused: its keys and values would be
+silently wrong for this one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .errors import CacheBudgetExceeded, InvalidSessionFile, SessionBusy, SessionClosed
+
+FORMAT = "beam-sidecar-session/1"
+
+
+def model_fingerprint(model, vocabulary_fingerprint: str) -> str:
+    """What identifies a model for its caches: its config, its vocabulary, and a sample of every weight
+    (names, shapes and first values: a different checkpoint differs there, and reading it all would take
+    as long as loading it)."""
+    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    digest.update(vocabulary_fingerprint.encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def save(session, path) -> None:
+    """Writes the session's history and cache to `path`, atomically (a reader never sees half a file)."""
+    _check_idle(session)
+    cache, engine = session.cache, session.engine
+    tensors = {}
+    for layer, (keys, values) in enumerate(zip(cache.keys, cache.values)):
+        tensors[f"keys.{layer}"] = keys[0, :, : cache.length].contiguous().cpu()
+        tensors[f"values.{layer}"] = values[0, :, : cache.length].contiguous().cpu()
+    metadata = {"format": FORMAT, "model": engine.fingerprint, "dtype": str(engine.store.dtype),
+                "history": session.history, "cached": cache.length, "digest": _digest(tensors)}
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata={"session": json.dumps(metadata)})
+    os.replace(partial, path)
+
+
+def restore(engine, path):
+    """A new session of `engine` holding what `path` saved. Raises `InvalidSessionFile` naming the problem,
+    `CacheBudgetExceeded` when its cache does not fit; either way nothing changes."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as file:
+            metadata = json.loads((file.metadata() or {}).get("session", "null"))
+            tensors = {name: file.get_tensor(name) for name in file.keys()}
+    except (OSError, SafetensorError, ValueError) as error:
+        raise InvalidSessionFile(f"cannot read the saved session {path.name}: {error}") from None
+    history, cached = _check(engine, metadata, tensors, path.name)
+    extra = cached * engine.store.bytes_per_token
+    if not engine.store.make_room(extra):
+        raise CacheBudgetExceeded(
+            f"restoring {cached} cached tokens needs {extra} bytes, more than the cache budget leaves "
+            f"({engine.cache_budget_bytes} bytes)", limit="cache_budget_bytes", max=engine.cache_budget_bytes,
+            value=engine.store.used_bytes + extra)
+    session = engine.session()
+    session.history = history
+    cache = session.cache
+    cache.reserve(cached)
+    for layer in range(len(engine.store.layers)):
+        cache.keys[layer][0, :, :cached] = tensors[f"keys.{layer}"]
+        cache.values[layer][0, :, :cached] = tensors[f"values.{layer}"]
+    cache.length = cached
+    return session
+
+
+def fork(session):
+    """A new, independent session with the same history and a copy of the cache: nothing is recomputed."""
+    _check_idle(session)
+    engine, cache = session.engine, session.cache
+    extra = cache.length * engine.store.bytes_per_token
+    if not engine.store.make_room(extra, keep=cache):
+        raise CacheBudgetExceeded(
+            f"forking {cache.length} cached tokens needs {extra} bytes, more than the cache budget leaves "
+            f"({engine.cache_budget_bytes} bytes)", limit="cache_budget_bytes", max=engine.cache_budget_bytes,
+            value=engine.store.used_bytes + extra)
+    twin = engine.session()
+    twin.history = list(session.history)
+    twin.cache.reserve(cache.length)
+    twin.cache.copy_prefix(cache)
+    return twin
+
+
+def _check_idle(session) -> None:
+    if session.closed:
+        raise SessionClosed(f"session {session.id} is closed")
+    if session.busy:
+        raise SessionBusy(f"session {session.id} is generating; its cache is changing")
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].view(torch.uint8).numpy().tobytes() if tensors[name].numel() else b"")
+    return digest.hexdigest()
+
+
+def _check(engine, metadata, tensors, name: str) -> tuple[list[int], int]:
+    """The history and cached length of a file's metadata, once everything in it has been checked."""
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
+        raise InvalidSessionFile(f"{name} is not a saved session of this format ({FORMAT})")
+    if metadata.get("model") != engine.fingerprint:
+        raise InvalidSessionFile(f"{name} was saved from another model (fingerprint {str(metadata.get('model'))[:32]}, "
+                                 f"this model's is {engine.fingerprint})")
+    if metadata.get("dtype") != str(engine.store.dtype):
+        raise InvalidSessionFile(f"{name} holds a cache in {metadata.get('dtype')}, this model runs in {engine.store.dtype}")
+    history, cached = metadata.get("history"), metadata.get("cached")
+    if not (isinstance(history, list) and all(isinstance(t, int) and 0 <= t < engine.vocab_size for t in history)
+            and isinstance(cached, int) and 0 <= cached <= len(history)):
+        raise InvalidSessionFile(f"{name} has a malformed history")
+    expected = {f"{kind}.{layer}": (shape.kv_heads, cached, shape.head_dim)
+                for layer, shape in enumerate(engine.store.layers) for kind in ("keys", "values")}
+    shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
+    if shapes != expected or any(t.dtype != engine.store.dtype for t in tensors.values()):
+        raise InvalidSessionFile(f"{name} does not hold this model's cache layout for {cached} tokens")
+    if metadata.get("digest") != _digest(tensors):
+        raise InvalidSessionFile(f"{name} is corrupted: its tensors do not match their digest")
+    return history, cached

@@ -1,0 +1,119 @@
+"""Saved, restored and forked sessions against cold runs: what they continue with must be exactly what a
+fresh session computing everything gives, and every broken file is refused, changing nothing."""
+
+import subprocess
+import sys
+
+import pytest
+
+from sidecar import Engine
+from sidecar.errors import CacheBudgetExceeded, InvalidSessionFile, SessionBusy
+
+from .conftest import tokens
+
+PROMPT = tokens(200, seed=5)
+
+
+def cold(engine, token_ids, n=8):
+    with engine.session() as fresh:
+        return fresh.generate(token_ids=token_ids, max_new_tokens=n, eos_token_ids=[]).token_ids
+
+
+@pytest.fixture
+def saved(engine, tmp_path):
+    with engine.session() as session:
+        first = session.generate(token_ids=PROMPT, max_new_tokens=6, eos_token_ids=[])
+        session.save(tmp_path / "s.safetensors")
+        return tmp_path / "s.safetensors", PROMPT + first.token_ids, session.cached
+
+
+def test_a_restored_session_continues_like_a_cold_one_reusing_everything(engine, saved):
+    path, history, cached = saved
+    follow = history + [7, 8]
+    with engine.restore(path) as restored:
+        assert restored.history == history and restored.cached == cached
+        result = restored.generate(token_ids=follow, max_new_tokens=8, eos_token_ids=[])
+    assert result.token_ids == cold(engine, follow)
+    assert result.stats.reused_tokens == cached and result.stats.prefill_tokens == len(follow) - cached
+
+
+def test_restored_in_another_process(engine, saved):
+    path, history, _ = saved
+    follow = history + [9]
+    code = ("import sys, json; from sidecar import Engine; e = Engine.load(); s = e.restore(sys.argv[1]); "
+            "r = s.generate(token_ids=json.loads(sys.argv[2]), max_new_tokens=8, eos_token_ids=[]); "
+            "print(json.dumps([r.token_ids, r.stats.reused_tokens]))")
+    out = subprocess.run([sys.executable, "-c", code, str(path), str(follow)], capture_output=True, text=True, check=True)
+    import json
+
+    token_ids, reused = json.loads(out.stdout)
+    assert token_ids == cold(engine, follow) and reused == saved[2]
+
+
+def test_a_fork_is_independent_and_recomputes_nothing(engine):
+    with engine.session() as session:
+        session.generate(token_ids=PROMPT, max_new_tokens=4, eos_token_ids=[])
+        twin = session.fork()
+        cached = session.cached
+        assert twin.cached == cached and twin.history == session.history
+        left, right = session.history + [11], session.history + [12, 13]
+        a = twin.generate(token_ids=left, max_new_tokens=6, eos_token_ids=[])
+        b = session.generate(token_ids=right, max_new_tokens=6, eos_token_ids=[])
+        assert a.stats.reused_tokens == b.stats.reused_tokens == cached
+        assert a.token_ids == cold(engine, left, 6) and b.token_ids == cold(engine, right, 6)
+        assert twin.history[: len(left)] == left and session.history[: len(right)] == right
+        twin.close()
+
+
+def test_a_busy_session_is_neither_saved_nor_forked(engine, tmp_path):
+    with engine.session() as session:
+        stream = session.stream(token_ids=PROMPT, max_new_tokens=4)
+        next(stream)
+        with pytest.raises(SessionBusy):
+            session.save(tmp_path / "busy.safetensors")
+        with pytest.raises(SessionBusy):
+            session.fork()
+        assert not (tmp_path / "busy.safetensors").exists()
+        stream.cancel()
+
+
+def corrupt(path, offset_from_end, new=b"\x7f"):
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= new[0]
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: p.write_bytes(p.read_bytes()[:-100]), "cannot read"),
+    (lambda p: p.write_bytes(p.read_bytes()[:40]), "cannot read"),
+    (lambda p: p.write_bytes(b"not a safetensors file at all"), "cannot read"),
+    (lambda p: corrupt(p, 10), "corrupted"),
+])
+def test_a_broken_file_is_refused_and_changes_nothing(engine, saved, damage, message):
+    path = saved[0]
+    damage(path)
+    before = engine.stats()
+    with pytest.raises(InvalidSessionFile, match=message):
+        engine.restore(path)
+    assert engine.stats() == before
+
+
+def test_another_model_or_dtype_is_refused(engine, gpt2_engine, default_dir, saved):
+    with pytest.raises(InvalidSessionFile, match="another model"):
+        gpt2_engine.restore(saved[0])
+    half = Engine.load(default_dir, dtype="bfloat16")
+    with pytest.raises(InvalidSessionFile, match="another model|bfloat16"):
+        half.restore(saved[0])
+    with pytest.raises(InvalidSessionFile, match="cannot read"):
+        engine.restore(saved[0].with_name("missing.safetensors"))
+
+
+def test_a_restore_that_does_not_fit_the_budget_is_refused(default_dir, tmp_path):
+    small = Engine.load(default_dir, cache_budget_bytes=300 * 1024)
+    with small.session() as session:
+        session.generate(token_ids=PROMPT[:20], max_new_tokens=2, eos_token_ids=[])
+        session.save(tmp_path / "small.safetensors")
+    tiny = Engine.load(default_dir, cache_budget_bytes=1024)
+    with pytest.raises(CacheBudgetExceeded):
+        tiny.restore(tmp_path / "small.safetensors")
+    assert tiny.stats()["sessions"] == 0
