@@ -100,8 +100,17 @@ defmodule Sidecar.ConstrainedGenerationTest do
       ~s({"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},) <>
         ~s( "required": ["ok", "n"], "additionalProperties": false})
 
+    # keys are written in the schema's order: a map's is the encoder's (sorted), JSON text keeps its own
+    {from_map_ok, _} = :binary.match(text, ~s("ok"))
+    {from_map_n, _} = :binary.match(text, ~s("n"))
+    assert from_map_n < from_map_ok
+
     opts = [processors: [Sidecar.configure(Processors.JSONSchema, schema: json_text)], max_new_tokens: 32]
-    assert {:ok, %{text: ^text}} = Sidecar.generate(conn, session, "hi", opts)
+    assert {:ok, %{text: text, finish_reason: "eos"}} = Sidecar.generate(conn, session, "hi", opts)
+    assert %{"ok" => _, "n" => _} = Sidecar.Test.JSON.decode!(text)
+    {ok_at, _} = :binary.match(text, ~s("ok"))
+    {n_at, _} = :binary.match(text, ~s("n"))
+    assert ok_at < n_at
   end
 
   test "grammar: a context-free language, balanced parentheses", %{conn: conn, session: session} do

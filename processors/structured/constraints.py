@@ -57,7 +57,8 @@ def _choices(name, value) -> tuple[str, ...]:
 
 
 def _schema(name, value) -> str:
-    """A JSON schema given as a map or as JSON text, kept as canonical JSON text (the cache key)."""
+    """A JSON schema given as a map or as JSON text, kept as JSON text in the order it was declared (the
+    order of `properties` is the order the generated object writes its keys in)."""
     if isinstance(value, str):
         _pattern(name, value)
         try:
@@ -67,7 +68,7 @@ def _schema(name, value) -> str:
     if not isinstance(value, (dict, bool)):
         raise InvalidOption(f"option {name!r} must be a JSON schema (an object), got {checks._shown(value)}")
     try:  # a map from msgpack may hold what JSON cannot (bytes, NaN, non-string keys)
-        text = json.dumps(value, sort_keys=True, ensure_ascii=False, allow_nan=False)
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise InvalidOption(f"option {name!r} is not JSON: {error}") from None
     import jsonschema
