@@ -64,6 +64,13 @@ class TokenAutomaton:
         found = self.keys.index_select(0, where) == wanted
         return torch.where(found, self.targets.index_select(0, where), self.targets[-1])
 
+    def step(self, state: int, token: int) -> int:
+        """`advance` for one row on the CPU, in numpy: a handful of torch calls cost more than the lookup itself."""
+        keys = self.keys.numpy()
+        wanted = state * self.vocab_size + token
+        where = int(np.searchsorted(keys, wanted))
+        return int(self.targets[where]) if keys[where] == wanted else self.dead
+
     def masks(self, eos_token_ids: tuple[int, ...], device) -> "BoundMasks":
         """`with_end_tokens` on `device`, built once per set of end tokens and device, and shared."""
         key = (eos_token_ids, torch.device(device))
@@ -137,10 +144,12 @@ class BoundMasks:
     def to(self, device) -> "BoundMasks":
         return BoundMasks(self.mask_of.to(device), self.bias.to(device))
 
+    def row(self, state: int) -> torch.Tensor:
+        """float32 [vocab]: one state's bias row, a view (no copy)."""
+        return self.bias[int(self.mask_of[state])]
+
     def rows(self, states: torch.Tensor) -> torch.Tensor:
-        """float32 [rows, vocab]: each state's bias row (one row is a view, not a copy)."""
-        if states.shape[0] == 1:
-            return self.bias[int(self.mask_of[states[0]])].unsqueeze(0)
+        """float32 [rows, vocab]: each state's bias row."""
         return self.bias.index_select(0, self.mask_of.index_select(0, states))
 
     def allowed(self, states: torch.Tensor) -> torch.Tensor:

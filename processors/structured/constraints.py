@@ -249,9 +249,16 @@ class AutomatonProcessor(LogitsProcessor):
                           device=context.sequence.device)
 
     def process(self, state, logits, context):
-        if context.length > context.input_length:
-            state = self.automaton.advance(state, context.sequence[:, context.length - 1])
-        logits = logits + self.masks.rows(state).to(logits.dtype)
+        if state.shape[0] == 1 and state.device.type == "cpu":  # one row: Python ints, no per-row tensor ops
+            current = int(state)
+            if context.length > context.input_length:
+                current = self.automaton.step(current, int(context.sequence[0, context.length - 1]))
+                state = torch.tensor([current])
+            logits = logits + self.masks.row(current).to(logits.dtype)
+        else:
+            if context.length > context.input_length:
+                state = self.automaton.advance(state, context.sequence[:, context.length - 1])
+            logits = logits + self.masks.rows(state).to(logits.dtype)
         if self.after_others:
             stuck = logits.amax(dim=1) == NEG_INF  # an earlier processor removed every token this state allows
             if bool(stuck.any()):

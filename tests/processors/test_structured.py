@@ -117,6 +117,19 @@ def test_regex_masks_equal_partial_fullmatch(pattern, vocab):
             state = bound.automaton.advance(state, torch.tensor([token]))
 
 
+def test_one_row_and_many_rows_take_the_same_steps(vocab):
+    """The one-row path (Python ints) and the batched one (tensors) agree on every transition and mask."""
+    bound = configure(Regex, pattern=r'"[^"]{0,5}"|[0-9]+').bind(vocab, [EOS])
+    automaton, masks = bound.automaton, bound.masks
+    g = torch.Generator().manual_seed(0)
+    states = torch.randint(0, automaton.dead + 1, (4000,), generator=g)
+    tokens = torch.randint(0, 1024, (4000,), generator=g)
+    batched = automaton.advance(states, tokens)
+    assert batched.tolist() == [automaton.step(s, t) for s, t in zip(states.tolist(), tokens.tolist())]
+    assert (batched != automaton.dead).sum() > 100  # real transitions, not only dead ends
+    assert all(torch.equal(masks.rows(states[i : i + 1])[0], masks.row(int(states[i]))) for i in range(0, 4000, 37))
+
+
 def run_chain(chain: Chain, rows: int, steps: int, vocab_size: int, seed: int = 0, reorder=None):
     """Samples from random logits through `chain`; returns each row's tokens up to EOS (EOS excluded).
     Every row must end with EOS within `steps`."""
