@@ -4,7 +4,8 @@
     python -m protocol.conformance [--vectors FILE] [--timeout S] --connect PATH
     python -m protocol.conformance [--vectors FILE] [--timeout S] --fds IN,OUT
 
-The server must have a causal LM loaded as "default" and the default limits. Given a command, the
+The server must have a causal LM loaded as "default", the default limits, and no session directory
+(ours: no `--session-dir`; save_session and restore_session are then forbidden). Given a command, the
 runner starts it and speaks over its stdin/stdout (for this project:
 `.venv/bin/python -m sidecar --model default`). Otherwise it joins a server that is already running:
 over a Unix socket (`--connect PATH`), or over two descriptors it inherited, one to read the server's

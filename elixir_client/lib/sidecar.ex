@@ -39,6 +39,13 @@ defmodule Sidecar do
 
       {:ok, session} = Sidecar.open_session(MyApp.Sidecar, model: "big")
 
+  A session can be forked (a copy of its history and cache), and saved to the sidecar's `:session_dir`
+  to be restored later, also by another sidecar process on that directory:
+
+      {:ok, branch} = Sidecar.fork_session(MyApp.Sidecar, session)
+      {:ok, %{"bytes" => _}} = Sidecar.save_session(MyApp.Sidecar, session, "user-42")
+      {:ok, restored} = Sidecar.restore_session(MyApp.Sidecar, "user-42")
+
   A session is the `%Sidecar.Session{}` that `open_session/2` returns, or just its name (a string).
   With the struct, calls on a session of a sidecar that has since died return `:session_lost`.
 
@@ -151,15 +158,8 @@ defmodule Sidecar do
 
     with {:ok, %{"incarnation" => incarnation}} <- info(conn),
          {:ok, %{"session" => name, "model" => model}} <-
-           call(conn, "open_session", params, nil, opts[:timeout]) do
-      {:ok,
-       %Session{
-         name: name,
-         model: model,
-         eos_token_ids: model["eos_token_ids"],
-         incarnation: incarnation
-       }}
-    end
+           call(conn, "open_session", params, nil, opts[:timeout]),
+         do: {:ok, new_session(name, model, incarnation)}
   end
 
   @doc "Closes a session and frees its cache. `timeout` defaults to the connection's `:call_timeout`."
@@ -175,6 +175,55 @@ defmodule Sidecar do
   @spec session_info(conn(), session(), timeout() | nil) :: {:ok, map()} | {:error, Error.t()}
   def session_info(conn, session, timeout \\ nil),
     do: session_call(conn, session, "session_info", %{}, timeout)
+
+  @doc """
+  Forks a session: a new session with its history and a copy of its cache (nothing is recomputed),
+  independent from then on. The fork runs in the session's queue, so it sees the session as the
+  generations sent before it left it. `name:` chooses the fork's name (default: chosen by the
+  sidecar), `timeout:` overrides the connection's `:call_timeout`. The fork comes back as the session
+  was given: a `%Sidecar.Session{}` for a `%Sidecar.Session{}`, a name for a name.
+  """
+  @spec fork_session(conn(), session(), keyword()) :: {:ok, session()} | {:error, Error.t()}
+  def fork_session(conn, session, opts \\ []) do
+    with {:ok, %{"session" => name}} <-
+           session_call(conn, session, "fork_session", %{"new" => Keyword.get(opts, :name)}, opts[:timeout]) do
+      {:ok, if(is_binary(session), do: name, else: %Session{session | name: name})}
+    end
+  end
+
+  @doc """
+  Saves a session's history and cache under `name` in the sidecar's `:session_dir` (1 to 128
+  letters, digits, `.`, `_` or `-`, starting with a letter or digit; never a path), replacing what
+  was saved under that name. It runs in the session's queue, after the generations sent before it.
+  Returns `"name"`, `"history_tokens"`, `"cached_tokens"` and `"bytes"` (the file's size). A bad name
+  is `:invalid_params`; a sidecar started without `:session_dir` answers `:forbidden`. `timeout`
+  defaults to the connection's `:call_timeout`.
+  """
+  @spec save_session(conn(), session(), String.t(), timeout() | nil) :: {:ok, map()} | {:error, Error.t()}
+  def save_session(conn, session, name, timeout \\ nil) when is_binary(name),
+    do: session_call(conn, session, "save_session", %{"name" => name}, timeout)
+
+  @doc """
+  Opens a new session holding what `save_session/4` saved under `name`, also by another sidecar
+  process started on the same `:session_dir`. Options: `:model` (default `\"default\"`), `:session`
+  (the new session's name; default: chosen by the sidecar), `:timeout` (default: the connection's
+  `:call_timeout`). No session saved under `name`, or a file saved from another model or dtype,
+  truncated or corrupted, is `:invalid_session_file`; a sidecar without `:session_dir` answers
+  `:forbidden`.
+  """
+  @spec restore_session(conn(), String.t(), keyword()) :: {:ok, Session.t()} | {:error, Error.t()}
+  def restore_session(conn, name, opts \\ []) when is_binary(name) do
+    params = %{
+      "name" => name,
+      "model" => Keyword.get(opts, :model, "default"),
+      "session" => Keyword.get(opts, :session)
+    }
+
+    with {:ok, %{"incarnation" => incarnation}} <- info(conn),
+         {:ok, %{"session" => session, "model" => model}} <-
+           call(conn, "restore_session", params, nil, opts[:timeout]),
+         do: {:ok, new_session(session, model, incarnation)}
+  end
 
   @doc """
   Generates from `input` and waits for the result. `input` is a string, a list of token ids, or a
@@ -418,6 +467,9 @@ defmodule Sidecar do
 
     request(conn, "generate", params, incarnation)
   end
+
+  defp new_session(name, model, incarnation),
+    do: %Session{name: name, model: model, eos_token_ids: model["eos_token_ids"], incarnation: incarnation}
 
   defp session_call(conn, session, op, params, timeout) do
     {name, _eos, incarnation} = identify(session)

@@ -15,7 +15,7 @@ defmodule Sidecar.ErrorTest do
 
   test "the newer codes are known, limit_exceeded keeps its details, an unknown code is :unknown" do
     for code <- ~w(limit_exceeded invalid_model forbidden invalid_logits frame_too_large cache_budget_exceeded
-                   unknown_device) do
+                   unknown_device invalid_session_file) do
       assert Error.from_reply(%{"code" => code, "message" => "m"}).reason == String.to_atom(code)
     end
 

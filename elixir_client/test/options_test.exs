@@ -25,9 +25,14 @@ defmodule Sidecar.OptionsTest do
     end
   end
 
-  test ":device and :dtype become the sidecar's --device and --dtype flags" do
+  test ":device, :dtype and :session_dir become the sidecar's --device, --dtype and --session-dir flags" do
     assert Sidecar.Options.flags(device: "cuda:1", dtype: :bf16) == ["--device", "cuda:1", "--dtype", "bf16"]
-    assert Sidecar.Options.flags(device: nil, dtype: nil) == []
+    assert Sidecar.Options.flags(session_dir: "/var/sessions") == ["--session-dir", "/var/sessions"]
+    assert Sidecar.Options.flags(device: nil, dtype: nil, session_dir: nil) == []
+
+    assert_raise ArgumentError, ~r/invalid value "" for Sidecar option :session_dir/, fn ->
+      Sidecar.start_link(session_dir: "")
+    end
   end
 
   test "child_spec uses the name as id" do

@@ -303,6 +303,15 @@ defmodule SidecarTest do
     assert {:error, %Error{reason: :unknown_session}} = Sidecar.generate(conn, "chat-1", "x")
   end
 
+  test "a sidecar started without :session_dir forks sessions but neither saves nor restores them",
+       %{conn: conn} do
+    {:ok, session} = Sidecar.open_session(conn)
+    assert {:ok, %Sidecar.Session{} = fork} = Sidecar.fork_session(conn, session)
+    assert {:error, %Error{reason: :forbidden}} = Sidecar.save_session(conn, session, "s")
+    assert {:error, %Error{reason: :forbidden}} = Sidecar.restore_session(conn, "s")
+    for s <- [session, fork], do: :ok = Sidecar.close_session(conn, s)
+  end
+
   test "errors are values", %{conn: conn} do
     {:ok, session} = Sidecar.open_session(conn)
 

@@ -11,7 +11,8 @@ defmodule Sidecar.Error do
       `:invalid_id`, `:unknown_op`, `:invalid_params`, `:duplicate_id`, `:too_many_requests`
     * `:limit_exceeded` - a request over one of the sidecar's limits; `details` carry `"limit"` (its
       name, such as `"max_prompt_bytes"`), `"max"` and `"value"`
-    * `:forbidden` - refused by how the sidecar was started (remote code, a path outside its model roots)
+    * `:forbidden` - refused by how the sidecar was started (remote code, a path outside its model
+      roots, saving or restoring sessions without a `:session_dir`)
     * sessions and models: `:unknown_session`, `:session_exists`, `:session_closed`,
       `:session_busy`, `:unknown_model`, `:model_exists`
     * `load_model` failures: `:model_not_found`, `:invalid_model` (config or weights unreadable),
@@ -21,9 +22,12 @@ defmodule Sidecar.Error do
       `:empty_input`, `:token_out_of_range`, `:context_overflow`, `:unknown_strategy`,
       `:invalid_processor`, `:no_chat_template` (messages for a model whose tokenizer has no chat
       template)
-    * `:cache_budget_exceeded` - the generation needs more KV memory than the sidecar's cache budget
-      even with every idle cache evicted; `details` carry `"limit"`, `"max"` and `"value"` (bytes)
+    * `:cache_budget_exceeded` - the generation (or a fork or restore) needs more KV memory than the
+      sidecar's cache budget even with every idle cache evicted; `details` carry `"limit"`, `"max"`
+      and `"value"` (bytes)
     * `:invalid_logits` - the processors left no token to sample from at some step
+    * `:invalid_session_file` - `Sidecar.restore_session/3`: no session saved under that name, or a
+      file that cannot be restored here (saved from another model or dtype, truncated, corrupted)
     * `:cancelled` - the generation was cancelled; `details` carry its partial `"text"`,
       `"token_ids"` and `"stats"`
     * `:internal` - a defect in the sidecar
@@ -48,7 +52,7 @@ defmodule Sidecar.Error do
     invalid_model cancelled too_many_requests internal model_not_found not_causal_lm no_tokenizer
     remote_code_required invalid_argument empty_input token_out_of_range context_overflow
     unknown_strategy session_closed session_busy invalid_processor invalid_logits no_chat_template
-    cache_budget_exceeded unknown_device)
+    cache_budget_exceeded unknown_device invalid_session_file)
 
   @doc false
   @spec from_reply(map()) :: t()

@@ -24,6 +24,12 @@ defmodule Sidecar.Options do
         ~s{dtype of the `model:` loaded at start: `"f32"`, `"f16"` or `"bf16"` (`--dtype`); `nil`: as saved},
       default: nil
     ],
+    session_dir: [
+      doc:
+        "a directory (relative to `:cd`, created if missing) where `save_session/4` writes sessions and " <>
+          "`restore_session/3` reads them (`--session-dir`); `nil`: both answer `:forbidden`",
+      default: nil
+    ],
     args: [doc: "extra command-line arguments for `python -m sidecar`", default: []],
     env: [doc: "extra environment variables, as `[{name, value}]` strings", default: []],
     cd: [doc: "working directory of the Python process", default: nil],
@@ -63,6 +69,7 @@ defmodule Sidecar.Options do
   defp check!(:python, v) when is_binary(v) and v != "", do: :ok
   defp check!(:model, v) when v in [:default, nil] or (is_binary(v) and v != ""), do: :ok
   defp check!(key, v) when key in [:device, :dtype], do: if(name_or_nil?(v), do: :ok, else: invalid!(key, v))
+  defp check!(:session_dir, v) when is_nil(v) or (is_binary(v) and v != ""), do: :ok
   defp check!(:args, v) when is_list(v), do: each!(:args, v, &is_binary/1)
 
   defp check!(:env, v) when is_list(v),
@@ -101,7 +108,7 @@ defmodule Sidecar.Options do
   # The command-line flags of the start options that become flags of `python -m sidecar`.
   @spec flags(keyword()) :: [String.t()]
   def flags(opts) do
-    Enum.flat_map([device: "--device", dtype: "--dtype"], fn {key, flag} ->
+    Enum.flat_map([device: "--device", dtype: "--dtype", session_dir: "--session-dir"], fn {key, flag} ->
       if opts[key] == nil, do: [], else: [flag, to_string(opts[key])]
     end)
   end
