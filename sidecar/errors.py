@@ -103,3 +103,9 @@ class InvalidSessionFile(SidecarError):
     """A saved session that cannot be restored: unreadable, truncated, corrupted, or from another model or dtype."""
 
     code = "invalid_session_file"
+
+
+class SaveFailed(SidecarError):
+    """A session could not be written (the disk is full, the directory not writable...); nothing was left behind."""
+
+    code = "save_failed"

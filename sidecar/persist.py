@@ -3,7 +3,7 @@
 The file is safetensors: each layer's keys and values of the cached tokens as tensors, and in its header
 the metadata as JSON (the format, the token history, what the model is, the dtype, and a digest of the
 tensors' bytes). safetensors checks that the header and the tensors fit the file, so a truncated file is
-refused; the digest catches bytes changed inside the tensors, which nothing else would. A file written
+refused; the digest catches bytes changed inside the tensors or the history, which nothing else would. A file written
 for another model (weights, config or tokenizer) or dtype is refused: its keys and values would be
 silently wrong for this one.
 """
@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .errors import CacheBudgetExceeded, InvalidSessionFile, SessionBusy, SessionClosed
+from .errors import CacheBudgetExceeded, InvalidSessionFile, SaveFailed, SessionBusy, SessionClosed
 
 FORMAT = "beam-sidecar-session/1"
 
@@ -45,11 +45,16 @@ def save(session, path) -> None:
         tensors[f"keys.{layer}"] = keys[0, :, : cache.length].contiguous().cpu()
         tensors[f"values.{layer}"] = values[0, :, : cache.length].contiguous().cpu()
     metadata = {"format": FORMAT, "model": engine.fingerprint, "dtype": str(engine.store.dtype),
-                "history": session.history, "cached": cache.length, "digest": _digest(tensors)}
+                "history": session.history, "cached": cache.length}
+    metadata["digest"] = _digest(metadata, tensors)
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    save_file(tensors, str(partial), metadata={"session": json.dumps(metadata)})
-    os.replace(partial, path)
+    try:
+        save_file(tensors, str(partial), metadata={"session": json.dumps(metadata)})
+        os.replace(partial, path)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        raise SaveFailed(f"cannot write the session to {path.name}: {error.strerror or error}") from None
 
 
 def restore(engine, path):
@@ -104,8 +109,10 @@ def _check_idle(session) -> None:
         raise SessionBusy(f"session {session.id} is generating; its cache is changing")
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
+def _digest(metadata: dict, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of the metadata (but the digest) and of every tensor's bytes: a changed token in the history
+    would make the cache silently wrong for it, as a changed byte in the cache would."""
+    digest = hashlib.sha256(json.dumps({k: v for k, v in metadata.items() if k != "digest"}, sort_keys=True).encode())
     for name in sorted(tensors):
         digest.update(name.encode())
         digest.update(tensors[name].view(torch.uint8).numpy().tobytes() if tensors[name].numel() else b"")
@@ -122,14 +129,14 @@ def _check(engine, metadata, tensors, name: str) -> tuple[list[int], int]:
     if metadata.get("dtype") != str(engine.store.dtype):
         raise InvalidSessionFile(f"{name} holds a cache in {metadata.get('dtype')}, this model runs in {engine.store.dtype}")
     history, cached = metadata.get("history"), metadata.get("cached")
-    if not (isinstance(history, list) and all(isinstance(t, int) and 0 <= t < engine.vocab_size for t in history)
-            and isinstance(cached, int) and 0 <= cached <= len(history)):
+    if not (isinstance(history, list) and all(type(t) is int and 0 <= t < engine.vocab_size for t in history)
+            and type(cached) is int and 0 <= cached <= len(history)):
         raise InvalidSessionFile(f"{name} has a malformed history")
     expected = {f"{kind}.{layer}": (shape.kv_heads, cached, shape.head_dim)
                 for layer, shape in enumerate(engine.store.layers) for kind in ("keys", "values")}
     shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
     if shapes != expected or any(t.dtype != engine.store.dtype for t in tensors.values()):
         raise InvalidSessionFile(f"{name} does not hold this model's cache layout for {cached} tokens")
-    if metadata.get("digest") != _digest(tensors):
+    if metadata.get("digest") != _digest(metadata, tensors):
         raise InvalidSessionFile(f"{name} is corrupted: its tensors do not match their digest")
     return history, cached

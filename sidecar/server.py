@@ -421,7 +421,7 @@ class Server:
         path = self._saved_path(params["name"], rid)
         name = self._claim_session_name(params["session"], rid)
         if not path.is_file():
-            raise InvalidSessionFile(f"no session was saved as {params['name']!r}", name=params["name"])
+            raise InvalidSessionFile(f"no session was saved as {params['name']!r}")
         session = engine.restore(path)
         self._add_session(name, params["model"], session)
         return {"session": name, "model": model_info(params["model"], engine), "history_tokens": len(session.history),

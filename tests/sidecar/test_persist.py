@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from sidecar import Engine
-from sidecar.errors import CacheBudgetExceeded, InvalidSessionFile, SessionBusy
+from sidecar.errors import CacheBudgetExceeded, InvalidSessionFile, SaveFailed, SessionBusy
 
 from .conftest import tokens
 
@@ -83,7 +83,18 @@ def corrupt(path, offset_from_end, new=b"\x7f"):
     path.write_bytes(bytes(data))
 
 
+def retoken(path):
+    """Changes one token of the history in the header, keeping its length: a well-formed, lying file."""
+    data = path.read_bytes()
+    key = b'\\"history\\": ['  # the metadata is JSON inside safetensors' JSON header: its quotes are escaped
+    at = data.index(key) + len(key)
+    first = data[at:data.index(b",", at)]
+    other = str((int(first) + 1) % 10 ** len(first)).zfill(len(first)).encode()
+    path.write_bytes(data[:at] + other + data[at + len(first):])
+
+
 @pytest.mark.parametrize("damage, message", [
+    (retoken, "corrupted"),
     (lambda p: p.write_bytes(p.read_bytes()[:-100]), "cannot read"),
     (lambda p: p.write_bytes(p.read_bytes()[:40]), "cannot read"),
     (lambda p: p.write_bytes(b"not a safetensors file at all"), "cannot read"),
@@ -117,3 +128,12 @@ def test_a_restore_that_does_not_fit_the_budget_is_refused(default_dir, tmp_path
     with pytest.raises(CacheBudgetExceeded):
         tiny.restore(tmp_path / "small.safetensors")
     assert tiny.stats()["sessions"] == 0
+
+
+def test_a_save_that_cannot_be_written_leaves_nothing_behind(engine, tmp_path):
+    (tmp_path / "taken.safetensors").mkdir()  # a directory where the file should go
+    with engine.session() as session:
+        session.generate(token_ids=PROMPT[:10], max_new_tokens=2, eos_token_ids=[])
+        with pytest.raises(SaveFailed, match="cannot write"):
+            session.save(tmp_path / "taken.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.safetensors"]

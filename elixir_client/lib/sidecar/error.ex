@@ -28,6 +28,8 @@ defmodule Sidecar.Error do
     * `:invalid_logits` - the processors left no token to sample from at some step
     * `:invalid_session_file` - `Sidecar.restore_session/3`: no session saved under that name, or a
       file that cannot be restored here (saved from another model or dtype, truncated, corrupted)
+    * `:save_failed` - `Sidecar.save_session/4` could not write the file (disk full, directory not
+      writable); nothing was left behind
     * `:cancelled` - the generation was cancelled; `details` carry its partial `"text"`,
       `"token_ids"` and `"stats"`
     * `:internal` - a defect in the sidecar
@@ -52,7 +54,7 @@ defmodule Sidecar.Error do
     invalid_model cancelled too_many_requests internal model_not_found not_causal_lm no_tokenizer
     remote_code_required invalid_argument empty_input token_out_of_range context_overflow
     unknown_strategy session_closed session_busy invalid_processor invalid_logits no_chat_template
-    cache_budget_exceeded unknown_device invalid_session_file)
+    cache_budget_exceeded unknown_device invalid_session_file save_failed)
 
   @doc false
   @spec from_reply(map()) :: t()
