@@ -1,7 +1,7 @@
 """Saved sessions against recomputing them: save + restore of a 1,024-token session, then its next call,
 against a fresh session that prefills the same 1,024 tokens, measured in alternating rounds.
 
-    .venv/bin/python bench/sessions.py [--rounds N] [--tokens N]
+    .venv/bin/python bench/sessions.py [--quick] [--rounds N] [--tokens N]
 
 The issue's target: save + restore at least 5x faster than recomputing.
 """
@@ -24,7 +24,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--tokens", type=int, default=1024)
+    parser.add_argument("--quick", action="store_true", help="5 rounds")
     args = parser.parse_args()
+    if args.quick:
+        args.rounds = 5
     engine = Engine.load()
     prompt = [3 + (i * 7919) % (engine.vocab_size - 3) for i in range(args.tokens)]
     with engine.session() as session:

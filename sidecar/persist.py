@@ -3,7 +3,7 @@
 The file is safetensors: each layer's keys and values of the cached tokens as tensors, and in its header
 the metadata as JSON (the format, the token history, what the model is, the dtype, and a digest of the
 tensors' bytes). safetensors checks that the header and the tensors fit the file, so a truncated file is
-refused; the digest catches bytes changed inside the tensors or the history, which nothing else would. A file written
+refused; the checksum catches bytes changed inside the tensors or the history, which nothing else would. A file written
 for another model (weights, config or tokenizer) or dtype is refused: its keys and values would be
 silently wrong for this one.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -110,13 +111,17 @@ def _check_idle(session) -> None:
 
 
 def _digest(metadata: dict, tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 of the metadata (but the digest) and of every tensor's bytes: a changed token in the history
-    would make the cache silently wrong for it, as a changed byte in the cache would."""
-    digest = hashlib.sha256(json.dumps({k: v for k, v in metadata.items() if k != "digest"}, sort_keys=True).encode())
+    """A checksum of the metadata (but the digest) and of every tensor's bytes: a changed token in the
+    history would make the cache silently wrong for it, as a changed byte in the cache would. CRC-32
+    finds corruption at memory speed (a sha256 of the cache was most of a save and a restore); it does
+    not stop someone who can write the session directory, who could as well write a valid file."""
+    text = json.dumps({k: v for k, v in metadata.items() if k != "digest"}, sort_keys=True).encode()
+    checksum = zlib.crc32(text)
     for name in sorted(tensors):
-        digest.update(name.encode())
-        digest.update(tensors[name].view(torch.uint8).numpy().tobytes() if tensors[name].numel() else b"")
-    return digest.hexdigest()
+        checksum = zlib.crc32(name.encode(), checksum)
+        if tensors[name].numel():
+            checksum = zlib.crc32(tensors[name].view(torch.uint8).numpy().data, checksum)
+    return f"crc32:{checksum:08x}"
 
 
 def _check(engine, metadata, tensors, name: str) -> tuple[list[int], int]:
