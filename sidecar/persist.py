@@ -60,21 +60,32 @@ def save(session, path) -> None:
 
 def restore(engine, path):
     """A new session of `engine` holding what `path` saved. Raises `InvalidSessionFile` naming the problem,
-    `CacheBudgetExceeded` when its cache does not fit; either way nothing changes."""
+    `CacheBudgetExceeded` when its cache does not fit; either way nothing changes.
+
+    The header is checked first (format, model, dtype, history, the tensors' names, shapes and dtypes)
+    and the budget next, so a file that lies about its size is refused before its tensors are read.
+    """
     path = Path(path)
+    if not path.exists():
+        raise InvalidSessionFile(f"no saved session {path.name}")
+    if not path.is_file():  # a directory, a FIFO or a device under a session's name would block or mislead
+        raise InvalidSessionFile(f"the saved session {path.name} is not a regular file")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as file:
             metadata = json.loads((file.metadata() or {}).get("session", "null"))
+            history, cached = _check_header(engine, metadata, path.name)
+            _check_layout(engine, file, cached, path.name)
+            extra = cached * engine.store.bytes_per_token
+            if not engine.store.make_room(extra):
+                raise CacheBudgetExceeded(
+                    f"restoring {cached} cached tokens needs {extra} bytes, more than the cache budget leaves "
+                    f"({engine.cache_budget_bytes} bytes)", limit="cache_budget_bytes",
+                    max=engine.cache_budget_bytes, value=engine.store.used_bytes + extra)
             tensors = {name: file.get_tensor(name) for name in file.keys()}
     except (OSError, SafetensorError, ValueError) as error:
         raise InvalidSessionFile(f"cannot read the saved session {path.name}: {error}") from None
-    history, cached = _check(engine, metadata, tensors, path.name)
-    extra = cached * engine.store.bytes_per_token
-    if not engine.store.make_room(extra):
-        raise CacheBudgetExceeded(
-            f"restoring {cached} cached tokens needs {extra} bytes, more than the cache budget leaves "
-            f"({engine.cache_budget_bytes} bytes)", limit="cache_budget_bytes", max=engine.cache_budget_bytes,
-            value=engine.store.used_bytes + extra)
+    if metadata.get("digest") != _digest(metadata, tensors):
+        raise InvalidSessionFile(f"{path.name} is corrupted: its contents do not match their checksum")
     session = engine.session()
     session.history = history
     cache = session.cache
@@ -124,24 +135,32 @@ def _digest(metadata: dict, tensors: dict[str, torch.Tensor]) -> str:
     return f"crc32:{checksum:08x}"
 
 
-def _check(engine, metadata, tensors, name: str) -> tuple[list[int], int]:
-    """The history and cached length of a file's metadata, once everything in it has been checked."""
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def _check_header(engine, metadata, name: str) -> tuple[list[int], int]:
+    """The history and cached length of a file's metadata, once the metadata has been checked."""
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         raise InvalidSessionFile(f"{name} is not a saved session of this format ({FORMAT})")
     if metadata.get("model") != engine.fingerprint:
         raise InvalidSessionFile(f"{name} was saved from another model (fingerprint {str(metadata.get('model'))[:32]}, "
                                  f"this model's is {engine.fingerprint})")
     if metadata.get("dtype") != str(engine.store.dtype):
-        raise InvalidSessionFile(f"{name} holds a cache in {metadata.get('dtype')}, this model runs in {engine.store.dtype}")
+        raise InvalidSessionFile(f"{name} holds a cache in {str(metadata.get('dtype'))[:32]}, this model runs in "
+                                 f"{engine.store.dtype}")
     history, cached = metadata.get("history"), metadata.get("cached")
     if not (isinstance(history, list) and all(type(t) is int and 0 <= t < engine.vocab_size for t in history)
             and type(cached) is int and 0 <= cached <= len(history)):
         raise InvalidSessionFile(f"{name} has a malformed history")
-    expected = {f"{kind}.{layer}": (shape.kv_heads, cached, shape.head_dim)
-                for layer, shape in enumerate(engine.store.layers) for kind in ("keys", "values")}
-    shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
-    if shapes != expected or any(t.dtype != engine.store.dtype for t in tensors.values()):
-        raise InvalidSessionFile(f"{name} does not hold this model's cache layout for {cached} tokens")
-    if metadata.get("digest") != _digest(metadata, tensors):
-        raise InvalidSessionFile(f"{name} is corrupted: its tensors do not match their digest")
     return history, cached
+
+
+def _check_layout(engine, file, cached: int, name: str) -> None:
+    """The file holds exactly this model's keys and values for `cached` tokens (read from its header only)."""
+    expected = {f"{kind}.{layer}": [shape.kv_heads, cached, shape.head_dim]
+                for layer, shape in enumerate(engine.store.layers) for kind in ("keys", "values")}
+    dtype = SAFETENSORS_DTYPES.get(engine.store.dtype)
+    if set(file.keys()) != set(expected) or any(
+            list(file.get_slice(key).get_shape()) != shape or file.get_slice(key).get_dtype() != dtype
+            for key, shape in expected.items()):
+        raise InvalidSessionFile(f"{name} does not hold this model's cache layout for {cached} tokens")

@@ -420,7 +420,7 @@ class Server:
         engine = self._engine(params["model"], rid)
         path = self._saved_path(params["name"], rid)
         name = self._claim_session_name(params["session"], rid)
-        if not path.is_file():
+        if not path.exists():
             raise InvalidSessionFile(f"no session was saved as {params['name']!r}")
         session = engine.restore(path)
         self._add_session(name, params["model"], session)

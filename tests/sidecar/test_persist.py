@@ -115,8 +115,36 @@ def test_another_model_or_dtype_is_refused(engine, gpt2_engine, default_dir, sav
     half = Engine.load(default_dir, dtype="bfloat16")
     with pytest.raises(InvalidSessionFile, match="another model|bfloat16"):
         half.restore(saved[0])
-    with pytest.raises(InvalidSessionFile, match="cannot read"):
+    with pytest.raises(InvalidSessionFile, match="no saved session missing.safetensors"):
         engine.restore(saved[0].with_name("missing.safetensors"))
+
+
+def test_what_is_not_a_regular_file_is_never_read(engine, tmp_path):
+    """A FIFO under a saved session's name would block a read for ever; a directory would mislead."""
+    import os
+
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    (tmp_path / "dir.safetensors").mkdir()
+    for name in ("fifo.safetensors", "dir.safetensors"):
+        with pytest.raises(InvalidSessionFile, match="not a regular file"):
+            engine.restore(tmp_path / name)
+
+
+def test_a_file_that_lies_about_its_size_is_refused_before_it_is_read(engine, saved, tmp_path):
+    """The header's shapes are checked before any tensor is read: a file claiming more tokens than it
+    holds, or holding tensors of another shape, is refused from its header."""
+    from safetensors.torch import save_file
+    import json
+    import torch
+
+    path, history, cached = saved
+    with __import__("safetensors").safe_open(str(path), "pt") as file:
+        metadata = json.loads(file.metadata()["session"])
+        tensors = {k: file.get_tensor(k) for k in file.keys()}
+    tensors["keys.0"] = torch.zeros(tensors["keys.0"].shape[0], cached + 1, tensors["keys.0"].shape[2])
+    save_file(tensors, str(tmp_path / "odd.safetensors"), metadata={"session": json.dumps(metadata)})
+    with pytest.raises(InvalidSessionFile, match="cache layout"):
+        engine.restore(tmp_path / "odd.safetensors")
 
 
 def test_a_restore_that_does_not_fit_the_budget_is_refused(default_dir, tmp_path):
