@@ -86,6 +86,8 @@ class Server:
         self.trust_remote_code = trust_remote_code
         self.engine_options = engine_options or {}
         self.session_dir = Path(session_dir).resolve() if session_dir is not None else None
+        self.compiles: queue.Queue = queue.Queue()  # (session name, job, engine, constraints), one at a time
+        threading.Thread(target=self._compiler, daemon=True, name="compile").start()
         self.engines: dict[str, Engine] = {}
         self.sessions: dict[str, tuple[str, object]] = {}  # name -> (model name, Session)
         self.queues: dict[str, deque[Job]] = {}  # session name -> jobs in arrival order
@@ -211,12 +213,22 @@ class Server:
             job.compiled = True
             return False
         job.compiling = True
-        threading.Thread(target=self._compile, args=(name, job, engine, missing), daemon=True,
-                         name=f"compile-{job.request.id}").start()
+        self.compiles.put((name, job, engine, missing))
         return True
 
+    def _compiler(self) -> None:
+        """The compiling thread. A daemon: a server that exits does not wait for a compile (its child
+        process is bounded in CPU time too)."""
+        while True:
+            self._compile(*self.compiles.get())
+
     def _compile(self, name: str, job: Job, engine: Engine, missing) -> None:
-        """On the compiling thread: fills the shared cache, or records why a constraint cannot compile."""
+        """On the compiling thread: fills the shared cache, or records why a constraint cannot compile.
+
+        One compile at a time: each runs in a child that may take up to `COMPILE_MEMORY_BYTES`, so a
+        client sending many costly constraints makes its own sessions wait, not the machine swap."""
+        if job.request.id not in self.in_flight:  # cancelled, or its session closed, while it waited
+            return
         try:
             for index, constraint in missing:
                 try:

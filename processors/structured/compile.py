@@ -18,6 +18,7 @@ same model shares one automaton.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 import resource
@@ -92,7 +93,7 @@ def _reaching(accepting, sources: np.ndarray, targets: np.ndarray) -> set[int]:
 def _in_child(pattern: str, vocabulary: Vocabulary, timeout_s: float):
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_compile_child, args=(pattern, vocabulary, sender), daemon=True)
+    child = context.Process(target=_compile_child, args=(pattern, vocabulary, timeout_s, sender), daemon=True)
     child.start()
     sender.close()
     try:
@@ -114,11 +115,13 @@ def _in_child(pattern: str, vocabulary: Vocabulary, timeout_s: float):
     return payload
 
 
-def _compile_child(pattern: str, vocabulary: Vocabulary, sender) -> None:
+def _compile_child(pattern: str, vocabulary: Vocabulary, timeout_s: float, sender) -> None:
     """Runs in the child: outlines-core's index of the pattern and the sentinel, sent back as arrays of the
     text tokens' transitions, and the states where the sentinel may come (where the pattern may end)."""
     try:
         _cap_memory(COMPILE_MEMORY_BYTES)
+        # the parent kills it after `timeout_s`; if the parent is gone first, the kernel does
+        resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(timeout_s) + 1, math.ceil(timeout_s) + 2))
         sentinel, end = vocabulary.size, vocabulary.size + 1  # ids no token has
         tokens_by_bytes = vocabulary.text_tokens()
         tokens_by_bytes.setdefault(SENTINEL.encode(), []).append(sentinel)
