@@ -71,9 +71,12 @@ class KVStore:
         self._caches.pop(id(cache), None)
 
     def make_room(self, extra_bytes: int, keep: "KVCache | None" = None) -> bool:
-        """Evicts idle caches, least recently used first, until `extra_bytes` more fit; False if they cannot."""
+        """Evicts idle caches, least recently used first, until `extra_bytes` more fit; False if they cannot,
+        and then nothing is evicted (a refused request leaves the other sessions' caches as they were)."""
         if self.used_bytes + extra_bytes <= self.budget_bytes:
             return True
+        if not self.could_fit(extra_bytes, keep):
+            return False
         for cache in list(self._caches.values()):
             if self.used_bytes + extra_bytes <= self.budget_bytes:
                 break
@@ -82,6 +85,11 @@ class KVStore:
             cache.clear()
             self.evictions += 1
         return self.used_bytes + extra_bytes <= self.budget_bytes
+
+    def could_fit(self, extra_bytes: int, keep: "KVCache | None" = None) -> bool:
+        """Whether `extra_bytes` more fit once every idle cache (but `keep`) is evicted; evicts nothing."""
+        idle = sum(c.nbytes for c in self._caches.values() if c is not keep and not c.pinned)
+        return self.used_bytes - idle + extra_bytes <= self.budget_bytes
 
     def _account(self, delta: int) -> None:
         self.used_bytes += delta

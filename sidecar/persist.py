@@ -42,9 +42,10 @@ def save(session, path) -> None:
     _check_idle(session)
     cache, engine = session.cache, session.engine
     tensors = {}
-    for layer, (keys, values) in enumerate(zip(cache.keys, cache.values)):
-        tensors[f"keys.{layer}"] = keys[0, :, : cache.length].contiguous().cpu()
-        tensors[f"values.{layer}"] = values[0, :, : cache.length].contiguous().cpu()
+    for layer, shape in enumerate(engine.store.layers):
+        for kind, buffers in (("keys", cache.keys), ("values", cache.values)):
+            tensors[f"{kind}.{layer}"] = (buffers[layer][0, :, : cache.length].contiguous().cpu() if cache.length else
+                                          torch.empty(shape.kv_heads, 0, shape.head_dim, dtype=engine.store.dtype))
     metadata = {"format": FORMAT, "model": engine.fingerprint, "dtype": str(engine.store.dtype),
                 "history": session.history, "cached": cache.length}
     metadata["digest"] = _digest(metadata, tensors)
@@ -53,9 +54,9 @@ def save(session, path) -> None:
     try:
         save_file(tensors, str(partial), metadata={"session": json.dumps(metadata)})
         os.replace(partial, path)
-    except OSError as error:
+    except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
         partial.unlink(missing_ok=True)
-        raise SaveFailed(f"cannot write the session to {path.name}: {error.strerror or error}") from None
+        raise SaveFailed(f"cannot write the session to {path.name}: {getattr(error, 'strerror', None) or error}") from None
 
 
 def restore(engine, path):
@@ -76,25 +77,32 @@ def restore(engine, path):
             history, cached = _check_header(engine, metadata, path.name)
             _check_layout(engine, file, cached, path.name)
             extra = cached * engine.store.bytes_per_token
-            if not engine.store.make_room(extra):
-                raise CacheBudgetExceeded(
-                    f"restoring {cached} cached tokens needs {extra} bytes, more than the cache budget leaves "
-                    f"({engine.cache_budget_bytes} bytes)", limit="cache_budget_bytes",
-                    max=engine.cache_budget_bytes, value=engine.store.used_bytes + extra)
+            if not engine.store.could_fit(extra):
+                raise _over_budget(engine, "restoring", cached, extra)
             tensors = {name: file.get_tensor(name) for name in file.keys()}
-    except (OSError, SafetensorError, ValueError) as error:
-        raise InvalidSessionFile(f"cannot read the saved session {path.name}: {error}") from None
+    except (OSError, SafetensorError, ValueError, RecursionError) as error:
+        raise InvalidSessionFile(f"cannot read the saved session {path.name}: {str(error)[:200]}") from None
     if metadata.get("digest") != _digest(metadata, tensors):
         raise InvalidSessionFile(f"{path.name} is corrupted: its contents do not match their checksum")
+    if not engine.store.make_room(extra):  # only now, for a file known good, are idle caches evicted
+        raise _over_budget(engine, "restoring", cached, extra)
     session = engine.session()
     session.history = history
-    cache = session.cache
-    cache.reserve(cached)
-    for layer in range(len(engine.store.layers)):
-        cache.keys[layer][0, :, :cached] = tensors[f"keys.{layer}"]
-        cache.values[layer][0, :, :cached] = tensors[f"values.{layer}"]
-    cache.length = cached
+    if cached:
+        cache = session.cache
+        cache.reserve(cached)
+        for layer in range(len(engine.store.layers)):
+            cache.keys[layer][0, :, :cached] = tensors[f"keys.{layer}"]
+            cache.values[layer][0, :, :cached] = tensors[f"values.{layer}"]
+        cache.length = cached
     return session
+
+
+def _over_budget(engine, doing: str, cached: int, extra: int) -> CacheBudgetExceeded:
+    return CacheBudgetExceeded(
+        f"{doing} {cached} cached tokens needs {extra} bytes, more than the cache budget leaves "
+        f"({engine.cache_budget_bytes} bytes)", limit="cache_budget_bytes", max=engine.cache_budget_bytes,
+        value=engine.store.used_bytes + extra)
 
 
 def fork(session):
@@ -103,14 +111,12 @@ def fork(session):
     engine, cache = session.engine, session.cache
     extra = cache.length * engine.store.bytes_per_token
     if not engine.store.make_room(extra, keep=cache):
-        raise CacheBudgetExceeded(
-            f"forking {cache.length} cached tokens needs {extra} bytes, more than the cache budget leaves "
-            f"({engine.cache_budget_bytes} bytes)", limit="cache_budget_bytes", max=engine.cache_budget_bytes,
-            value=engine.store.used_bytes + extra)
+        raise _over_budget(engine, "forking", cache.length, extra)
     twin = engine.session()
     twin.history = list(session.history)
-    twin.cache.reserve(cache.length)
-    twin.cache.copy_prefix(cache)
+    if cache.length:
+        twin.cache.reserve(cache.length)
+        twin.cache.copy_prefix(cache)
     return twin
 
 
@@ -152,6 +158,9 @@ def _check_header(engine, metadata, name: str) -> tuple[list[int], int]:
     if not (isinstance(history, list) and all(type(t) is int and 0 <= t < engine.vocab_size for t in history)
             and type(cached) is int and 0 <= cached <= len(history)):
         raise InvalidSessionFile(f"{name} has a malformed history")
+    if engine.max_context is not None and len(history) > engine.max_context:
+        raise InvalidSessionFile(f"{name} holds {len(history)} tokens, more than the model's context of "
+                                 f"{engine.max_context}")
     return history, cached
 
 

@@ -165,3 +165,67 @@ def test_a_save_that_cannot_be_written_leaves_nothing_behind(engine, tmp_path):
         with pytest.raises(SaveFailed, match="cannot write"):
             session.save(tmp_path / "taken.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.safetensors"]
+
+
+def test_a_session_without_a_cache_saves_and_restores_its_history(default_dir, tmp_path):
+    """Never generated, evicted, or emptied by a failed call: the history comes back, the cache recomputes."""
+    import processors as P
+
+    engine = Engine.load(default_dir, cache_budget_bytes=30 * 4096)
+    with engine.session() as empty, engine.session() as evicted, engine.session() as failed:
+        empty.save(tmp_path / "empty.safetensors")
+        evicted.generate(token_ids=PROMPT[:12], max_new_tokens=4, eos_token_ids=[])
+        with engine.session() as other:  # takes the budget: `evicted` loses its cache, keeps its history
+            other.generate(token_ids=PROMPT[20:40], max_new_tokens=4, eos_token_ids=[])
+        assert evicted.cached == 0 and len(evicted.history) == 16
+        evicted.save(tmp_path / "evicted.safetensors")
+        with pytest.raises(Exception):
+            failed.generate(token_ids=PROMPT[:4], processors=[P.configure(P.SuppressTokens, token_ids=list(range(1024)))])
+        failed.save(tmp_path / "failed.safetensors")
+        history = list(evicted.history)
+    for name, expected in (("empty", []), ("evicted", history), ("failed", [])):
+        with engine.restore(tmp_path / f"{name}.safetensors") as restored:
+            assert restored.history == expected and restored.cached == 0
+            follow = expected + [7, 8]
+            assert restored.generate(token_ids=follow, max_new_tokens=4, eos_token_ids=[]).token_ids == cold(engine, follow, 4)
+    assert engine.stats()["sessions"] == 0
+
+
+def test_a_refused_fork_or_restore_evicts_nobody(default_dir, tmp_path):
+    engine = Engine.load(default_dir, cache_budget_bytes=64 * 4096)
+    with engine.session() as big, engine.session() as small:
+        big.generate(token_ids=PROMPT[:36], max_new_tokens=4, eos_token_ids=[])
+        small.generate(token_ids=PROMPT[40:44], max_new_tokens=2, eos_token_ids=[])
+        big.save(tmp_path / "big.safetensors")
+        cached = (big.cached, small.cached)
+        with pytest.raises(CacheBudgetExceeded):
+            big.fork()
+        corrupt(tmp_path / "big.safetensors", 10)
+        with pytest.raises(InvalidSessionFile, match="corrupted"):
+            engine.restore(tmp_path / "big.safetensors")
+        assert (big.cached, small.cached) == cached and engine.stats()["evictions"] == 0
+
+
+def test_headers_that_are_too_deep_or_too_long_are_refused(engine, saved, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    import json
+
+    path = saved[0]
+    with safe_open(str(path), "pt") as file:
+        metadata = json.loads(file.metadata()["session"])
+        tensors = {k: file.get_tensor(k) for k in file.keys()}
+    save_file(tensors, str(tmp_path / "deep.safetensors"), metadata={"session": "[" * 100_000 + "]" * 100_000})
+    with pytest.raises(InvalidSessionFile, match="cannot read"):
+        engine.restore(tmp_path / "deep.safetensors")
+    long = {**metadata, "history": [5] * (engine.max_context + 1)}
+    save_file(tensors, str(tmp_path / "long.safetensors"), metadata={"session": json.dumps(long)})
+    with pytest.raises(InvalidSessionFile, match="more than the model's context"):
+        engine.restore(tmp_path / "long.safetensors")
+
+
+def test_a_save_into_a_missing_directory_is_save_failed(engine, tmp_path):
+    with engine.session() as session:
+        session.generate(token_ids=PROMPT[:6], max_new_tokens=1, eos_token_ids=[])
+        with pytest.raises(SaveFailed, match="cannot write"):
+            session.save(tmp_path / "missing" / "x.safetensors")
