@@ -30,19 +30,20 @@ def check_logits(logits, chain, shape: torch.Size) -> None:
     """Raises `InvalidLogits` unless the processed logits are a tensor of the model's `shape` with a finite
     maximum to sample or argmax from.
 
-    One reduction per step: the maximum is -inf when every token was removed, and +inf or NaN when any
-    logit is (NaN propagates through max).
+    One reduction per step, then two over the rows: a row's maximum is -inf when every token of it was
+    removed, and +inf or NaN when any logit is (NaN propagates through max).
     """
     if not isinstance(logits, torch.Tensor) or logits.shape != shape or not logits.dtype.is_floating_point:
         got = f"{tuple(logits.shape)} {logits.dtype}" if isinstance(logits, torch.Tensor) else type(logits).__name__
         names = _names(chain)
         raise InvalidLogits(f"the processors ({names}) returned {got}, not logits of shape {tuple(shape)}",
                             processors=names)
-    top = float(logits.max())
-    if top == float("-inf"):
-        problem = "every token was removed (all logits are -inf)"
-    elif top != top or top == float("inf"):
+    tops = logits.amax(dim=-1)  # per row: one row with nothing left must not hide behind the others
+    top, bottom = float(tops.max()), float(tops.min())
+    if top != top or top == float("inf"):
         problem = "a logit is +inf or NaN (a scale overflowed float32?)"
+    elif bottom == float("-inf"):
+        problem = "every token was removed (all logits of a row are -inf)"
     else:
         return
     names = _names(chain)

@@ -37,23 +37,41 @@ CACHE_BYTES = 512 * 2**20  # compiled automata kept for reuse, least recently us
 
 SENTINEL, SENTINEL_REGEX = "\U0010FFFF", r"\x{10FFFF}"  # a noncharacter: no real text ends with it
 
+MAX_FAILURES = 1024  # constraints remembered as impossible to compile
+MAX_REGEX_CHARS = 4_000_000  # a schema's regex, built in the child
+
 _cache: OrderedDict[tuple, TokenAutomaton] = OrderedDict()
+_failures: OrderedDict[tuple, tuple[str, bool, float]] = OrderedDict()  # (message, timed out, timeout)
 _cache_lock = threading.Lock()
 
 
-def compile_regex(pattern: str, vocabulary: Vocabulary, timeout_s: float) -> TokenAutomaton:
-    """The automaton of `pattern` over `vocabulary`, from the cache or compiled now.
+def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float) -> TokenAutomaton:
+    """The automaton of `source` over `vocabulary`, from the cache or compiled now. `source` is
+    ("regex", pattern) or ("json_schema", schema text): a schema becomes its regex in the child too,
+    because that regex can grow exponentially with the schema (4x per level of nested arrays).
 
     Raises `InvalidOption` when the vocabulary cannot write any match, when compiling takes longer than
-    `timeout_s` or more memory than `COMPILE_MEMORY_BYTES`.
+    `timeout_s` or more memory than `COMPILE_MEMORY_BYTES`. A failure is remembered like a success, so
+    asking again costs nothing (unless with a longer timeout, after a timeout).
     """
-    key = (pattern, vocabulary.fingerprint)
+    key = (source, vocabulary.fingerprint)
     with _cache_lock:
         found = _cache.get(key)
         if found is not None:
             _cache.move_to_end(key)
-            return found
-    initial, sources, tokens, targets, accepting = _in_child(pattern, vocabulary, timeout_s)
+        failed = _failures.get(key)
+    if found is not None:
+        return found
+    if failed is not None and not (failed[1] and timeout_s > failed[2]):
+        raise InvalidOption(failed[0])
+    try:
+        initial, sources, tokens, targets, accepting = _in_child(source, vocabulary, timeout_s)
+    except InvalidOption as error:
+        with _cache_lock:
+            _failures[key] = (str(error), "compile_timeout_s" in str(error), timeout_s)
+            while len(_failures) > MAX_FAILURES:
+                _failures.popitem(last=False)
+        raise
     live = _reaching(accepting, sources, targets)
     if initial not in live:
         raise InvalidOption("the vocabulary cannot write any text that matches the constraint")
@@ -67,9 +85,10 @@ def compile_regex(pattern: str, vocabulary: Vocabulary, timeout_s: float) -> Tok
     return automaton
 
 
-def is_compiled(pattern: str, vocabulary: Vocabulary) -> bool:
+def is_compiled(source: tuple[str, str], vocabulary: Vocabulary) -> bool:
+    """Whether binding `source` to `vocabulary` takes no compiling: compiled, or known to fail."""
     with _cache_lock:
-        return (pattern, vocabulary.fingerprint) in _cache
+        return (source, vocabulary.fingerprint) in _cache or (source, vocabulary.fingerprint) in _failures
 
 
 def _reaching(accepting, sources: np.ndarray, targets: np.ndarray) -> set[int]:
@@ -90,10 +109,10 @@ def _reaching(accepting, sources: np.ndarray, targets: np.ndarray) -> set[int]:
     return set(labels[sorted(live)].tolist())
 
 
-def _in_child(pattern: str, vocabulary: Vocabulary, timeout_s: float):
+def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float):
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_compile_child, args=(pattern, vocabulary, timeout_s, sender), daemon=True)
+    child = context.Process(target=_compile_child, args=(source, vocabulary, timeout_s, sender, receiver.fileno()), daemon=True)
     child.start()
     sender.close()
     try:
@@ -115,13 +134,25 @@ def _in_child(pattern: str, vocabulary: Vocabulary, timeout_s: float):
     return payload
 
 
-def _compile_child(pattern: str, vocabulary: Vocabulary, timeout_s: float, sender) -> None:
+def _compile_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, sender, receiving: int) -> None:
     """Runs in the child: outlines-core's index of the pattern and the sentinel, sent back as arrays of the
     text tokens' transitions, and the states where the sentinel may come (where the pattern may end)."""
+    pattern = source[1]
     try:
+        _detach(sender.fileno(), receiving)
         _cap_memory(COMPILE_MEMORY_BYTES)
         # the parent kills it after `timeout_s`; if the parent is gone first, the kernel does
         resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(timeout_s) + 1, math.ceil(timeout_s) + 2))
+        if source[0] == "json_schema":
+            from outlines_core.json_schema import build_regex_from_schema
+
+            try:
+                pattern = build_regex_from_schema(source[1])
+            except Exception as error:  # outlines-core names the part of the schema it does not support
+                raise ValueError(f"option 'schema' cannot be compiled: {error}") from None
+            if len(pattern) > MAX_REGEX_CHARS:
+                raise ValueError(f"the schema's regular expression has {len(pattern):,} characters, more than "
+                                 f"{MAX_REGEX_CHARS:,} (limit max_regex_chars): nest less deeply")
         sentinel, end = vocabulary.size, vocabulary.size + 1  # ids no token has
         tokens_by_bytes = vocabulary.text_tokens()
         tokens_by_bytes.setdefault(SENTINEL.encode(), []).append(sentinel)
@@ -148,6 +179,23 @@ def _compile_child(pattern: str, vocabulary: Vocabulary, timeout_s: float, sende
     finally:
         sender.close()
         os._exit(0)
+
+
+def _detach(keep: int, receiving: int) -> None:
+    """In the child: drop every descriptor it inherited but its end of the pipe (the server's protocol
+    output among them, or the client would not see EOF while a child lives), and die with its parent."""
+    os.close(receiving)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):
+        os.dup2(null, fd)
+    os.closerange(3, keep)
+    os.closerange(keep + 1, 65536)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: Linux only
+    except (OSError, AttributeError):
+        pass
 
 
 def _cap_memory(extra: int) -> None:

@@ -63,8 +63,8 @@ def _schema(name, value) -> str:
         _pattern(name, value)
         try:
             value = json.loads(value)
-        except ValueError as error:
-            raise InvalidOption(f"option {name!r} is not valid JSON: {error}") from None
+        except (ValueError, RecursionError) as error:
+            raise InvalidOption(f"option {name!r} is not valid JSON: {str(error)[:200]}") from None
     if not isinstance(value, (dict, bool)):
         raise InvalidOption(f"option {name!r} must be a JSON schema (an object), got {checks._shown(value)}")
     try:  # a map from msgpack may hold what JSON cannot (bytes, NaN, non-string keys)
@@ -76,8 +76,29 @@ def _schema(name, value) -> str:
     try:
         jsonschema.validators.validator_for(value).check_schema(value)
     except jsonschema.SchemaError as error:
-        raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message}") from None
+        raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message[:300]}") from None
+    except RecursionError:
+        raise InvalidOption(f"option {name!r} nests too deeply to be checked") from None
+    _check_property_names(name, value)
     return _pattern(name, text)
+
+
+def _check_property_names(name: str, schema) -> None:
+    """outlines-core writes property names into its regex unescaped: a quote, a backslash or a control
+    character in one would make every generated object invalid JSON, so such names are refused."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            properties = node.get("properties")
+            if isinstance(properties, dict):
+                bad = [key for key in properties if any(c in key for c in '"\\') or any(ord(c) < 32 for c in key)]
+                if bad:
+                    raise InvalidOption(f"option {name!r}: property name {bad[0][:40]!r} holds a quote, a backslash or "
+                                        f"a control character, which the JSON-schema compiler does not escape")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def _timeout(name, value) -> float:
@@ -113,7 +134,7 @@ _transitions.schema = {"type": "array", "minItems": 1, "maxItems": MAX_TRANSITIO
 
 
 def _states(name, value) -> tuple[int, ...]:
-    if not isinstance(value, (list, tuple)) or not all(checks._is_int(x) and x >= 0 for x in value):
+    if not isinstance(value, (list, tuple)) or not all(checks._is_int(x) and 0 <= x <= checks.MAX_TOKEN_ID for x in value):
         raise InvalidOption(f"option {name!r} must be a list of states (integers >= 0), got {checks._shown(value)}")
     return tuple(sorted(set(int(x) for x in value)))
 
@@ -153,15 +174,16 @@ def _compile_timeout():
 class RegularConstraint(Constraint):
     """A constraint that is a regular language: compiled from one regex by outlines-core."""
 
-    def regex(self) -> str:
+    def source(self) -> tuple[str, str]:
+        """("regex", pattern) or ("json_schema", schema text): what the compiler is given."""
         raise NotImplementedError
 
     def automaton(self, vocabulary):
-        return compile_regex(self.regex(), vocabulary, self.compile_timeout_s)
+        return compile_regex(self.source(), vocabulary, self.compile_timeout_s)
 
     def compiled_for(self, vocabulary) -> bool:
-        """Whether binding to `vocabulary` takes no compiling (an earlier call compiled the same pattern)."""
-        return is_compiled(self.regex(), vocabulary)
+        """Whether binding to `vocabulary` takes no compiling (an earlier call compiled the same constraint)."""
+        return is_compiled(self.source(), vocabulary)
 
 
 @dataclass(frozen=True)
@@ -175,8 +197,8 @@ class Regex(RegularConstraint):
     def validate(self):
         _check_syntax(self.pattern, "pattern")
 
-    def regex(self):
-        return self.pattern
+    def source(self):
+        return ("regex", unanchored(self.pattern))
 
 
 @dataclass(frozen=True)
@@ -187,8 +209,8 @@ class Choice(RegularConstraint):
     options: tuple[str, ...] = option("the texts to choose from", check=_choices)
     compile_timeout_s: float = _compile_timeout()
 
-    def regex(self):
-        return "(" + "|".join(map(escape, self.options)) + ")"
+    def source(self):
+        return ("regex", "(" + "|".join(map(escape, self.options)) + ")")
 
 
 @dataclass(frozen=True)
@@ -200,16 +222,8 @@ class JsonSchema(RegularConstraint):
     schema: str = option("the JSON schema, as a map or as JSON text", check=_schema)
     compile_timeout_s: float = _compile_timeout()
 
-    def validate(self):
-        self.regex()
-
-    def regex(self):
-        from outlines_core.json_schema import build_regex_from_schema
-
-        try:
-            return build_regex_from_schema(self.schema)
-        except Exception as error:  # outlines-core names the part of the schema it does not support
-            raise InvalidOption(f"option 'schema' cannot be compiled: {error}") from None
+    def source(self):
+        return ("json_schema", self.schema)  # its regex is built by the compiling child: it can be huge
 
 
 @dataclass(frozen=True)
@@ -264,6 +278,20 @@ class AutomatonProcessor(LogitsProcessor):
             if bool(stuck.any()):
                 logits[stuck.nonzero()[:, :1], self.eos_token_ids] = 0.0
         return state, logits
+
+
+def unanchored(pattern: str) -> str:
+    """The whole text must match anyway: a leading `^`/`\A` and a trailing `$`/`\z`, which the compiler
+    cannot take, are dropped."""
+    if pattern.startswith("^"):
+        pattern = pattern[1:]
+    elif pattern.startswith("\\A"):
+        pattern = pattern[2:]
+    if pattern.endswith("\\z") and not pattern.endswith("\\\\z"):
+        pattern = pattern[:-2]
+    elif pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1]
+    return pattern
 
 
 _META = set(r"\.+*?()|[]{}^$#&-~")

@@ -280,7 +280,9 @@ def test_grammar_texts_are_balanced_through_reorders(vocab, tokenizer):
     (JsonSchema, {"schema": {"type": "no such type"}}, "not a valid JSON schema"),
     (JsonSchema, {"schema": {"const": b"bytes"}}, "is not JSON"),
     (JsonSchema, {"schema": {"const": float("nan")}}, "is not JSON"),
-    (JsonSchema, {"schema": {1: "a", "b": 2}}, "cannot be compiled"),
+    (JsonSchema, {"schema": {"properties": {'a"b': {"type": "boolean"}}}}, "property name"),
+    (JsonSchema, {"schema": "[" * 50_000 + "]" * 50_000}, "not valid JSON|nests too deeply"),
+    (Dfa, {"initial_state": 0, "transitions": [[0, 1, 1]], "accepting_states": [2**63]}, "accepting_states"),
     (Grammar, {"grammar": "start: undefined_rule"}, "not a valid Lark grammar"),
     (Dfa, {"initial_state": 0, "transitions": [[0, 1]]}, "state, token_id, next_state"),
     (Dfa, {"initial_state": -1, "transitions": [[0, 1, 1]]}, "initial_state"),
@@ -300,6 +302,29 @@ def test_what_only_binding_can_tell_is_refused_when_bound(vocab):
         configure(Regex, pattern="c+").bind(tiny, [2])
     with pytest.raises(P.ProcessorError, match="not bound to a vocabulary"):
         Chain([configure(Regex, pattern="a")]).init(Context(torch.zeros(1, 2, dtype=torch.long), 1, 1, 1024))
+
+
+def test_what_only_compiling_can_tell_is_refused_when_bound_and_remembered(vocab):
+    """A schema's regex grows 4x per level of nested arrays: it is built in the bounded child, and a
+    failure is remembered, so asking again costs nothing."""
+    nested = '{"type":"array","items":' * 31 + '{"type":"integer"}' + "}" * 31
+    started = time.perf_counter()
+    with pytest.raises(P.InvalidOption, match="max_regex_chars|MiB|compile_timeout_s"):
+        configure(JsonSchema, schema=nested, compile_timeout_s=20).bind(vocab, [EOS])
+    first = time.perf_counter() - started
+    started = time.perf_counter()
+    with pytest.raises(P.InvalidOption, match="max_regex_chars|MiB|compile_timeout_s"):
+        configure(JsonSchema, schema=nested, compile_timeout_s=20).bind(vocab, [EOS])
+    assert time.perf_counter() - started < first / 10
+    with pytest.raises(P.InvalidOption, match="cannot be compiled"):
+        configure(JsonSchema, schema={1: "a", "b": 2}).bind(vocab, [EOS])
+
+
+def test_anchors_mean_what_fullmatch_means_already(vocab, tokenizer):
+    for pattern in (r"^[0-9]{3}$", r"\A[0-9]{3}\z"):
+        chain = Chain([configure(Regex, pattern=pattern)]).bind(vocab, [EOS])
+        for ids in run_chain(chain, 4, 10, 1024, seed=1):
+            assert regex.fullmatch(r"[0-9]{3}", tokenizer.decode(ids))
 
 
 def test_a_pathological_pattern_is_stopped_by_its_timeout(vocab):

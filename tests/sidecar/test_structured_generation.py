@@ -170,3 +170,18 @@ def test_a_bad_constraint_changes_nothing(engine):
                 session.generate("Hello", max_new_tokens=4, processors=[bad])
             assert session.history == history
         assert session.generate("Hello", max_new_tokens=4).token_ids == before.token_ids
+
+
+def test_a_sample_row_left_with_nothing_is_invalid_logits_not_a_crash(engine):
+    """min_new_tokens bans EOS where the choice can only end: every sample row is empty at once, or only
+    some; either way the call fails typed and the session is as it was."""
+    from processors import MinNewTokens
+    from sidecar.errors import InvalidLogits
+
+    with engine.session() as session:
+        for rows in (1, 2, 4, 8):
+            with pytest.raises(InvalidLogits, match="a row"):
+                session.generate("x", max_new_tokens=10, strategy="sample", seed=3, num_samples=rows,
+                                 processors=[configure(Choice, options=["ab"]),
+                                             configure(MinNewTokens, min_new_tokens=5, eos_token_ids=[2])])
+            assert session.history == []
