@@ -166,7 +166,27 @@ class InPlace(Backend):
         return self.buffer.copy_(logits)
 
 
-class LLGuidance(InPlace):
+class Matchers(InPlace):
+    """A backend with one matcher per row, moved token by token, whose masks go through a bitmask."""
+
+    def start(self, rows, logits, steps):
+        self.matchers = [self.new_matcher() for _ in range(rows)]
+        self.pairs = [(m, i) for i, m in enumerate(self.matchers)]  # each matcher with its row
+        self.bitmask = self.allocate(rows)
+        return self.mask(self.work(logits))
+
+    def prepare(self, tokens, logits):
+        work = self.work(logits)
+
+        def step():
+            for matcher, token in zip(self.matchers, tokens.tolist()):
+                self.consume(matcher, token)
+            return self.mask(work)
+
+        return step
+
+
+class LLGuidance(Matchers):
     name = "llguidance"
 
     def __init__(self, tokenizer, size: int):
@@ -185,11 +205,14 @@ class LLGuidance(InPlace):
         matcher = self.llg.LLMatcher(self.tokenizer, self.grammar)
         assert not matcher.is_error(), matcher.get_error()
 
-    def start(self, rows, logits, steps):
-        self.matchers = [self.llg.LLMatcher(self.tokenizer, self.grammar) for _ in range(rows)]
-        self.pairs = [(m, i) for i, m in enumerate(self.matchers)]
-        self.bitmask = self.kernels.allocate_token_bitmask(rows, self.size)
-        return self.mask(self.work(logits))
+    def new_matcher(self):
+        return self.llg.LLMatcher(self.tokenizer, self.grammar)
+
+    def allocate(self, rows):
+        return self.kernels.allocate_token_bitmask(rows, self.size)
+
+    def consume(self, matcher, token):
+        matcher.consume_token(token)
 
     def mask(self, logits):
         if len(self.matchers) == 1:
@@ -198,16 +221,6 @@ class LLGuidance(InPlace):
             self.kernels.fill_next_token_bitmask_par(self.executor, self.pairs, self.bitmask)
         self.kernels.apply_token_bitmask_inplace(logits, self.bitmask)
         return logits
-
-    def prepare(self, tokens, logits):
-        work = self.work(logits)
-
-        def step():
-            for matcher, token in zip(self.matchers, tokens.tolist()):
-                matcher.consume_token(token)
-            return self.mask(work)
-
-        return step
 
 
 class Outlines(InPlace):
@@ -247,7 +260,7 @@ class Outlines(InPlace):
         return lambda: self.processor(ids, work)
 
 
-class XGrammar(InPlace):
+class XGrammar(Matchers):
     name = "xgrammar"
 
     def __init__(self, tokenizer, size: int):
@@ -263,10 +276,14 @@ class XGrammar(InPlace):
     def compile(self):
         self.compiled = self.compiler.compile_json_schema(SCHEMA_TEXT)
 
-    def start(self, rows, logits, steps):
-        self.matchers = [self.xgr.GrammarMatcher(self.compiled) for _ in range(rows)]
-        self.bitmask = self.xgr.allocate_token_bitmask(rows, self.size)
-        return self.mask(self.work(logits))
+    def new_matcher(self):
+        return self.xgr.GrammarMatcher(self.compiled)
+
+    def allocate(self, rows):
+        return self.xgr.allocate_token_bitmask(rows, self.size)
+
+    def consume(self, matcher, token):
+        matcher.accept_token(token)
 
     def mask(self, logits):
         if len(self.matchers) == 1:
@@ -275,16 +292,6 @@ class XGrammar(InPlace):
             self.batch.batch_fill_next_token_bitmask(self.matchers, self.bitmask)
         self.xgr.apply_token_bitmask_inplace(logits, self.bitmask)
         return logits
-
-    def prepare(self, tokens, logits):
-        work = self.work(logits)
-
-        def step():
-            for matcher, token in zip(self.matchers, tokens.tolist()):
-                matcher.accept_token(token)
-            return self.mask(work)
-
-        return step
 
 
 BACKENDS = (Ours, LLGuidance, Outlines, XGrammar)

@@ -25,9 +25,10 @@ from .tokens import (
 )
 
 __all__ = [
-    "ArrayProcessor", "BUILTINS", "Chain", "Choice", "Context", "Dfa", "Grammar", "JsonSchema", "Regex", "Vocabulary", "ForcedBOS", "ForcedEOS", "FrequencyPenalty",
-    "FunctionProcessor", "InvalidInput", "InvalidOption", "LogitsProcessor", "MinLength", "MinNewTokens", "MinP",
-    "NoBadWords", "NoRepeatNGram", "PresencePenalty", "ProcessorError", "RepetitionPenalty", "SequenceBias",
-    "StatelessProcessor", "SuppressTokens", "SuppressTokensAtBegin", "Temperature", "TopK", "TopP", "TypicalP",
-    "catalogue", "configure", "describe", "from_name", "option",
+    "ArrayProcessor", "BUILTINS", "Chain", "Choice", "Context", "Dfa", "ForcedBOS", "ForcedEOS",
+    "FrequencyPenalty", "FunctionProcessor", "Grammar", "InvalidInput", "InvalidOption", "JsonSchema",
+    "LogitsProcessor", "MinLength", "MinNewTokens", "MinP", "NoBadWords", "NoRepeatNGram", "PresencePenalty",
+    "ProcessorError", "Regex", "RepetitionPenalty", "SequenceBias", "StatelessProcessor", "SuppressTokens",
+    "SuppressTokensAtBegin", "Temperature", "TopK", "TopP", "TypicalP", "Vocabulary", "catalogue", "configure",
+    "describe", "from_name", "option",
 ]

@@ -7,7 +7,7 @@ from typing import Callable, Iterable, Union
 import torch
 
 from .contract import Context, FunctionProcessor, LogitsProcessor
-from .errors import InvalidInput, InvalidOption
+from .errors import InvalidInput, InvalidOption, ProcessorError
 
 Item = Union[LogitsProcessor, Callable[[torch.Tensor, Context], torch.Tensor]]
 
@@ -45,8 +45,14 @@ class Chain:
         and leave it nothing. transformers runs its logits processors before its sampling warpers, and
         vLLM applies its grammar bitmask before sampling, for the same reason.
         """
-        ordered = constraints_first(self.processors)
-        return Chain(p.bind(vocabulary, eos_token_ids, device, after_others=i > 0) for i, (_, p) in enumerate(ordered))
+        ordered = sorted(enumerate(self.processors), key=lambda pair: not pair[1].constrains)
+        bound = []
+        for position, (index, processor) in enumerate(ordered):
+            try:
+                bound.append(processor.bind(vocabulary, eos_token_ids, device, after_others=position > 0))
+            except ProcessorError as error:
+                raise type(error)(f"processors[{index}] ({processor.name}): {error}", index=index) from error
+        return Chain(bound)
 
     def init(self, context: Context) -> tuple:
         check_context(context)
@@ -68,11 +74,6 @@ class Chain:
     def reorder(self, states: tuple, index: torch.Tensor) -> tuple:
         """Selects or reorders batch rows of every state (beam search, dropping finished rows)."""
         return tuple(p.reorder(s, index) for p, s in zip(self.processors, states))
-
-
-def constraints_first(processors) -> list[tuple[int, LogitsProcessor]]:
-    """(index given, processor) pairs: the constraints first, then the others, each in their given order."""
-    return sorted(enumerate(processors), key=lambda pair: not pair[1].constrains)
 
 
 def check_state(state, rows: int, owner: str, path: str = "state") -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 import processors as proc
-from processors.chain import constraints_first
 from processors.structured import Vocabulary
 
 from . import attention, chat, models, persist
@@ -186,22 +185,14 @@ class Engine:
             index = next(i for i, p in enumerate(chain.processors) if p.max_token_id() >= self.vocab_size)
             raise InvalidProcessor(f"processors[{index}] names token id {chain.processors[index].max_token_id()}, "
                                    f"outside the vocabulary of {self.vocab_size}", index=index)
-        chain = self._bind(chain, eos)
+        try:  # constraints compile against the vocabulary (cached per constraint) and move to the front
+            chain = chain.bind(self.vocabulary, eos, self.model.device)
+        except proc.ProcessorError as error:
+            raise InvalidProcessor(str(error), index=error.index) from error
         rows = self._check_rows(strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty, early_stopping)
         if rows.get("num_beams") == 1:  # one beam is greedy search, as in transformers
             strategy, rows = "greedy", {}
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows)
-
-    def _bind(self, chain: proc.Chain, eos: frozenset[int]) -> proc.Chain:
-        """The chain compiled for this model (`Chain.bind`, with errors naming the processor as given):
-        constraints compiled against its vocabulary (cached per constraint) and run first."""
-        bound = []
-        for position, (index, processor) in enumerate(constraints_first(chain.processors)):
-            try:
-                bound.append(processor.bind(self.vocabulary, eos, self.model.device, after_others=position > 0))
-            except proc.ProcessorError as error:
-                raise InvalidProcessor(f"processors[{index}] ({processor.name}): {error}", index=index) from error
-        return proc.Chain(bound)
 
     @functools.cached_property
     def fingerprint(self) -> str:

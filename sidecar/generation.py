@@ -8,8 +8,9 @@ engine's scheduler until the run has an event, so a lone Python caller and the s
 machine.
 
 Several rows: `num_samples` or `num_beams`. The prompt is prefilled once in the session's own cache,
-which the rows of a working cache then share as their prefix, or copy when it is short. Rows that finish are dropped (their cache rows and
-processor states go with one index, `Chain.reorder`); beams are reordered the same way every step.
+which the rows of a working cache then share as their prefix, or copy when it is short. Rows that
+finish are dropped (their cache rows and processor states go with one index, `Chain.reorder`); beams
+are reordered the same way every step.
 The session keeps the prompt's cache and, as its history, the prompt plus the first sequence.
 """
 

@@ -4,9 +4,10 @@ A `KVCache` holds the keys and values of `rows` sequences that share one length 
 row, or the beams / samples of one generation), as one tensor per layer and kind shaped
 [rows, kv_heads, capacity, head_dim]. The rows of beams and samples continue one prompt: their cache
 holds only what they generate, after a `prefix` (the session's cache of the prompt), which all rows
-read and nobody copies (when the prompt is long enough for that to pay; a short one is copied). Capacity is reserved up front for a whole generation, so a
-decode step writes in place (no concatenation), cropping to a shorter prefix is setting `length`, and
-following beam search or dropping finished rows is one `index_select` on the row dimension.
+read and nobody copies (when the prompt is long enough for that to pay; a short one is copied).
+Capacity is reserved up front for a whole generation, so a decode step writes in place (no
+concatenation), cropping to a shorter prefix is setting `length`, and following beam search or
+dropping finished rows is one `index_select` on the row dimension.
 
 The store accounts the bytes of every cache's capacity. A reservation that would pass the budget first
 evicts the least recently used caches that no generation holds (`pinned`); if that is not enough it

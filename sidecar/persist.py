@@ -1,11 +1,11 @@
 """A session saved to one file and restored from it, also in another process.
 
 The file is safetensors: each layer's keys and values of the cached tokens as tensors, and in its header
-the metadata as JSON (the format, the token history, what the model is, the dtype, and a digest of the
-tensors' bytes). safetensors checks that the header and the tensors fit the file, so a truncated file is
-refused; the checksum catches bytes changed inside the tensors or the history, which nothing else would. A file written
-for another model (weights, config or tokenizer) or dtype is refused: its keys and values would be
-silently wrong for this one.
+the metadata as JSON (the format, the token history, what the model is, the dtype, and a checksum of it
+all). safetensors checks that the header and the tensors fit the file, so a truncated file is refused;
+the checksum catches bytes changed inside the tensors or the history, which nothing else would. A file
+written for another model (weights, config or tokenizer) or dtype is refused: its keys and values would
+be silently wrong for this one.
 """
 
 from __future__ import annotations

@@ -50,6 +50,7 @@ class Job:
     size: int  # bytes of its frame: what it holds in memory is bounded through them (max_queued_bytes)
     generation: Generation | None = None
     streamed: bool = False
+    processors: list | None = None  # a generate's, configured once it reaches the head of its queue
     compiling: bool = False  # its constraints are being compiled on another thread
     compiled: bool = False  # they are ready (or `problem` says why not)
     problem: SidecarError | None = None
@@ -207,7 +208,8 @@ class Server:
             return True
         _, session = self._session(name, job.request.id)
         engine = session.engine
-        missing = [(index, p) for index, p in enumerate(build_processors(job.request.params["processors"], job.request.id))
+        job.processors = build_processors(job.request.params["processors"], job.request.id)
+        missing = [(index, p) for index, p in enumerate(job.processors)
                    if isinstance(p, RegularConstraint) and not p.compiled_for(engine.vocabulary)]
         if not missing:
             job.compiled = True
@@ -255,7 +257,7 @@ class Server:
             p["prompt"], token_ids=p["token_ids"], messages=p["messages"], chat_template=p["chat_template"],
             add_generation_prompt=p["add_generation_prompt"], continue_final_message=p["continue_final_message"],
             max_new_tokens=p["max_new_tokens"], strategy=p["strategy"],
-            seed=p["seed"], processors=build_processors(p["processors"], job.request.id), stop=p["stop"],
+            seed=p["seed"], processors=job.processors, stop=p["stop"],
             eos_token_ids=p["eos_token_ids"], num_samples=p["num_samples"], num_beams=p["num_beams"],
             num_return_sequences=p["num_return_sequences"], length_penalty=p["length_penalty"],
             early_stopping=p["early_stopping"],

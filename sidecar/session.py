@@ -18,6 +18,7 @@ import torch
 
 import processors as proc
 
+from . import persist
 from .errors import SessionBusy, SessionClosed
 
 STRATEGIES = ("greedy", "sample", "beam")
@@ -177,14 +178,10 @@ class Session:
 
     def fork(self) -> "Session":
         """An independent session with this one's history and cache (copied, not recomputed)."""
-        from . import persist
-
         return persist.fork(self)
 
     def save(self, path) -> None:
         """Writes the history and the cache to `path` (safetensors); `Engine.restore(path)` brings it back."""
-        from . import persist
-
         persist.save(self, path)
 
     def _reuse(self, input_ids: list[int]) -> Checkpoint:

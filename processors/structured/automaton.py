@@ -2,9 +2,10 @@
 
 States are numbered 0..S-1 and `S` is the dead state (a token no transition allows leads there). A state's
 transitions are found by `searchsorted` on sorted keys `state * vocab + token`, so advancing every row is
-one vectorised lookup; a state's forbidden tokens are one row of a boolean table holding each distinct
-mask once (many states share one: every state inside a JSON string allows the same tokens). Both tables
-are built once per (constraint, vocabulary) and shared by every generation using them.
+one vectorised lookup; a state's forbidden tokens are one row of a table holding each distinct mask once
+(many states share one: every state inside a JSON string allows the same tokens), kept as booleans and
+bound, once per set of end tokens and device, into float bias rows that a step adds to the logits. All
+of it is built once per (constraint, vocabulary) and shared by every generation using them.
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ class TokenAutomaton:
     bound: dict = field(default_factory=dict, compare=False, repr=False)  # (eos ids, device) -> its masks
 
     def to(self, device) -> "TokenAutomaton":
-        """This automaton on `device`, copied once per device and shared like the original."""
+        """This automaton's transitions on `device` (what `advance` reads; masks are bound per device by
+        `masks`), copied once per device and shared like the original."""
         device = torch.device(device)
         if self.keys.device == device:
             return self
         if device not in self.copies:
             self.copies[device] = replace(self, keys=self.keys.to(device), targets=self.targets.to(device),
-                                          mask_of=self.mask_of.to(device), forbidden=self.forbidden.to(device),
-                                          ends=self.ends.to(device), copies={}, bound={})
+                                          copies={}, bound={})
         return self.copies[device]
 
     @property

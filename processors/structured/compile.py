@@ -8,12 +8,11 @@ pattern, and read "may end here" as "the sentinel may come next"; then every sta
 accepting state can be reached is cut (the half-written sentinel among them). The result is the pattern's
 language, as Python's `re.fullmatch` defines it.
 
-That work is polynomial for
-sane patterns but exponential for some (`(a|b)*a(a|b){30}`), and it runs in native code that a thread
-cannot interrupt, so it runs in a forked child: the parent waits `timeout_s` at most, then kills it, and
-the child's address space is capped so a pathological pattern fails instead of swapping the machine.
-Results are cached by (pattern, vocabulary fingerprint): every generation with the same constraint on the
-same model shares one automaton.
+That work is polynomial for sane patterns but exponential for some (`(a|b)*a(a|b){30}`), and it runs in
+native code that a thread cannot interrupt, so it runs in a forked child: the parent waits `timeout_s`
+at most, then kills it, and the child's address space is capped so a pathological pattern fails instead
+of swapping the machine. Results, failures included, are cached by (constraint, vocabulary
+fingerprint): every generation with the same constraint on the same model shares one automaton.
 """
 
 from __future__ import annotations
@@ -41,8 +40,12 @@ MAX_FAILURES = 1024  # constraints remembered as impossible to compile
 MAX_REGEX_CHARS = 4_000_000  # a schema's regex, built in the child
 
 _cache: OrderedDict[tuple, TokenAutomaton] = OrderedDict()
-_failures: OrderedDict[tuple, tuple[str, bool, float]] = OrderedDict()  # (message, timed out, timeout)
+_failures: OrderedDict[tuple, tuple[InvalidOption, float]] = OrderedDict()  # (the error, the timeout it had)
 _cache_lock = threading.Lock()
+
+
+class CompileTimedOut(InvalidOption):
+    """Compiling took longer than its timeout: a longer one may succeed, so this failure is retried."""
 
 
 def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float) -> TokenAutomaton:
@@ -62,27 +65,32 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
         failed = _failures.get(key)
     if found is not None:
         return found
-    if failed is not None and not (failed[1] and timeout_s > failed[2]):
-        raise InvalidOption(failed[0])
+    if failed is not None and not (isinstance(failed[0], CompileTimedOut) and timeout_s > failed[1]):
+        raise InvalidOption(str(failed[0]))
     try:
-        initial, sources, tokens, targets, accepting = _in_child(source, vocabulary, timeout_s)
+        automaton = _build(source, vocabulary, timeout_s)
     except InvalidOption as error:
         with _cache_lock:
-            _failures[key] = (str(error), "compile_timeout_s" in str(error), timeout_s)
+            _failures[key] = (error, timeout_s)
             while len(_failures) > MAX_FAILURES:
                 _failures.popitem(last=False)
         raise
-    live = _reaching(accepting, sources, targets)
-    if initial not in live:
-        raise InvalidOption("the vocabulary cannot write any text that matches the constraint")
-    kept = np.isin(targets, np.fromiter(live, dtype=np.int64))
-    automaton = TokenAutomaton.from_transitions(initial, sources[kept], tokens[kept], targets[kept], accepting,
-                                                vocabulary.size)
     with _cache_lock:
         _cache[key] = automaton
         while sum(a.nbytes for a in _cache.values()) > CACHE_BYTES and len(_cache) > 1:
             _cache.popitem(last=False)
     return automaton
+
+
+def _build(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float) -> TokenAutomaton:
+    """Compiles in the child, then keeps only the states from which the text can still be ended."""
+    initial, sources, tokens, targets, accepting = _in_child(source, vocabulary, timeout_s)
+    live = _reaching(accepting, sources, targets)
+    if initial not in live:
+        raise InvalidOption("the vocabulary cannot write any text that matches the constraint")
+    kept = np.isin(targets, np.fromiter(live, dtype=np.int64))
+    return TokenAutomaton.from_transitions(initial, sources[kept], tokens[kept], targets[kept], accepting,
+                                           vocabulary.size)
 
 
 def is_compiled(source: tuple[str, str], vocabulary: Vocabulary) -> bool:
@@ -117,8 +125,8 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float)
     sender.close()
     try:
         if not receiver.poll(timeout_s):
-            raise InvalidOption(f"compiling the constraint took longer than compile_timeout_s = {timeout_s:g} s "
-                                f"(limit compile_timeout_s)")
+            raise CompileTimedOut(f"compiling the constraint took longer than compile_timeout_s = {timeout_s:g} s "
+                                  f"(limit compile_timeout_s)")
         try:
             status, payload = receiver.recv()
         except EOFError:
@@ -189,7 +197,7 @@ def _detach(keep: int, receiving: int) -> None:
     for fd in (0, 1):
         os.dup2(null, fd)
     os.closerange(3, keep)
-    os.closerange(keep + 1, 65536)
+    os.closerange(keep + 1, max(os.sysconf("SC_OPEN_MAX"), keep + 1))  # no descriptor lies past the soft limit
     try:
         import ctypes
 

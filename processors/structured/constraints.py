@@ -7,14 +7,12 @@ state of that processor is one int64 automaton state per row, so `Chain.reorder`
 and `process` is a lookup and a mask, with no loop over rows and no hashing of histories.
 
 Only the generated tokens are constrained (the prompt is not), and the end-of-sequence tokens are allowed
-exactly in the states that may end: accepting ones, and any the vocabulary cannot leave, so a row never
-has nothing to choose.
+exactly in the states that may end: accepting ones, and any the vocabulary cannot leave.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -33,11 +31,7 @@ MAX_TRANSITIONS = 1_000_000
 NEG_INF = float("-inf")
 
 
-def _checked(check, schema):
-    check.schema = schema
-    return check
-
-
+@checks._with_schema({"type": "string", "minLength": 1, "maxLength": MAX_PATTERN_CHARS})
 def _pattern(name, value) -> str:
     if not isinstance(value, str) or not value:
         raise InvalidOption(f"option {name!r} must be a non-empty string, got {checks._shown(value)}")
@@ -47,6 +41,8 @@ def _pattern(name, value) -> str:
     return value
 
 
+@checks._with_schema({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
+                       "maxItems": MAX_CHOICES})
 def _choices(name, value) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) and v for v in value):
         raise InvalidOption(f"option {name!r} must be a non-empty list of non-empty strings, got {checks._shown(value)}")
@@ -56,6 +52,7 @@ def _choices(name, value) -> tuple[str, ...]:
     return tuple(value)
 
 
+@checks._with_schema({"anyOf": [{"type": "object"}, {"type": "string"}]})
 def _schema(name, value) -> str:
     """A JSON schema given as a map or as JSON text, kept as JSON text in the order it was declared (the
     order of `properties` is the order the generated object writes its keys in)."""
@@ -101,18 +98,11 @@ def _check_property_names(name: str, schema) -> None:
             stack.extend(node)
 
 
-def _timeout(name, value) -> float:
-    return checks.real_in(0.0, 300.0, low_open=True)(name, value)
-
-
-_timeout.schema = {"type": "number", "exclusiveMinimum": 0, "maximum": 300}
-_pattern.schema = {"type": "string", "minLength": 1, "maxLength": MAX_PATTERN_CHARS}
-_choices.schema = {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_CHOICES}
-_schema.schema = {"anyOf": [{"type": "object"}, {"type": "string"}]}
-
 STATE_ID = {"type": "integer", "minimum": 0, "maximum": checks.MAX_TOKEN_ID}
 
 
+@checks._with_schema({"type": "array", "minItems": 1, "maxItems": MAX_TRANSITIONS,
+                       "items": {"type": "array", "items": STATE_ID, "minItems": 3, "maxItems": 3}})
 def _transitions(name, value) -> tuple[tuple[int, int, int], ...]:
     if not isinstance(value, (list, tuple)) or not value:
         raise InvalidOption(f"option {name!r} must be a non-empty list of [state, token_id, next_state] triples")
@@ -129,17 +119,11 @@ def _transitions(name, value) -> tuple[tuple[int, int, int], ...]:
     return tuple(out)
 
 
-_transitions.schema = {"type": "array", "minItems": 1, "maxItems": MAX_TRANSITIONS,
-                       "items": {"type": "array", "items": STATE_ID, "minItems": 3, "maxItems": 3}}
-
-
+@checks._with_schema({"type": "array", "items": STATE_ID})
 def _states(name, value) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not all(checks._is_int(x) and 0 <= x <= checks.MAX_TOKEN_ID for x in value):
         raise InvalidOption(f"option {name!r} must be a list of states (integers >= 0), got {checks._shown(value)}")
     return tuple(sorted(set(int(x) for x in value)))
-
-
-_states.schema = {"type": "array", "items": STATE_ID}
 
 
 class Constraint(LogitsProcessor):
@@ -151,14 +135,19 @@ class Constraint(LogitsProcessor):
         raise NotImplementedError
 
     def bind(self, vocabulary: Vocabulary, eos_token_ids, device="cpu", after_others=True) -> LogitsProcessor:
-        eos = sorted(set(eos_token_ids))
+        eos = self.end_tokens(eos_token_ids)
+        automaton = self.automaton(vocabulary)
+        masks = automaton.masks(eos, device)
+        return AutomatonProcessor(self, automaton.to(device), masks, torch.tensor(eos, dtype=torch.long, device=device),
+                                  after_others)
+
+    def end_tokens(self, eos_token_ids) -> tuple[int, ...]:
+        """The end-of-sequence tokens, sorted: a constrained text cannot end without one."""
+        eos = tuple(sorted(set(eos_token_ids)))
         if not eos:
             raise InvalidOption(f"{self.name} needs an end-of-sequence token to end its text, and none is set "
                                 f"(eos_token_ids is empty)")
-        automaton = self.automaton(vocabulary)
-        masks = automaton.masks(tuple(eos), device)
-        return AutomatonProcessor(self, automaton.to(device), masks, torch.tensor(eos, dtype=torch.long, device=device),
-                                  after_others)
+        return eos
 
     def init(self, context: Context):
         raise ProcessorError(f"{self.name} is not bound to a vocabulary: call chain.bind(Vocabulary.from_tokenizer("
@@ -168,7 +157,8 @@ class Constraint(LogitsProcessor):
 
 
 def _compile_timeout():
-    return option("the longest compiling may take, in seconds (0, 300]", default=10.0, check=_timeout)
+    return option("the longest compiling may take, in seconds (0, 300]", default=10.0,
+                  check=checks.real_in(0.0, 300.0, low_open=True))
 
 
 class RegularConstraint(Constraint):

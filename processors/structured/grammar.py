@@ -36,25 +36,15 @@ class Grammar(Constraint):
             raise InvalidOption(f"option 'grammar' is not a valid Lark grammar: {problem}")
 
     def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True):
-        eos = sorted(set(eos_token_ids))
-        if not eos:
-            raise InvalidOption("grammar needs an end-of-sequence token to end its text, and none is set "
-                                "(eos_token_ids is empty)")
+        eos = self.end_tokens(eos_token_ids)
         return GrammarProcessor(self, vocabulary.llguidance_tokenizer(),
                                 torch.tensor(eos, dtype=torch.long, device=device))
 
 
-class MatcherPool:
-    """The matchers of one generation's rows. It rides on the state's shared (0-dim) tensor, so it lives
-    exactly as long as the state does."""
-
-    def __init__(self, matchers: list):
-        self.matchers = matchers
-
-
 @dataclass(frozen=True)
 class GrammarProcessor(LogitsProcessor):
-    """A grammar bound to a tokenizer. State: {"slot": int64 [rows], "pool": 0-dim tensor carrying the pool}."""
+    """A grammar bound to a tokenizer. State: {"slot": int64 [rows], "pool": a 0-dim tensor}. The rows'
+    matchers ride on the pool tensor (`pool.matchers`): shared by every row, it lives as long as the state."""
 
     name: ClassVar[str] = "grammar"
     constraint: Grammar = option("the grammar this runs")
@@ -67,13 +57,13 @@ class GrammarProcessor(LogitsProcessor):
         rows = context.sequence.shape[0]
         text = llguidance.LLMatcher.grammar_from_lark(self.constraint.grammar)
         pool = torch.tensor(0)
-        pool.matchers = MatcherPool([llguidance.LLMatcher(self.tokenizer, text) for _ in range(rows)])
+        pool.matchers = [llguidance.LLMatcher(self.tokenizer, text) for _ in range(rows)]
         return {"slot": torch.arange(rows, device=context.sequence.device), "pool": pool}
 
     def process(self, state, logits, context):
         import llguidance.torch as llg
 
-        pool = state["pool"].matchers
+        pool = state["pool"]
         matchers = pool.matchers
         slots = state["slot"].tolist()
         if context.length > context.input_length:
@@ -87,7 +77,7 @@ class GrammarProcessor(LogitsProcessor):
                 if not matcher.is_stopped() and not matcher.is_error():
                     matcher.consume_token(token)
             pool.matchers = matchers = rows
-            state = {"slot": torch.arange(len(rows), device=logits.device), "pool": state["pool"]}
+            state = {"slot": torch.arange(len(rows), device=logits.device), "pool": pool}
         else:
             matchers = [matchers[slot] for slot in slots]
         width = logits.shape[1]

@@ -14,26 +14,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 from ..errors import InvalidOption
 
 _LLGUIDANCE: dict[str, Any] = {}
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-in for each byte, reversed: stand-in character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(256 + extra)] = byte
-            extra += 1
-    return chars
-
-
-BYTE_LEVEL = _byte_level_alphabet()
+BYTE_LEVEL = {char: byte for byte, char in bytes_to_unicode().items()}  # GPT-2's stand-in character -> byte
 
 
 @dataclass(frozen=True)
@@ -107,7 +96,7 @@ def _surface_decoder(tokenizer):
     return lambda surface: surface.encode("utf-8")
 
 
-def _from_byte_level(surface: str) -> bytes | None:
+def _from_byte_level(surface: str) -> bytes:
     try:
         return bytes(BYTE_LEVEL[c] for c in surface)
     except KeyError:  # not a byte-level spelling: the token is plain text

@@ -331,3 +331,51 @@ def test_saving_is_off_without_a_session_dir(peer):
     peer.call("open_session", session="a")
     assert peer.call("save_session", session="a", name="x")["error"]["code"] == "forbidden"
     assert peer.call("restore_session", name="x")["error"]["code"] == "forbidden"
+
+
+def test_session_limits_and_requests_overtaken_while_compiling_or_closing(default_dir, tmp_path):
+    """What a clumsy client pushes past or leaves behind: max_saved_sessions (replacing a saved name is
+    still allowed at the limit), max_sessions through fork and restore, a save queued behind a close, and
+    a generate cancelled or closed while its constraint compiles."""
+    server = SERVER + ["--session-dir", str(tmp_path), "--max-saved-sessions", "1", "--max-sessions", "2"]
+    slow = [{"name": "regex", "options": {"pattern": "(a|b)*a(a|b){40}", "compile_timeout_s": 2}}]
+    with Peer(server, stderr=subprocess.DEVNULL) as peer:
+        peer.call("open_session", session="a")
+        peer.call("generate", session="a", token_ids=[5, 6, 7], max_new_tokens=2, eos_token_ids=[])
+        assert peer.call("save_session", session="a", name="one")["ok"]
+        full = peer.call("save_session", session="a", name="two")["error"]
+        assert full["code"] == "limit_exceeded" and full["limit"] == "max_saved_sessions"
+        assert peer.call("save_session", session="a", name="one")["ok"]  # a replacement, not a new one
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["one.safetensors"]
+        assert peer.call("fork_session", session="a", new="b")["ok"]
+        for reply in (peer.call("fork_session", session="a"), peer.call("restore_session", name="one")):
+            assert reply["error"]["code"] == "limit_exceeded" and reply["error"]["limit"] == "max_sessions"
+        assert peer.call("stats")["result"]["sessions"] == 2
+
+        # a close and a save queued behind a generate: the close runs when the generate is done, and
+        # answers the save behind it session_closed before its own reply
+        running, close, save = peer.next_id(), peer.next_id(), peer.next_id()
+        generate(peer, running, session="b", token_ids=[5, 6, 7], max_new_tokens=64, eos_token_ids=[])
+        peer.send({"id": close, "op": "close_session", "session": "b"})
+        peer.send({"id": save, "op": "save_session", "session": "b", "name": "one"})
+        assert peer.reply_for(save)[1]["error"]["code"] == "session_closed"
+        assert peer.reply_for(close)[1]["ok"] and peer.replied.index(save) < peer.replied.index(close)
+        assert peer.reply_for(running)[1]["ok"]
+
+        # a generate cancelled while its constraint compiles: cancelled at once; the session goes on
+        compiling = peer.next_id()
+        generate(peer, compiling, session="a", prompt="x", max_new_tokens=2, processors=slow)
+        assert peer.call("cancel", target=compiling)["result"]["cancelled"]
+        assert peer.reply_for(compiling)[1]["error"]["code"] == "cancelled"
+        plain = peer.call("generate", session="a", token_ids=[5, 6], max_new_tokens=2, eos_token_ids=[])
+        assert plain["ok"]
+
+        # a close behind a compiling generate waits its turn (arrival order): the generate gets its
+        # compile's error, then the close its reply, and nothing is left in flight
+        peer.call("open_session", session="c")
+        compiling = peer.next_id()
+        generate(peer, compiling, session="c", prompt="x", max_new_tokens=2, processors=slow)
+        assert peer.call("close_session", session="c")["ok"]
+        assert peer.reply_for(compiling)[1]["error"]["code"] == "invalid_processor"
+        stats = peer.call("stats")["result"]
+        assert stats["in_flight"] == 0 and stats["sessions"] == 1
