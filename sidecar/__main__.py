@@ -42,6 +42,9 @@ def parse_args(argv=None):
                         help="let load_model run code shipped inside a model directory (off by default)")
     parser.add_argument("--cache-budget-bytes", type=int, help="KV cache budget per model (default 2 GiB)")
     parser.add_argument("--prefill-chunk", type=int, help="tokens per prefill forward pass (default 512)")
+    parser.add_argument("--no-share-prefixes", dest="share_prefixes", action="store_false",
+                        help="each session reuses only its own cache (by default a session continues a prefix, "
+                             "such as a system prompt, that another session's cache holds)")
     parser.add_argument("--stream-interval-ms", type=float, default=10.0,
                         help="token events may be held this long and written together (default 10; 0 writes each at once)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
@@ -96,6 +99,7 @@ def main(argv=None) -> int:
     from .transport import FrameReader, FrameWriter, InputClosed
 
     engine_options = {k: v for k, v in (("cache_budget_bytes", args.cache_budget_bytes), ("prefill_chunk", args.prefill_chunk)) if v is not None}
+    engine_options["share_prefixes"] = args.share_prefixes
     try:
         engine_options["device"] = str(resolve_device(args.device))
     except SidecarError as problem:

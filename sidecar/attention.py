@@ -86,9 +86,10 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
                                    scaling, gqa))
         else:
             keys, values = segment.cache.write(layer, segment.row, segment.start, key[0, :, offset:end], value[0, :, offset:end])
+            before = segment.cache.offset + segment.start
             mask = None  # a whole prompt from position 0: SDPA's own causal flag
-            if segment.start > 0:
-                mask = kv_plan.mask(segment.start, segment.length, query.device)
+            if before > 0:
+                mask = kv_plan.mask(before, segment.length, query.device)
             out, _ = sdpa_attention_forward(module, query[:, :, offset:end], keys, values, mask, scaling=scaling, dropout=dropout)
             outputs.append(out)
         offset = end
@@ -105,35 +106,52 @@ def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool)
     keys, values = segment.cache.write_rows(layer, segment.row, segment.rows, segment.start,
                                             key.transpose(0, 1), value.transpose(0, 1))
     if segment.cache.prefix is not None:
-        return _decode_after_prefix(segment.cache.prefix, layer, query, keys, values, scaling)
+        return _decode_after_prefix(segment.cache.chain(), layer, query, keys, values, scaling)
     out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(2), keys, values, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(1, segment.rows, *out.shape[1:2], out.shape[3])
 
 
-def _decode_after_prefix(prefix: KVCache, layer: int, query, keys, values, scaling) -> torch.Tensor:
+def _decode_after_prefix(chain, layer: int, query, keys, values, scaling) -> torch.Tensor:
     """Attention of one new token per row over a prefix all rows share, then each row's own keys.
 
-    The prefix's keys and values are read once for all rows (the rows' queries stacked), instead of
-    once per row from a copy: for n samples or beams of a long prompt, most of what attention reads.
-    Both parts are scored, one softmax runs over their concatenation, and the weights are split again.
+    The prefix (the caches of `chain`, each with how many of its tokens are read) is read in place, once
+    for all rows (the rows' queries stacked), instead of once per row from a copy: for n samples or beams
+    of a long prompt, or sessions continuing a shared system prompt, most of what attention reads. Each
+    part is attended alone, and the parts are merged by their log-sum-exps, which is exactly one softmax
+    over all the keys (up to rounding).
     `query` is [heads, rows, head_dim]; `keys`/`values` [rows, kv_heads, suffix, head_dim].
     """
     heads, rows, dim = query.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     scale = scaling if scaling is not None else dim**-0.5
-    shared_k = prefix.keys[layer][0, :, : prefix.length]  # [kv_heads, prefix, head_dim]
-    shared_v = prefix.values[layer][0, :, : prefix.length]
     q = query.transpose(0, 1).reshape(rows, kv_heads, group, dim)  # the heads of one kv head side by side
-    stacked = q.transpose(0, 1).reshape(kv_heads, rows * group, dim)
-    shared_scores = torch.matmul(stacked, shared_k.transpose(1, 2)).mul_(scale)  # [kv_heads, rows * group, prefix]
-    own_scores = torch.matmul(q, keys.transpose(2, 3)).mul_(scale)  # [rows, kv_heads, group, suffix]
-    shared_scores = shared_scores.reshape(kv_heads, rows, group, -1).transpose(0, 1)
-    weights = torch.cat([shared_scores, own_scores], dim=-1).float().softmax(dim=-1).to(q.dtype)
-    split = prefix.length
-    shared_out = torch.matmul(weights[..., :split].transpose(0, 1).reshape(kv_heads, rows * group, split), shared_v)
-    out = shared_out.reshape(kv_heads, rows, group, dim).transpose(0, 1) + torch.matmul(weights[..., split:], values)
-    return out.reshape(1, rows, heads, dim)
+    stacked = q.transpose(0, 1).reshape(1, kv_heads, rows * group, dim)
+    parts = [_attend(stacked, cache.keys[layer][:1, :, :n], cache.values[layer][:1, :, :n], scale)
+             for cache, n in chain]  # each [1, kv_heads, rows * group, ...]
+    if rows > 1:  # back to one row per query
+        parts = [(out.view(kv_heads, rows, group, dim).transpose(0, 1), lse.view(kv_heads, rows, group).transpose(0, 1))
+                 for out, lse in parts]
+    parts.append(_attend(q, keys, values, scale))  # [rows, kv_heads, group, ...]
+    weights = torch.stack([lse for _, lse in parts]).softmax(dim=0).unsqueeze(-1)  # each part's share of the softmax
+    out = (torch.stack([out for out, _ in parts]) * weights).sum(dim=0)
+    return out.to(query.dtype).reshape(1, rows, heads, dim)
+
+
+def _attend(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of `q` [b, h, n, d] over `k`/`v` [b, h, m, d]: the output and each query's
+    log-sum-exp of scores ([b, h, n], float32), which let attention over parts of the keys be merged.
+    On CPU, the fused kernel SDPA itself runs (it returns both); elsewhere, the same in plain ops."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        return out, lse
+    return _attend_plain(q, k, v, scale)
+
+
+def _attend_plain(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    lse = scores.logsumexp(dim=-1)
+    return torch.matmul((scores - lse.unsqueeze(-1)).exp_().to(v.dtype), v), lse
 
 
 AttentionInterface.register(NAME, rows_attention)

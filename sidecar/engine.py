@@ -42,14 +42,16 @@ class Engine:
     a generation reserves what it needs to its end before it starts, evicting the caches of the least
     recently used idle sessions first (their token history stays, and their next call recomputes).
     `prefill_chunk` is the number of prompt tokens one forward pass takes, besides one token per
-    decoding row.
+    decoding row. With `share_prefixes` (the default) a session continues a prefix that another
+    session's cache holds instead of computing it again (`sidecar.sharing`); without it each session
+    reuses only its own cache, and a fork copies.
 
     The model's attention is switched to `sidecar.attention` (still plain SDPA when called directly).
     """
 
     def __init__(self, model, tokenizer, *, path: Path | None = None,
                  cache_budget_bytes: int = DEFAULT_CACHE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 max_rows: int = DEFAULT_MAX_ROWS):
+                 max_rows: int = DEFAULT_MAX_ROWS, share_prefixes: bool = True):
         if not isinstance(prefill_chunk, Integral) or prefill_chunk < 1:
             raise InvalidArgument(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}", option="prefill_chunk")
         if not isinstance(cache_budget_bytes, Integral) or cache_budget_bytes < 0:
@@ -60,6 +62,7 @@ class Engine:
         self.cache_budget_bytes = int(cache_budget_bytes)
         self.prefill_chunk = int(prefill_chunk)
         self.max_rows = max_rows  # num_beams and num_samples at most
+        self.share_prefixes = bool(share_prefixes)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_context = getattr(model.config, "max_position_embeddings", None)
         self.context_bound = "max_position_embeddings"  # what sets max_context
@@ -95,6 +98,11 @@ class Engine:
         return session
 
     @property
+    def sessions(self) -> list[Session]:
+        """The open sessions, least recently used first."""
+        return list(self._sessions.values())
+
+    @property
     def default_eos_token_ids(self) -> frozenset[int]:
         eos = self.model.generation_config.eos_token_id
         if eos is None:
@@ -104,11 +112,14 @@ class Engine:
         return frozenset([eos] if isinstance(eos, int) else eos)
 
     def stats(self) -> dict:
-        sessions = list(self._sessions.values())
+        sessions = self.sessions
+        shared = self.store.shared
         return {
             "sessions": len(sessions),
             "cached_sessions": sum(s.cached > 0 for s in sessions),
             "cached_tokens": sum(s.cached for s in sessions),
+            "shared_prefixes": len(shared),
+            "shared_bytes": sum(entry.nbytes for entry in shared),
             "cache_bytes": self.store.used_bytes,
             "cache_peak_bytes": self.store.peak_bytes,
             "cache_budget_bytes": self.cache_budget_bytes,

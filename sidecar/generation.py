@@ -25,6 +25,7 @@ import torch
 
 import processors as proc
 
+from . import sharing
 from .attention import Segment
 from .beams import BeamSearch
 from .decode import check_logits, pick
@@ -77,6 +78,7 @@ class Run:
         self.stats = Stats(prompt_tokens=len(request.input_ids))
         self.started = time.perf_counter()
         self.saved = None  # the session's checkpoint, taken when admitted
+        self.source = None  # another cache holding more of the input than the session's (`sharing.find`)
         self.fresh: list[int] = []  # prompt tokens still to prefill
         self.work = None  # the KVCache the rows decode in (the session's own for one row)
         self.rows: list[_Row] = []  # the sequences still decoding, in the order of `work`'s rows
@@ -97,27 +99,39 @@ class Run:
         return self.width > 1 and len(self.request.input_ids) * (self.width - 1) >= SHARE_PREFIX_TOKENS
 
     def needed_bytes(self) -> int:
-        """Bytes of KV memory to add to the store before it can run to its end."""
-        cache, request = self.session.cache, self.request
-        prompt, total = len(request.input_ids), len(request.input_ids) + request.max_new_tokens
+        """Bytes of KV memory to add to the store before it can run to its end; decides, first, where the
+        input's cached prefix comes from (the session's own cache, or another one: `source`)."""
+        cache, request, session = self.session.cache, self.request, self.session
+        own = session.reusable(request.input_ids)
+        self.source = sharing.find(session, request.input_ids[:-1], own)
+        offset = self.source.tokens if self.source is not None else min(cache.offset, own)  # where its own tokens start
+        prompt, total = len(request.input_ids) - offset, len(request.input_ids) + request.max_new_tokens - offset
         # A call that crops the cache keeps its capacity until it ends, so that a failure can put the
         # cropped tail back without growing past the budget.
         if self.width == 1:
             return cache.bytes_for(1, max(total, cache.length)) - cache.nbytes
-        working = cache.bytes_for(self.width, request.max_new_tokens if self.shares_prefix else total)
+        working = cache.bytes_for(self.width, request.max_new_tokens if self.shares_prefix else total + offset)
         return cache.bytes_for(1, max(prompt, cache.length)) - cache.nbytes + working
+
+    @property
+    def held(self) -> tuple:
+        """The caches admission must not evict to make room for it: its own, and the one it will continue."""
+        return (self.session.cache,) if self.source is None else (self.session.cache, self.source.cache)
 
     def admit(self) -> None:
         session, request = self.session, self.request
         session.engine._touch(session)
-        self.saved = session._reuse(request.input_ids)
+        self.saved = session._reuse(request.input_ids, self.source)
         self.admitted = True
         self.stats.reused_tokens = self.saved.keep
+        self.stats.shared_tokens = self.saved.shared
         self.fresh = request.input_ids[self.saved.keep :]
         session.history = list(request.input_ids)
-        session.cache.pinned = True
+        cache = session.cache
+        cache.pinned = True
         extra = request.max_new_tokens if self.width == 1 else 0
-        session.cache.reserve(max(len(request.input_ids) + extra, self.saved.cached))
+        cache.reserve(max(len(request.input_ids) + extra - cache.offset, self.saved.own))
+        session.engine.store.touch(cache)
         if self.width > 1:  # the rows' own cache, reserved now: what admission counted is what is held
             self.work = session.engine.store.cache(self.width)
             self.work.pinned = True
@@ -164,7 +178,7 @@ class Run:
             self.work = session.cache
         else:
             if self.shares_prefix:
-                self.work.prefix = session.cache  # the prompt, read by every row
+                engine.store.link(self.work, session.cache, session.cache.end)  # the prompt, read by every row
             else:
                 self.work.copy_prefix(session.cache)
         self.sequence = torch.empty(width, prompt + request.max_new_tokens, dtype=torch.long, device=logits.device)
@@ -305,6 +319,8 @@ class Run:
         if self.work is not None and self.work is not session.cache:
             session.engine.store.release(self.work)
         session.cache.pinned = False
+        if self.saved is not None:
+            self.saved.drop()
         if self.admitted and not session.closed:
             session.cache.reserve(session.cache.length)  # give back what was reserved and not used
         session.engine.store.touch(session.cache)

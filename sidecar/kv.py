@@ -9,9 +9,16 @@ Capacity is reserved up front for a whole generation, so a decode step writes in
 concatenation), cropping to a shorter prefix is setting `length`, and following beam search or
 dropping finished rows is one `index_select` on the row dimension.
 
+Sessions share prefixes the same way (`sidecar.sharing`): a session cache can continue a *shared
+entry*, a one-row cache no longer written that holds the tokens `tokens` (a system prompt, a forked
+conversation). An idle session's cache becomes one without a copy (`share`: its buffers change hands),
+and every session continuing it reads those keys in place. Entries continue entries, so a cache reads
+a chain: each link is a cache and how many of its tokens are read, then its own tokens.
+
 The store accounts the bytes of every cache's capacity. A reservation that would pass the budget first
-evicts the least recently used caches that no generation holds (`pinned`); if that is not enough it
-fails, and the scheduler decides whether to wait for running generations or to refuse.
+evicts the least recently used caches that nothing holds (a running generation `pinned` a cache, and
+with it the chain it reads); if that is not enough it fails, and the scheduler decides whether to wait
+for running generations or to refuse. A shared entry is evicted once no cache continues it.
 
 Why not transformers' paged cache: docs/design/kv-store-and-attention.md (its API is internal, it
 scores every query against every row's keys on CPU, and it shares prefixes by whole pages only).
@@ -63,34 +70,91 @@ class KVStore:
         return cache
 
     def touch(self, cache: "KVCache") -> None:
-        if id(cache) in self._caches:
-            self._caches.move_to_end(id(cache))
+        """Marks a cache, and the chain it reads, as just used."""
+        while cache is not None:
+            if id(cache) in self._caches:
+                self._caches.move_to_end(id(cache))
+            cache = cache.prefix
 
     def release(self, cache: "KVCache") -> None:
         """Frees a cache's memory and forgets it."""
         cache.clear()
         self._caches.pop(id(cache), None)
 
-    def make_room(self, extra_bytes: int, keep: "KVCache | None" = None) -> bool:
+    @property
+    def shared(self) -> list["KVCache"]:
+        """The shared entries, least recently used first."""
+        return [cache for cache in self._caches.values() if cache.tokens is not None]
+
+    def link(self, cache: "KVCache", prefix: "KVCache | None", length: int) -> None:
+        """Makes `cache` continue the first `length` tokens `prefix` reads (its chain, then its own), linking
+        to the cache of the chain that holds token `length - 1`; nothing, for `length` 0."""
+        while prefix is not None and length <= prefix.offset:
+            prefix = prefix.prefix
+        if prefix is not None:
+            prefix.refs += 1  # before unlinking: the new link may be the old one
+        self.unlink(cache)
+        if prefix is not None:
+            cache.prefix, cache.prefix_length = prefix, length - prefix.offset
+
+    def unlink(self, cache: "KVCache") -> None:
+        if cache.prefix is not None:
+            cache.prefix.refs -= 1
+            cache.prefix, cache.prefix_length = None, 0
+
+    def share(self, cache: "KVCache", tokens: list[int]) -> "KVCache":
+        """Turns what an idle one-row cache holds into a shared entry for `tokens` (its whole chain's tokens),
+        without copying: the entry takes the buffers, and `cache`, empty, continues the entry."""
+        entry = KVCache(self, 1)
+        entry.keys, entry.values, entry.capacity, entry.length = cache.keys, cache.values, cache.capacity, cache.length
+        entry.prefix, entry.prefix_length = cache.prefix, cache.prefix_length  # the link changes hands too
+        entry.tokens = list(tokens)
+        cache.keys, cache.values, cache.capacity, cache.length = [], [], 0, 0
+        cache.prefix, cache.prefix_length = None, 0
+        self._caches[id(entry)] = entry
+        self.link(cache, entry, entry.end)
+        return entry
+
+    def make_room(self, extra_bytes: int, keep: tuple["KVCache", ...] = ()) -> bool:
         """Evicts idle caches, least recently used first, until `extra_bytes` more fit; False if they cannot,
-        and then nothing is evicted (a refused request leaves the other sessions' caches as they were)."""
+        and then nothing is evicted (a refused request leaves the other sessions' caches as they were).
+        `keep` (and the chains they read) are not evicted."""
         if self.used_bytes + extra_bytes <= self.budget_bytes:
             return True
         if not self.could_fit(extra_bytes, keep):
             return False
-        for cache in list(self._caches.values()):
-            if self.used_bytes + extra_bytes <= self.budget_bytes:
-                break
-            if cache is keep or cache.pinned or cache.nbytes == 0:
-                continue
-            cache.clear()
-            self.evictions += 1
+        held = self._held(keep)
+        evicted = True
+        while evicted and self.used_bytes + extra_bytes > self.budget_bytes:
+            evicted = False  # an entry becomes evictable once the caches continuing it are: pass again
+            for cache in list(self._caches.values()):
+                if self.used_bytes + extra_bytes <= self.budget_bytes:
+                    break
+                if id(cache) in held or cache.refs or (cache.nbytes == 0 and cache.prefix is None):
+                    continue
+                if cache.tokens is not None:
+                    self.release(cache)
+                else:
+                    cache.clear()
+                self.evictions += 1
+                evicted = True
         return self.used_bytes + extra_bytes <= self.budget_bytes
 
-    def could_fit(self, extra_bytes: int, keep: "KVCache | None" = None) -> bool:
+    def could_fit(self, extra_bytes: int, keep: tuple["KVCache", ...] = ()) -> bool:
         """Whether `extra_bytes` more fit once every idle cache (but `keep`) is evicted; evicts nothing."""
-        idle = sum(c.nbytes for c in self._caches.values() if c is not keep and not c.pinned)
+        held = self._held(keep)
+        idle = sum(c.nbytes for c in self._caches.values() if id(c) not in held)
         return self.used_bytes - idle + extra_bytes <= self.budget_bytes
+
+    def _held(self, keep) -> set[int]:
+        """The ids of caches that cannot be evicted: pinned or kept ones, and every cache their chains read
+        (an entry some evictable session continues is evicted after that session)."""
+        held = set()
+        for cache in [*keep, *(c for c in self._caches.values() if c.pinned)]:
+            while cache is not None and id(cache) not in held:
+                held.add(id(cache))
+                cache = cache.prefix
+        return held
 
     def _account(self, delta: int) -> None:
         self.used_bytes += delta
@@ -107,13 +171,36 @@ class KVCache:
         self.capacity = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.pinned = False  # held by a running generation: never evicted
-        self.prefix: KVCache | None = None  # a one-row cache every row continues (read-only while linked)
+        self.pinned = False  # held by a running generation: never evicted, nor the chain it reads
+        # A one-row cache every row continues, of which it reads `prefix_length` tokens (read-only while
+        # linked); `refs` counts the caches continuing this one.
+        self.prefix: KVCache | None = None
+        self.prefix_length = 0
+        self.refs = 0
+        self.tokens: list[int] | None = None  # a shared entry's token ids, its chain's included
 
     @property
     def offset(self) -> int:
-        """The position of this cache's first token: the length of its prefix."""
-        return self.prefix.length if self.prefix is not None else 0
+        """The position of this cache's first token: how many tokens its chain holds."""
+        return self.prefix.offset + self.prefix_length if self.prefix is not None else 0
+
+    @property
+    def end(self) -> int:
+        """How many tokens it reads, its chain's and its own."""
+        return self.offset + self.length
+
+    def chain(self) -> list[tuple["KVCache", int]]:
+        """The caches it continues, first to last, each with how many of its tokens are read."""
+        links = []
+        cache, length = self.prefix, self.prefix_length
+        while cache is not None:
+            links.append((cache, length))
+            cache, length = cache.prefix, cache.prefix_length
+        return links[::-1]
+
+    @property
+    def depth(self) -> int:
+        return len(self.chain())
 
     @property
     def nbytes(self) -> int:
@@ -123,11 +210,18 @@ class KVCache:
         return rows * capacity * self.store.bytes_per_token
 
     def clear(self) -> None:
+        """Frees its buffers and its link: it holds nothing."""
         self.store._account(-self.nbytes)
         self.keys, self.values, self.capacity, self.length = [], [], 0, 0
+        self.store.unlink(self)
 
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
+    def crop(self, end: int) -> None:
+        """Reads only the first `end` tokens (a link shortens when `end` falls inside the chain)."""
+        if end >= self.offset:
+            self.length = min(self.length, end - self.offset)
+        else:
+            self.length = 0
+            self.store.link(self, self.prefix, end)
 
     def reserve(self, capacity: int) -> None:
         """Grows (or shrinks, down to `length`) the buffers to `capacity` tokens, keeping the cached prefix.
@@ -157,11 +251,23 @@ class KVCache:
 
     def write(self, layer: int, row: int, start: int, keys: torch.Tensor, values: torch.Tensor):
         """Writes one row's new keys/values ([heads, n, head_dim]) at `start`; returns the row's keys and
-        values up to and including them, as views [1, heads, start + n, head_dim]."""
+        values up to and including them, its chain's first, [1, heads, offset + start + n, head_dim]
+        (views when there is no chain)."""
         end = start + keys.shape[-2]
         self.keys[layer][row, :, start:end] = keys
         self.values[layer][row, :, start:end] = values
-        return self.keys[layer][row : row + 1, :, :end], self.values[layer][row : row + 1, :, :end]
+        own_keys, own_values = self.keys[layer][row : row + 1, :, :end], self.values[layer][row : row + 1, :, :end]
+        if self.prefix is None:
+            return own_keys, own_values
+        links = self.chain()
+        return (torch.cat([c.keys[layer][:1, :, :n] for c, n in links] + [own_keys], dim=2),
+                torch.cat([c.values[layer][:1, :, :n] for c, n in links] + [own_values], dim=2))
+
+    def span(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row 0's keys and values of every token it reads, chain included: [kv_heads, end, head_dim]."""
+        parts = [*self.chain(), (self, self.length)]
+        return (torch.cat([c.keys[layer][0, :, :n] for c, n in parts if n], dim=1),
+                torch.cat([c.values[layer][0, :, :n] for c, n in parts if n], dim=1))
 
     def write_rows(self, layer: int, row: int, rows: int, position: int, keys: torch.Tensor, values: torch.Tensor):
         """Writes one token ([rows, heads, head_dim]) at `position` for rows `row`..`row + rows`; returns those
@@ -172,11 +278,13 @@ class KVCache:
         return self.keys[layer][row:end, :, : position + 1], self.values[layer][row:end, :, : position + 1]
 
     def copy_prefix(self, prefix: "KVCache") -> None:
-        """Fills every row with the one-row `prefix` (a prompt prefilled once, copied to each beam or sample)."""
-        for mine, theirs in ((self.keys, prefix.keys), (self.values, prefix.values)):
-            for layer in range(len(mine)):
-                mine[layer][:, :, : prefix.length] = theirs[layer][:, :, : prefix.length]
-        self.length = prefix.length
+        """Fills every row with all the one-row `prefix` reads, its chain's tokens included (a prompt
+        prefilled once, copied to each beam or sample)."""
+        for layer in range(len(self.keys)):
+            keys, values = prefix.span(layer)
+            self.keys[layer][:, :, : prefix.end] = keys
+            self.values[layer][:, :, : prefix.end] = values
+        self.length = prefix.end
 
     def tail(self, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of every layer's keys/values from `start` to `length` (what a crop would lose)."""

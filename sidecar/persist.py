@@ -20,6 +20,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from . import sharing
 from .errors import CacheBudgetExceeded, InvalidSessionFile, SaveFailed, SessionBusy, SessionClosed
 
 FORMAT = "beam-sidecar-session/1"
@@ -43,11 +44,12 @@ def save(session, path) -> None:
     cache, engine = session.cache, session.engine
     tensors = {}
     for layer, shape in enumerate(engine.store.layers):
-        for kind, buffers in (("keys", cache.keys), ("values", cache.values)):
-            tensors[f"{kind}.{layer}"] = (buffers[layer][0, :, : cache.length].contiguous().cpu() if cache.length else
+        spans = cache.span(layer) if cache.end else None
+        for kind, index in (("keys", 0), ("values", 1)):
+            tensors[f"{kind}.{layer}"] = (spans[index].contiguous().cpu() if spans is not None else
                                           torch.empty(shape.kv_heads, 0, shape.head_dim, dtype=engine.store.dtype))
     metadata = {"format": FORMAT, "model": engine.fingerprint, "dtype": str(engine.store.dtype),
-                "history": session.history, "cached": cache.length}
+                "history": session.history, "cached": cache.end}
     metadata["digest"] = _digest(metadata, tensors)
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
@@ -106,16 +108,18 @@ def _over_budget(engine, doing: str, cached: int, extra: int) -> CacheBudgetExce
 
 
 def fork(session):
-    """A new, independent session with the same history and a copy of the cache: nothing is recomputed."""
+    """A new, independent session with the same history, continuing the same cache: nothing is recomputed,
+    nothing copied (the cache becomes a shared entry both continue; a copy when its chain is too deep)."""
     _check_idle(session)
     engine, cache = session.engine, session.cache
-    extra = cache.length * engine.store.bytes_per_token
-    if not engine.store.make_room(extra, keep=cache):
-        raise _over_budget(engine, "forking", cache.length, extra)
+    if cache.length and (cache.depth >= sharing.MAX_DEPTH or not engine.share_prefixes):
+        extra = cache.end * engine.store.bytes_per_token
+        if not engine.store.make_room(extra, keep=(cache,)):
+            raise _over_budget(engine, "forking", cache.end, extra)
     twin = engine.session()
     twin.history = list(session.history)
-    if cache.length:
-        twin.cache.reserve(cache.length)
+    if not sharing.fork(session, twin):
+        twin.cache.reserve(cache.end)
         twin.cache.copy_prefix(cache)
     return twin
 

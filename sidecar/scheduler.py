@@ -83,7 +83,7 @@ class Scheduler:
                 run.finish("cancelled")
                 continue
             needed = run.needed_bytes()
-            if not store.make_room(needed, keep=run.session.cache):
+            if not store.make_room(needed, keep=run.held):
                 if self.running:
                     return  # running generations will free memory: wait for them
                 self.waiting.popleft()

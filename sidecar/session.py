@@ -5,6 +5,9 @@ common prefix of the cached tokens and the new input (at least the last input to
 so there are logits to sample from), and only the rest is prefilled. The cache holds generated tokens
 too, so a chat follow-up that repeats the previous answer reuses it.
 
+A prefix held by another session's cache (a shared system prompt) is continued in place rather than
+recomputed (`sidecar.sharing`).
+
 The rolling case (`abc` then `bcd`) shares no prefix and recomputes. Under causal attention the keys
 of `bcd` differ from those cached for `abc`, so exact reuse of a shifted window is impossible.
 """
@@ -18,8 +21,9 @@ import torch
 
 import processors as proc
 
-from . import persist
+from . import persist, sharing
 from .errors import SessionBusy, SessionClosed
+from .kv import KVCache
 
 STRATEGIES = ("greedy", "sample", "beam")
 
@@ -27,7 +31,8 @@ STRATEGIES = ("greedy", "sample", "beam")
 @dataclass
 class Stats:
     prompt_tokens: int = 0
-    reused_tokens: int = 0
+    reused_tokens: int = 0  # cached input tokens not computed again
+    shared_tokens: int = 0  # of those, how many another session's cache held
     prefill_tokens: int = 0
     generated_tokens: int = 0  # over every returned sequence
     ttft_s: float | None = None
@@ -82,14 +87,30 @@ class Request:
 class Checkpoint:
     """What a session held before a call, enough to put it back exactly if the call fails.
 
-    Only the tail of the cache that the call crops away is copied (nothing, when the new input extends
-    what is cached); the kept prefix is never written in place, so cropping back to it restores it.
+    Only the tokens of its own cache that the call crops away are copied (from `start` on; nothing, when
+    the new input extends what is cached); the kept part is never written in place, so cropping back to
+    it restores it. The cache it continued (`prefix`) is held until the call ends, so it is still there
+    to continue again.
     """
 
     history: list[int]
-    cached: int
-    keep: int = 0
+    own: int  # tokens of its own cache
+    prefix: KVCache | None
+    prefix_length: int
+    keep: int = 0  # leading input tokens reused
+    shared: int = 0  # of which another session's cache held
+    start: int = 0
     tail: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.prefix is not None:
+            self.prefix.refs += 1
+
+    def drop(self) -> None:
+        """Lets the cache it held go (the call has ended)."""
+        if self.prefix is not None:
+            self.prefix.refs -= 1
+            self.prefix = None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -127,7 +148,8 @@ class Session:
 
     @property
     def cached(self) -> int:
-        return self.cache.length
+        """How many leading tokens of `history` the cache holds (with the shared prefix it continues)."""
+        return self.cache.end
 
     @property
     def busy(self) -> bool:
@@ -184,20 +206,40 @@ class Session:
         """Writes the history and the cache to `path` (safetensors); `Engine.restore(path)` brings it back."""
         persist.save(self, path)
 
-    def _reuse(self, input_ids: list[int]) -> Checkpoint:
-        """Crops the cache to the longest reusable prefix of `input_ids`; the checkpoint's `keep` is its length."""
-        cache = self.cache
-        saved = Checkpoint(self.history, cache.length)
-        saved.keep = keep = min(common_prefix(self.history[: cache.length], input_ids), len(input_ids) - 1)
-        if cache.length > keep:
-            saved.tail = cache.tail(keep)
-            cache.crop(keep)
+    def reusable(self, input_ids: list[int]) -> int:
+        """How many leading tokens of `input_ids` its own cache holds and a call would reuse (the last input
+        token is always fed again, so there are logits to sample from)."""
+        return min(common_prefix(self.history[: self.cached], input_ids), len(input_ids) - 1)
+
+    def _reuse(self, input_ids: list[int], source: sharing.Source | None = None) -> Checkpoint:
+        """Crops the cache to the longest reusable prefix of `input_ids`, or makes it continue `source`
+        (another cache holding more of them); the checkpoint's `keep` is how many are reused."""
+        cache, store = self.cache, self.engine.store
+        saved = Checkpoint(self.history, cache.length, cache.prefix, cache.prefix_length)
+        own = self.reusable(input_ids)
+        if source is not None and source.tokens > own:
+            saved.keep = saved.shared = source.tokens
+            entry = source.take()
+            if cache.length:
+                saved.tail = cache.tail(0)
+            cache.length = 0
+            store.link(cache, entry, saved.keep)
+            return saved
+        saved.keep = own
+        saved.start = min(max(own - cache.offset, 0), cache.length)
+        if cache.length > saved.start:
+            saved.tail = cache.tail(saved.start)
+        cache.crop(own)
         return saved
 
     def _restore(self, saved: Checkpoint) -> None:
-        """Puts back what `_reuse` saved: the history, and the cache cropped to the kept prefix plus its old tail."""
+        """Puts back what `_reuse` saved: the history, the link, and its own cache cropped to the kept part
+        plus its old tail."""
         self.history = saved.history
-        self.cache.crop(saved.keep)
+        cache = self.cache
+        store = self.engine.store
+        store.link(cache, saved.prefix, saved.prefix.offset + saved.prefix_length if saved.prefix is not None else 0)
+        cache.length = saved.start
         if saved.tail:
-            self.cache.reserve(max(self.cache.capacity, saved.cached))
-            self.cache.put_tail(saved.keep, saved.tail)
+            cache.reserve(max(cache.capacity, saved.own))
+            cache.put_tail(saved.start, saved.tail)

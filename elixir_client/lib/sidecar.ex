@@ -39,7 +39,7 @@ defmodule Sidecar do
 
       {:ok, session} = Sidecar.open_session(MyApp.Sidecar, model: "big")
 
-  A session can be forked (a copy of its history and cache), and saved to the sidecar's `:session_dir`
+  A session can be forked (its history, continuing the same cache), and saved to the sidecar's `:session_dir`
   to be restored later, also by another sidecar process on that directory:
 
       {:ok, branch} = Sidecar.fork_session(MyApp.Sidecar, session)
@@ -177,7 +177,7 @@ defmodule Sidecar do
     do: session_call(conn, session, "session_info", %{}, timeout)
 
   @doc """
-  Forks a session: a new session with its history and a copy of its cache (nothing is recomputed),
+  Forks a session: a new session with its history, continuing the same cache (nothing is recomputed or copied),
   independent from then on. The fork runs in the session's queue, so it sees the session as the
   generations sent before it left it. `name:` chooses the fork's name (default: chosen by the
   sidecar), `timeout:` overrides the connection's `:call_timeout`. The fork comes back as the session

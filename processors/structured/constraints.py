@@ -271,7 +271,7 @@ class AutomatonProcessor(LogitsProcessor):
 
 
 def unanchored(pattern: str) -> str:
-    """The whole text must match anyway: a leading `^`/`\A` and a trailing `$`/`\z`, which the compiler
+    r"""The whole text must match anyway: a leading `^`/`\A` and a trailing `$`/`\z`, which the compiler
     cannot take, are dropped."""
     if pattern.startswith("^"):
         pattern = pattern[1:]

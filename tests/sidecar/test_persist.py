@@ -192,7 +192,8 @@ def test_a_session_without_a_cache_saves_and_restores_its_history(default_dir, t
 
 
 def test_a_refused_fork_or_restore_evicts_nobody(default_dir, tmp_path):
-    engine = Engine.load(default_dir, cache_budget_bytes=64 * 4096)
+    # Without prefix sharing a fork copies the cache (with it, a fork holds no new memory: test_sharing).
+    engine = Engine.load(default_dir, cache_budget_bytes=64 * 4096, share_prefixes=False)
     with engine.session() as big, engine.session() as small:
         big.generate(token_ids=PROMPT[:36], max_new_tokens=4, eos_token_ids=[])
         small.generate(token_ids=PROMPT[40:44], max_new_tokens=2, eos_token_ids=[])

@@ -1,0 +1,229 @@
+"""The prefix cache across sessions against cold runs: an engine that does not share prefixes, on the same
+model, computes every prompt in full; a session continuing another's cache must give exactly its tokens
+(beam scores within 1e-4), hold one copy of the shared prefix, and say in its stats what it took."""
+
+import pytest
+
+import processors as proc
+from sidecar import Engine
+from sidecar.errors import CacheBudgetExceeded
+from sidecar.sharing import MAX_DEPTH, MIN_SHARED_TOKENS
+
+from .conftest import tokens
+
+SYSTEM = tokens(150, seed=41)  # GPT-2's context here is 256
+
+
+def question(seed: int, n: int = 12) -> list[int]:
+    """A user's question: no two start alike, so only the system prompt is common."""
+    return [3 + seed] + tokens(n - 1, seed=seed)
+
+
+@pytest.fixture
+def sharing(any_engine):
+    """A fresh engine on the shared model (so no other test's sessions are there to share)."""
+    return Engine(any_engine.model, any_engine.tokenizer)
+
+
+@pytest.fixture
+def cold(any_engine):
+    return Engine(any_engine.model, any_engine.tokenizer, share_prefixes=False)
+
+
+def warm(engine, seed: int = 1):
+    """An open session that has generated after the system prompt: its cache is there to share."""
+    session = engine.session()
+    session.generate(token_ids=SYSTEM + question(seed), max_new_tokens=2, eos_token_ids=[])
+    return session
+
+
+def run(engine, token_ids, n=8, **options):
+    with engine.session() as session:
+        return session.generate(token_ids=token_ids, max_new_tokens=n, eos_token_ids=[], **options)
+
+
+def test_a_second_session_continues_the_first_ones_system_prompt(sharing, cold):
+    first = sharing.session()
+    first.generate(token_ids=SYSTEM + question(1), max_new_tokens=4, eos_token_ids=[])
+    cached = first.cached
+    second = sharing.session()
+    prompt = SYSTEM + question(2)
+    result = second.generate(token_ids=prompt, max_new_tokens=8, eos_token_ids=[])
+    assert result.token_ids == run(cold, prompt).token_ids
+    assert result.stats.shared_tokens == result.stats.reused_tokens == len(SYSTEM)
+    assert result.stats.prefill_tokens == len(prompt) - len(SYSTEM)
+    stats = sharing.stats()
+    assert stats["shared_prefixes"] == 1
+    # the first session's own follow-up still reuses everything it had, now through the shared entry
+    follow = first.history + question(3)
+    again = first.generate(token_ids=follow, max_new_tokens=8, eos_token_ids=[])
+    assert again.token_ids == run(cold, follow).token_ids
+    assert again.stats.reused_tokens == cached and again.stats.shared_tokens == 0
+
+
+def test_twenty_sessions_hold_one_copy_of_the_system_prompt(sharing, cold):
+    sessions = [sharing.session() for _ in range(20)]
+    results = [s.generate(token_ids=SYSTEM + question(i), max_new_tokens=4, eos_token_ids=[])
+               for i, s in enumerate(sessions)]
+    per_token = sharing.store.bytes_per_token
+    assert [r.stats.shared_tokens for r in results] == [0] + [len(SYSTEM)] * 19
+    # one copy of the system prompt (in the entry the first session's cache became), and each session's own tokens
+    own = sum(s.cache.nbytes for s in sessions)
+    assert sharing.stats()["shared_bytes"] == (len(SYSTEM) + 12 + 3) * per_token
+    assert own == 19 * (12 + 3) * per_token
+    assert sharing.store.used_bytes == own + sharing.stats()["shared_bytes"]
+    for i in (0, 7, 19):
+        assert results[i].token_ids == run(cold, SYSTEM + question(i), n=4).token_ids
+
+
+def test_a_closed_or_evicted_session_leaves_the_shared_prefix_to_new_ones(sharing, cold):
+    a, b = sharing.session(), sharing.session()
+    a.generate(token_ids=SYSTEM + question(1), max_new_tokens=2, eos_token_ids=[])
+    b.generate(token_ids=SYSTEM + question(2), max_new_tokens=2, eos_token_ids=[])
+    a.close()
+    b.close()
+    assert sharing.stats()["shared_prefixes"] == 1  # no session continues it, and it stays until evicted
+    prompt = SYSTEM + question(3)
+    result = run(sharing, prompt)
+    assert result.stats.shared_tokens == len(SYSTEM) and result.token_ids == run(cold, prompt).token_ids
+
+
+def test_unreferenced_prefixes_are_evicted_least_recently_used_first(any_engine, cold):
+    per_token = Engine(any_engine.model, any_engine.tokenizer).store.bytes_per_token
+    engine = Engine(any_engine.model, any_engine.tokenizer, cache_budget_bytes=400 * per_token)
+    systems = [tokens(150, seed=100 + i) for i in range(3)]
+    for system in systems:  # two sessions each, then closed: one unreferenced entry per system prompt
+        pair = [engine.session(), engine.session()]
+        for q, s in enumerate(pair):
+            s.generate(token_ids=system + question(q), max_new_tokens=2, eos_token_ids=[])
+        for s in pair:
+            s.close()
+    assert engine.store.used_bytes <= engine.cache_budget_bytes and engine.stats()["evictions"] == 1
+    assert [entry.tokens[:150] for entry in engine.store.shared] == systems[1:]  # the oldest went first
+    prompt = systems[0] + question(5)
+    result = run(engine, prompt)
+    assert result.stats.shared_tokens == 0 and result.token_ids == run(cold, prompt).token_ids
+
+
+def test_a_short_common_prefix_is_recomputed(sharing):
+    head = SYSTEM[: MIN_SHARED_TOKENS - 1]
+    sharing.session().generate(token_ids=head + question(1), max_new_tokens=2, eos_token_ids=[])
+    result = run(sharing, head + question(2))
+    assert result.stats.reused_tokens == 0 and sharing.stats()["shared_prefixes"] == 0
+
+
+def test_without_share_prefixes_each_session_computes_its_own(cold):
+    warm(cold)
+    assert run(cold, SYSTEM + question(2)).stats.reused_tokens == 0
+
+
+def test_prefill_in_chunks_after_a_shared_prefix(any_engine):
+    chunked = Engine(any_engine.model, any_engine.tokenizer, prefill_chunk=7)
+    reference = Engine(any_engine.model, any_engine.tokenizer, share_prefixes=False)
+    warm(chunked)
+    prompt = SYSTEM + question(2, n=40)
+    result = run(chunked, prompt)
+    assert result.stats.shared_tokens == len(SYSTEM)
+    assert result.token_ids == run(reference, prompt).token_ids
+
+
+def test_sessions_continuing_one_prefix_batched_together(sharing, cold):
+    warm(sharing, 0)
+    sessions = [sharing.session() for _ in range(4)]
+    streams = [s.stream(token_ids=SYSTEM + question(i + 1, n=5 + 3 * i), max_new_tokens=6, eos_token_ids=[])
+               for i, s in enumerate(sessions)]
+    for stream in streams:
+        for _ in stream:
+            pass
+    for i, stream in enumerate(streams):
+        assert stream.result.stats.shared_tokens == len(SYSTEM)
+        assert stream.result.token_ids == run(cold, SYSTEM + question(i + 1, n=5 + 3 * i), n=6).token_ids
+
+
+def test_beams_and_samples_after_a_shared_prefix(sharing, cold):
+    warm(sharing)
+    prompt = SYSTEM + question(2)
+    options = dict(strategy="beam", num_beams=3, num_return_sequences=2, length_penalty=0.7,
+                   processors=[proc.configure(proc.RepetitionPenalty, penalty=1.3)])
+    shared, reference = run(sharing, prompt, **options), run(cold, prompt, **options)
+    assert shared.stats.shared_tokens == len(SYSTEM)
+    assert [s.token_ids for s in shared.sequences] == [s.token_ids for s in reference.sequences]
+    for a, b in zip(shared.sequences, reference.sequences):
+        assert a.score == pytest.approx(b.score, abs=1e-4)
+    samples = dict(strategy="sample", num_samples=3, seed=11)
+    assert ([s.token_ids for s in run(sharing, SYSTEM + question(3), **samples).sequences]
+            == [s.token_ids for s in run(cold, SYSTEM + question(3), **samples).sequences])
+
+
+def test_a_failed_call_puts_back_the_cache_it_continued(sharing, cold):
+    warm(sharing)
+    session = sharing.session()
+    mine = tokens(80, seed=9)
+    session.generate(token_ids=mine, max_new_tokens=3, eos_token_ids=[])
+    before = (list(session.history), session.cached, session.cache.prefix, session.cache.nbytes)
+
+    def explode(logits, context):
+        raise RuntimeError("boom")
+
+    with pytest.raises(Exception):
+        session.generate(token_ids=SYSTEM + question(2), max_new_tokens=3, processors=[explode])
+    assert (session.history, session.cached, session.cache.prefix, session.cache.nbytes) == before
+    follow = session.history + question(4)
+    result = session.generate(token_ids=follow, max_new_tokens=6, eos_token_ids=[])
+    assert result.stats.reused_tokens == before[1] and result.token_ids == run(cold, follow, n=6).token_ids
+
+
+def test_shared_prefixes_fit_where_copies_would_not_and_a_refusal_evicts_nobody(any_engine):
+    per_token = Engine(any_engine.model, any_engine.tokenizer).store.bytes_per_token
+    engine = Engine(any_engine.model, any_engine.tokenizer, cache_budget_bytes=200 * per_token)
+    a, b, c = engine.session(), engine.session(), engine.session()
+    a.generate(token_ids=SYSTEM + question(1), max_new_tokens=2, eos_token_ids=[])  # 163 tokens held
+    result = b.generate(token_ids=SYSTEM + question(2), max_new_tokens=4, eos_token_ids=[])  # 16 more, not 166
+    assert result.stats.shared_tokens == len(SYSTEM) and engine.stats()["evictions"] == 0
+    held = (a.cached, b.cached, engine.store.used_bytes)
+    with pytest.raises(CacheBudgetExceeded):  # 64 of its own do not fit even with b's own tokens evicted
+        c.generate(token_ids=SYSTEM + question(3, n=60), max_new_tokens=4, eos_token_ids=[])
+    assert (a.cached, b.cached, engine.store.used_bytes) == held and engine.stats()["evictions"] == 0
+    assert c.history == [] and c.cached == 0
+
+
+def test_a_fork_copies_nothing_and_continues_like_a_cold_run(sharing, cold):
+    session = sharing.session()
+    session.generate(token_ids=SYSTEM, max_new_tokens=4, eos_token_ids=[])
+    used = sharing.store.used_bytes
+    twin = session.fork()
+    assert sharing.store.used_bytes == used and twin.cached == session.cached
+    left, right = session.history + [11], session.history + [12, 13]
+    cached = session.cached
+    a = twin.generate(token_ids=left, max_new_tokens=6, eos_token_ids=[])
+    b = session.generate(token_ids=right, max_new_tokens=6, eos_token_ids=[])
+    assert a.token_ids == run(cold, left, n=6).token_ids and b.token_ids == run(cold, right, n=6).token_ids
+    assert a.stats.reused_tokens == b.stats.reused_tokens == cached
+
+
+def test_forks_of_forks_stop_growing_the_chain_and_stay_exact(sharing, cold):
+    session = sharing.session()
+    history = SYSTEM[:40]
+    session.generate(token_ids=history, max_new_tokens=1, eos_token_ids=[])
+    depths = []
+    for step in range(MAX_DEPTH + 2):
+        twin = session.fork()
+        depths.append(twin.cache.depth)
+        history = twin.history + [20 + step]
+        twin.generate(token_ids=history, max_new_tokens=1, eos_token_ids=[])
+        session = twin
+    assert depths == list(range(1, MAX_DEPTH + 1)) + [0, 1]  # the fork past the limit is a copy
+    final, cached = session.history + [5], session.cached
+    result = session.generate(token_ids=final, max_new_tokens=6, eos_token_ids=[])
+    assert result.stats.reused_tokens == cached and result.token_ids == run(cold, final, n=6).token_ids
+
+
+def test_a_session_continuing_a_shared_prefix_saves_all_of_it(sharing, cold, tmp_path):
+    warm(sharing)
+    session = sharing.session()
+    session.generate(token_ids=SYSTEM + question(2), max_new_tokens=3, eos_token_ids=[])
+    session.save(tmp_path / "s")
+    restored = cold.restore(tmp_path / "s")
+    follow = session.history + [7]
+    result = restored.generate(token_ids=follow, max_new_tokens=6, eos_token_ids=[])
+    assert result.stats.reused_tokens == session.cached and result.token_ids == run(cold, follow, n=6).token_ids
