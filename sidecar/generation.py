@@ -110,9 +110,10 @@ class Run:
     def admit(self) -> None:
         session, request = self.session, self.request
         session.engine._touch(session)
-        self.saved = session._reuse(request.input_ids)
+        self.saved = session._reuse(request.input_ids, request.shift_keep)
         self.admitted = True
         self.stats.reused_tokens = self.saved.keep
+        self.stats.shifted_tokens = self.saved.shifted
         self.fresh = request.input_ids[self.saved.keep :]
         session.history = list(request.input_ids)
         session.cache.pinned = True

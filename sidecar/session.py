@@ -5,8 +5,9 @@ common prefix of the cached tokens and the new input (at least the last input to
 so there are logits to sample from), and only the rest is prefilled. The cache holds generated tokens
 too, so a chat follow-up that repeats the previous answer reuses it.
 
-The rolling case (`abc` then `bcd`) shares no prefix and recomputes. Under causal attention the keys
-of `bcd` differ from those cached for `abc`, so exact reuse of a shifted window is impossible.
+The rolling case (`abc` then `bcd`) shares no prefix and recomputes by default. Under causal attention
+the keys of `bcd` differ from those cached for `abc`, so exact reuse of a shifted window is impossible;
+`reuse="shift"` opts into an approximate reuse that moves the cached keys instead (`sidecar.shift`).
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ import torch
 
 import processors as proc
 
-from . import persist
+from . import persist, shift
 from .errors import SessionBusy, SessionClosed
 
 STRATEGIES = ("greedy", "sample", "beam")
+REUSES = ("prefix", "shift")
 
 
 @dataclass
 class Stats:
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    shifted_tokens: int = 0  # of the reused ones, those moved by reuse="shift" (approximate)
     prefill_tokens: int = 0
     generated_tokens: int = 0  # over every returned sequence
     ttft_s: float | None = None
@@ -76,6 +79,7 @@ class Request:
     num_return_sequences: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    shift_keep: int | None = None  # reuse="shift": the leading tokens a shift keeps; None: prefix reuse only
 
 
 @dataclass
@@ -83,12 +87,14 @@ class Checkpoint:
     """What a session held before a call, enough to put it back exactly if the call fails.
 
     Only the tail of the cache that the call crops away is copied (nothing, when the new input extends
-    what is cached); the kept prefix is never written in place, so cropping back to it restores it.
+    what is cached); the kept prefix is never written in place, so cropping back to it restores it. A
+    shift writes the `shifted` tokens after the kept ones: its tail starts before them.
     """
 
     history: list[int]
     cached: int
-    keep: int = 0
+    keep: int = 0  # the tokens reused, shifted ones included
+    shifted: int = 0
     tail: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
@@ -152,7 +158,7 @@ class Session:
         `max_new_tokens=16`, `strategy="greedy" | "sample" | "beam"`, `seed`, `processors` (configs or
         callables), `stop` (strings), `eos_token_ids` (default: the model's; `[]` never stops early),
         `num_samples` (sample), `num_beams`, `num_return_sequences`, `length_penalty`, `early_stopping`
-        (beam, as in transformers).
+        (beam, as in transformers), `reuse="prefix" | "shift"` and `keep` (shift: leading tokens kept).
         """
         generation = self.stream(prompt, **options)
         for _ in generation:
@@ -184,20 +190,27 @@ class Session:
         """Writes the history and the cache to `path` (safetensors); `Engine.restore(path)` brings it back."""
         persist.save(self, path)
 
-    def _reuse(self, input_ids: list[int]) -> Checkpoint:
-        """Crops the cache to the longest reusable prefix of `input_ids`; the checkpoint's `keep` is its length."""
+    def _reuse(self, input_ids: list[int], shift_keep: int | None = None) -> Checkpoint:
+        """Crops the cache to the longest reusable prefix of `input_ids`, or, with `shift_keep`, shifts it
+        when that reuses more; the checkpoint's `keep` is how many tokens the cache then holds."""
         cache = self.cache
         saved = Checkpoint(self.history, cache.length)
         saved.keep = keep = min(common_prefix(self.history[: cache.length], input_ids), len(input_ids) - 1)
-        if cache.length > keep:
+        moved = None if shift_keep is None else shift.align(self.history[: cache.length], input_ids, shift_keep)
+        if moved is not None and moved.reused > keep:
+            saved.tail = cache.tail(moved.keep)
+            shift.move(cache, self.engine.rotation, moved, saved.tail)
+            saved.keep, saved.shifted = moved.reused, moved.count
+        elif cache.length > keep:
             saved.tail = cache.tail(keep)
             cache.crop(keep)
         return saved
 
     def _restore(self, saved: Checkpoint) -> None:
-        """Puts back what `_reuse` saved: the history, and the cache cropped to the kept prefix plus its old tail."""
+        """Puts back what `_reuse` saved: the history, and the cache cropped to what it left in place plus its old tail."""
         self.history = saved.history
-        self.cache.crop(saved.keep)
+        start = saved.keep - saved.shifted
+        self.cache.crop(start)
         if saved.tail:
             self.cache.reserve(max(self.cache.capacity, saved.cached))
-            self.cache.put_tail(saved.keep, saved.tail)
+            self.cache.put_tail(start, saved.tail)
