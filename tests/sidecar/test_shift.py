@@ -288,3 +288,27 @@ def test_default_reuse_recomputes_a_sliding_window_exactly(engine):
     assert (result.stats.reused_tokens, result.stats.shifted_tokens) == (0, 0)
     for (k, v), (ref_k, ref_v) in zip(cache, reference):
         assert torch.equal(k, ref_k) and torch.equal(v, ref_v)
+
+
+# ---- over the protocol ---------------------------------------------------------------------------
+
+def test_shift_through_the_server_equals_the_python_api(default_dir, engine):
+    from protocol.peer import Peer
+
+    from .test_server import SERVER
+
+    t = tokens(200, 21)
+    window = t[:4] + t[40:150]
+    with engine.session() as session:
+        session.generate(token_ids=t[:120], max_new_tokens=0)
+        expected = session.generate(token_ids=window, max_new_tokens=5, eos_token_ids=[], reuse="shift", keep=4)
+    with Peer(SERVER) as peer:
+        assert peer.call("open_session", session="s")["ok"]
+        assert peer.call("generate", session="s", token_ids=t[:120], max_new_tokens=0)["ok"]
+        reply = peer.call("generate", session="s", token_ids=window, max_new_tokens=5, eos_token_ids=[],
+                          reuse="shift", keep=4)
+        refused = peer.call("generate", session="s", token_ids=window, keep=4)
+    assert reply["result"]["token_ids"] == expected.token_ids
+    stats = reply["result"]["stats"]
+    assert (stats["reused_tokens"], stats["shifted_tokens"], stats["prefill_tokens"]) == (84, 80, 30)
+    assert refused["error"]["code"] == "invalid_argument" and refused["error"]["option"] == "keep"
