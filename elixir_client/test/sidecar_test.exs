@@ -70,6 +70,27 @@ defmodule SidecarTest do
     end
   end
 
+  test "reuse: :shift reuses a window that slid, the rolling case the default recomputes", %{conn: conn} do
+    [a, b, c, d] = for {marker, seed} <- Enum.zip([3, 4, 5, 6], 1..4), do: [marker | tokens(seed, 19)]
+    {:ok, session} = Sidecar.open_session(conn)
+    opts = [max_new_tokens: 8, eos_token_id: []]
+    assert {:ok, earlier} = Sidecar.generate(conn, session, a ++ b ++ c, opts)
+
+    # the window drops `a` and goes on after the answer; all but the answer's last token is cached
+    window = b ++ c ++ earlier.token_ids ++ d
+    assert {:ok, shifted} = Sidecar.generate(conn, session, window, [reuse: :shift, keep: 0] ++ opts)
+    assert %{reused_tokens: 47, shifted_tokens: 47, prefill_tokens: 21} = shifted.stats
+    assert length(shifted.token_ids) == 8
+
+    assert {:ok, exact} = fresh_generate(conn, window, opts)
+    assert %{reused_tokens: 0, shifted_tokens: 0} = exact.stats
+
+    assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "keep"}}} =
+             Sidecar.generate(conn, session, window, keep: 4)
+
+    :ok = Sidecar.close_session(conn, session)
+  end
+
   # {first call, second call, tokens the second call must reuse}
   defp petals_case(:prefix, [a, b, _, _]), do: {a, a ++ b, 20}
   defp petals_case(:different_suffix, [a, b, c, _]), do: {a ++ b, a ++ c, 20}
