@@ -83,13 +83,16 @@ class Rotation:
         if rotary is None or not hasattr(rotary, "inv_freq"):
             raise InvalidArgument(f"reuse 'shift' needs rotary position embeddings, and {name} has none (its "
                                   "positions are absolute, so cached keys cannot be moved)", option="reuse")
+        if any(hasattr(module, "inv_freq") for module in model.modules() if module is not rotary):
+            raise InvalidArgument(f"reuse 'shift' cannot move {name}'s keys: its layers rotate keys with rotary "
+                                  "embeddings of their own", option="reuse")
         rope_type = getattr(rotary, "rope_type", "default")
         if rope_type not in STATIC_ROPE_TYPES:
             raise InvalidArgument(f"reuse 'shift' cannot move {name}'s keys exactly: its rotary type {rope_type!r} "
                                   "changes its frequencies with the sequence length (shifts: "
                                   f"{', '.join(STATIC_ROPE_TYPES)})", option="reuse")
         rotation = cls(rotary)
-        width = rotation.angles(1, torch.device("cpu"))[0].shape[-1]
+        width = rotation.angles(1, rotary.inv_freq.device)[0].shape[-1]
         if width != head_dim:
             raise InvalidArgument(f"reuse 'shift' needs rotary embeddings over whole key heads; {name} rotates "
                                   f"{width} of {head_dim} dimensions", option="reuse")

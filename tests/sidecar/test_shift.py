@@ -216,6 +216,21 @@ def test_a_rotary_type_that_depends_on_the_length_refuses_shift(tmp_path_factory
     assert caught.value.details == {"option": "reuse"}
 
 
+def test_rotary_embeddings_per_layer_or_over_part_of_a_head_refuse_shift():
+    import copy
+
+    from sidecar.shift import Rotation
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    assert isinstance(Rotation.of(model, 16), Rotation)
+    with pytest.raises(InvalidArgument, match="rotates 16 of 32 dimensions"):
+        Rotation.of(model, 32)
+    model.model.layers[0].self_attn.rotary_emb = copy.deepcopy(model.model.rotary_emb)
+    with pytest.raises(InvalidArgument, match="of their own"):
+        Rotation.of(model, 16)
+
+
 @pytest.mark.parametrize("options, option", [
     ({"reuse": "suffix"}, "reuse"),
     ({"reuse": None}, "reuse"),
