@@ -104,6 +104,8 @@ OPS: dict[str, dict[str, Param]] = {
         "num_return_sequences": Param("uint|null", doc="with beam: the best finished beams returned (default 1)"),
         "length_penalty": Param("number|null", doc="with beam: scores are divided by length ** this (default 1.0)"),
         "early_stopping": Param("bool|str|null", doc='with beam: true, false or "never", as in transformers (default false)'),
+        "reuse": Param("str", default="prefix", doc="prefix (exact) | shift (approximate: moves the cache after dropped tokens)"),
+        "keep": Param("uint|null", doc="with shift: leading tokens that stay in place (default 0)"),
     },
     "cancel": {"target": Param("uint", required=True, doc="the id of the request to cancel")},
     "tokenize": {

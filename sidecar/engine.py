@@ -15,7 +15,7 @@ import torch
 import processors as proc
 from processors.structured import Vocabulary
 
-from . import attention, chat, models, persist
+from . import attention, chat, models, persist, shift
 from .errors import (
     ContextOverflow,
     EmptyInput,
@@ -27,7 +27,7 @@ from .errors import (
 )
 from .kv import KVStore
 from .scheduler import Scheduler
-from .session import STRATEGIES, Request, Session
+from .session import REUSES, STRATEGIES, Request, Session
 
 DEFAULT_CACHE_BUDGET = 2 * 1024**3
 DEFAULT_PREFILL_CHUNK = 512
@@ -134,7 +134,8 @@ class Engine:
     def validate(self, prompt=None, *, token_ids=None, messages=None, chat_template=None, add_generation_prompt=None,
                  continue_final_message=False, max_new_tokens=16, strategy="greedy", seed=None,
                  processors=(), stop=(), eos_token_ids=None, num_samples=1, num_beams=None,
-                 num_return_sequences=None, length_penalty=None, early_stopping=None) -> Request:
+                 num_return_sequences=None, length_penalty=None, early_stopping=None, reuse="prefix",
+                 keep=None) -> Request:
         """Checks a generate call completely, before anything changes; returns it in normal form."""
         if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
             raise InvalidArgument("give exactly one of prompt, token_ids and messages", option="prompt")
@@ -203,7 +204,9 @@ class Engine:
         rows = self._check_rows(strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty, early_stopping)
         if rows.get("num_beams") == 1:  # one beam is greedy search, as in transformers
             strategy, rows = "greedy", {}
-        return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows)
+        shift_keep = self._check_reuse(reuse, keep)
+        return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows,
+                       shift_keep=shift_keep)
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -253,6 +256,24 @@ class Engine:
                                   option="stop")
         return {"num_beams": int(num_beams), "num_return_sequences": int(num_return_sequences),
                 "length_penalty": float(length_penalty), "early_stopping": early_stopping}
+
+    def _check_reuse(self, reuse, keep) -> int | None:
+        """The tokens a shift keeps (`Request.shift_keep`), or None for prefix reuse."""
+        if not isinstance(reuse, str) or reuse not in REUSES:
+            raise InvalidArgument(f"reuse must be one of {', '.join(REUSES)}, got {reuse!r}", option="reuse")
+        if reuse != "shift":
+            if keep is not None:
+                raise InvalidArgument(f"keep goes with reuse 'shift', not {reuse!r}", option="keep")
+            return None
+        if keep is not None and (not _is_int(keep) or keep < 0):
+            raise InvalidArgument(f"keep must be an integer >= 0, got {keep!r}", option="keep")
+        self.rotation  # a model that cannot shift is refused here, before anything changes
+        return 0 if keep is None else int(keep)
+
+    @functools.cached_property
+    def rotation(self) -> shift.Rotation:
+        """How `reuse="shift"` moves cached keys; raises `InvalidArgument` for a model that cannot shift."""
+        return shift.Rotation.of(self.model, self.store.layers[0].head_dim)
 
     def check_token_ids(self, token_ids, what: str = "token ids") -> None:
         """Raises `TokenOutOfRange` naming the ids outside the vocabulary (the first five)."""

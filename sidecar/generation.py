@@ -103,8 +103,11 @@ class Run:
         input's cached prefix comes from (the session's own cache, or another one: `source`)."""
         cache, request, session = self.session.cache, self.request, self.session
         own = session.reusable(request.input_ids)
-        self.source = sharing.find(session, request.input_ids[:-1], own)
+        # a shift reuses the session's own window: it does not look elsewhere
+        self.source = None if request.shift_keep is not None else sharing.find(session, request.input_ids[:-1], own)
         offset = self.source.tokens if self.source is not None else min(cache.offset, own)  # where its own tokens start
+        if request.shift_keep is not None:  # a shift may move tokens out of a prefix it continues
+            offset = min(offset, request.shift_keep)
         prompt, total = len(request.input_ids) - offset, len(request.input_ids) + request.max_new_tokens - offset
         # A call that crops the cache keeps its capacity until it ends, so that a failure can put the
         # cropped tail back without growing past the budget.
@@ -121,10 +124,11 @@ class Run:
     def admit(self) -> None:
         session, request = self.session, self.request
         session.engine._touch(session)
-        self.saved = session._reuse(request.input_ids, self.source)
+        self.saved = session._reuse(request.input_ids, self.source, request.shift_keep)
         self.admitted = True
         self.stats.reused_tokens = self.saved.keep
         self.stats.shared_tokens = self.saved.shared
+        self.stats.shifted_tokens = self.saved.shifted
         self.fresh = request.input_ids[self.saved.keep :]
         session.history = list(request.input_ids)
         cache = session.cache

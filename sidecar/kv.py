@@ -109,6 +109,7 @@ class KVStore:
         entry.keys, entry.values, entry.capacity, entry.length = cache.keys, cache.values, cache.capacity, cache.length
         entry.prefix, entry.prefix_length = cache.prefix, cache.prefix_length  # the link changes hands too
         entry.tokens = list(tokens)
+        entry.approximate_from, cache.approximate_from = cache.approximate_from, None
         cache.keys, cache.values, cache.capacity, cache.length = [], [], 0, 0
         cache.prefix, cache.prefix_length = None, 0
         self._caches[id(entry)] = entry
@@ -178,6 +179,8 @@ class KVCache:
         self.prefix_length = 0
         self.refs = 0
         self.tokens: list[int] | None = None  # a shared entry's token ids, its chain's included
+        # Where its own keys stop being those a cold run computes (a rolling shift moved them): None if never.
+        self.approximate_from: int | None = None
 
     @property
     def offset(self) -> int:
@@ -188,6 +191,14 @@ class KVCache:
     def end(self) -> int:
         """How many tokens it reads, its chain's and its own."""
         return self.offset + self.length
+
+    @property
+    def exact(self) -> int:
+        """How many of the tokens it reads have exactly a cold run's keys: those another session may share."""
+        bound = self.end if self.approximate_from is None else min(self.end, self.approximate_from)
+        if self.prefix is not None and self.prefix.exact < self.offset:
+            bound = min(bound, self.prefix.exact)
+        return bound
 
     def chain(self) -> list[tuple["KVCache", int]]:
         """The caches it continues, first to last, each with how many of its tokens are read."""
@@ -213,10 +224,13 @@ class KVCache:
         """Frees its buffers and its link: it holds nothing."""
         self.store._account(-self.nbytes)
         self.keys, self.values, self.capacity, self.length = [], [], 0, 0
+        self.approximate_from = None
         self.store.unlink(self)
 
     def crop(self, end: int) -> None:
         """Reads only the first `end` tokens (a link shortens when `end` falls inside the chain)."""
+        if self.approximate_from is not None and end <= self.approximate_from:
+            self.approximate_from = None
         if end >= self.offset:
             self.length = min(self.length, end - self.offset)
         else:

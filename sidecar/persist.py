@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from . import sharing
 from .errors import CacheBudgetExceeded, InvalidSessionFile, SaveFailed, SessionBusy, SessionClosed
 
-FORMAT = "beam-sidecar-session/1"
+FORMAT = "beam-sidecar-session/2"  # 2: "exact", the tokens whose keys a shift has not moved
 
 
 def model_fingerprint(model, vocabulary_fingerprint: str) -> str:
@@ -49,7 +49,7 @@ def save(session, path) -> None:
             tensors[f"{kind}.{layer}"] = (spans[index].contiguous().cpu() if spans is not None else
                                           torch.empty(shape.kv_heads, 0, shape.head_dim, dtype=engine.store.dtype))
     metadata = {"format": FORMAT, "model": engine.fingerprint, "dtype": str(engine.store.dtype),
-                "history": session.history, "cached": cache.end}
+                "history": session.history, "cached": cache.end, "exact": cache.exact}
     metadata["digest"] = _digest(metadata, tensors)
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
@@ -97,6 +97,8 @@ def restore(engine, path):
             cache.keys[layer][0, :, :cached] = tensors[f"keys.{layer}"]
             cache.values[layer][0, :, :cached] = tensors[f"values.{layer}"]
         cache.length = cached
+        if metadata["exact"] < cached:  # keys a rolling shift moved stay unshared after a restore too
+            cache.approximate_from = metadata["exact"]
     return session
 
 
@@ -160,7 +162,8 @@ def _check_header(engine, metadata, name: str) -> tuple[list[int], int]:
                                  f"{engine.store.dtype}")
     history, cached = metadata.get("history"), metadata.get("cached")
     if not (isinstance(history, list) and all(type(t) is int and 0 <= t < engine.vocab_size for t in history)
-            and type(cached) is int and 0 <= cached <= len(history)):
+            and type(cached) is int and 0 <= cached <= len(history)
+            and type(metadata.get("exact")) is int and 0 <= metadata["exact"] <= cached):
         raise InvalidSessionFile(f"{name} has a malformed history")
     if engine.max_context is not None and len(history) > engine.max_context:
         raise InvalidSessionFile(f"{name} holds {len(history)} tokens, more than the model's context of "

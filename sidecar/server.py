@@ -260,7 +260,7 @@ class Server:
             seed=p["seed"], processors=job.processors, stop=p["stop"],
             eos_token_ids=p["eos_token_ids"], num_samples=p["num_samples"], num_beams=p["num_beams"],
             num_return_sequences=p["num_return_sequences"], length_penalty=p["length_penalty"],
-            early_stopping=p["early_stopping"],
+            early_stopping=p["early_stopping"], reuse=p["reuse"], keep=p["keep"],
         )
         self.active.append(job)
 

@@ -8,8 +8,10 @@ too, so a chat follow-up that repeats the previous answer reuses it.
 A prefix held by another session's cache (a shared system prompt) is continued in place rather than
 recomputed (`sidecar.sharing`).
 
-The rolling case (`abc` then `bcd`) shares no prefix and recomputes. Under causal attention the keys
-of `bcd` differ from those cached for `abc`, so exact reuse of a shifted window is impossible.
+The rolling case (`abc` then `bcd`) shares no prefix and recomputes by default. Under causal attention
+the keys of `bcd` differ from those cached for `abc`, so exact reuse of a shifted window is impossible;
+`reuse="shift"` opts into an approximate reuse that moves the cached keys instead (`sidecar.shift`).
+Keys a shift moved are never shared with other sessions (`KVCache.exact`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import torch
 
 import processors as proc
 
-from . import persist, sharing
+from . import persist, sharing, shift
 from .errors import SessionBusy, SessionClosed
 from .kv import KVCache
 
 STRATEGIES = ("greedy", "sample", "beam")
+REUSES = ("prefix", "shift")
 
 
 @dataclass
@@ -33,6 +36,7 @@ class Stats:
     prompt_tokens: int = 0
     reused_tokens: int = 0  # cached input tokens not computed again
     shared_tokens: int = 0  # of those, how many another session's cache held
+    shifted_tokens: int = 0  # of those, how many reuse="shift" moved (approximate)
     prefill_tokens: int = 0
     generated_tokens: int = 0  # over every returned sequence
     ttft_s: float | None = None
@@ -81,6 +85,7 @@ class Request:
     num_return_sequences: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    shift_keep: int | None = None  # reuse="shift": the leading tokens a shift keeps; None: prefix reuse only
 
 
 @dataclass
@@ -89,16 +94,19 @@ class Checkpoint:
 
     Only the tokens of its own cache that the call crops away are copied (from `start` on; nothing, when
     the new input extends what is cached); the kept part is never written in place, so cropping back to
-    it restores it. The cache it continued (`prefix`) is held until the call ends, so it is still there
-    to continue again.
+    it restores it. A shift writes the `shifted` tokens after the kept ones: its tail starts before
+    them. The cache it continued (`prefix`) is held until the call ends, so it is still there to
+    continue again.
     """
 
     history: list[int]
     own: int  # tokens of its own cache
     prefix: KVCache | None
     prefix_length: int
-    keep: int = 0  # leading input tokens reused
+    approximate_from: int | None
+    keep: int = 0  # leading input tokens reused, shifted ones included
     shared: int = 0  # of which another session's cache held
+    shifted: int = 0  # of which a shift moved
     start: int = 0
     tail: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
@@ -174,7 +182,7 @@ class Session:
         `max_new_tokens=16`, `strategy="greedy" | "sample" | "beam"`, `seed`, `processors` (configs or
         callables), `stop` (strings), `eos_token_ids` (default: the model's; `[]` never stops early),
         `num_samples` (sample), `num_beams`, `num_return_sequences`, `length_penalty`, `early_stopping`
-        (beam, as in transformers).
+        (beam, as in transformers), `reuse="prefix" | "shift"` and `keep` (shift: leading tokens kept).
         """
         generation = self.stream(prompt, **options)
         for _ in generation:
@@ -211,11 +219,13 @@ class Session:
         token is always fed again, so there are logits to sample from)."""
         return min(common_prefix(self.history[: self.cached], input_ids), len(input_ids) - 1)
 
-    def _reuse(self, input_ids: list[int], source: sharing.Source | None = None) -> Checkpoint:
-        """Crops the cache to the longest reusable prefix of `input_ids`, or makes it continue `source`
-        (another cache holding more of them); the checkpoint's `keep` is how many are reused."""
+    def _reuse(self, input_ids: list[int], source: sharing.Source | None = None,
+               shift_keep: int | None = None) -> Checkpoint:
+        """Crops the cache to the longest reusable prefix of `input_ids`, makes it continue `source` (another
+        cache holding more of them), or, with `shift_keep`, shifts it when that reuses more; the
+        checkpoint's `keep` is how many are reused."""
         cache, store = self.cache, self.engine.store
-        saved = Checkpoint(self.history, cache.length, cache.prefix, cache.prefix_length)
+        saved = Checkpoint(self.history, cache.length, cache.prefix, cache.prefix_length, cache.approximate_from)
         own = self.reusable(input_ids)
         if source is not None and source.tokens > own:
             saved.keep = saved.shared = source.tokens
@@ -223,7 +233,24 @@ class Session:
             if cache.length:
                 saved.tail = cache.tail(0)
             cache.length = 0
+            cache.approximate_from = None
             store.link(cache, entry, saved.keep)
+            return saved
+        moved = None if shift_keep is None else shift.align(self.history[: cache.end], input_ids, shift_keep)
+        if moved is not None and moved.reused > own:
+            if moved.keep >= cache.offset:  # the moved tokens are its own, and move within its buffers
+                saved.start = moved.keep - cache.offset
+                saved.tail = source = cache.tail(saved.start)
+            else:  # they start in the shared prefix it continues, never written: moved, they become its own
+                source = [tuple(part[None, :, moved.keep :] for part in cache.span(layer))
+                          for layer in range(len(store.layers))]
+                saved.tail = cache.tail(0) if cache.length else []
+                cache.length = 0
+                store.link(cache, cache.prefix, moved.keep)
+                cache.reserve(max(cache.capacity, moved.count))
+            shift.move(cache, self.engine.rotation, moved, source)
+            saved.keep, saved.shifted = moved.reused, moved.count
+            cache.approximate_from = min(moved.keep, cache.approximate_from or moved.keep)
             return saved
         saved.keep = own
         saved.start = min(max(own - cache.offset, 0), cache.length)
@@ -233,8 +260,8 @@ class Session:
         return saved
 
     def _restore(self, saved: Checkpoint) -> None:
-        """Puts back what `_reuse` saved: the history, the link, and its own cache cropped to the kept part
-        plus its old tail."""
+        """Puts back what `_reuse` saved: the history, the link, and its own cache cropped to what it left in
+        place plus its old tail."""
         self.history = saved.history
         cache = self.cache
         store = self.engine.store
@@ -243,3 +270,4 @@ class Session:
         if saved.tail:
             cache.reserve(max(cache.capacity, saved.own))
             cache.put_tail(saved.start, saved.tail)
+        cache.approximate_from = saved.approximate_from

@@ -7,7 +7,8 @@ idle session's cache, token by token as vLLM's automatic prefix caching and SGLa
 another cache holds at least `MIN_SHARED_TOKENS` more than the session's own, the session continues it
 in place: an idle session's cache first becomes a shared entry (`KVStore.share`, its buffers change
 hands, nothing is copied), so twenty sessions of one system prompt hold one copy of it. Its keys are
-exactly those a cold run computes, so results do not change.
+exactly those a cold run computes, so results do not change: keys a rolling shift moved (approximate)
+are never shared, only what comes before them (`KVCache.exact`).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def find(session, input_ids: list[int], own: int) -> Source | None:
     best = Source(own + MIN_SHARED_TOKENS - 1)
     held = {}  # entry id -> how many leading input tokens it holds
     for entry in engine.store.shared:
-        held[id(entry)] = n = _common(entry.tokens, input_ids, 0, entry.end)
+        held[id(entry)] = n = _common(entry.tokens, input_ids, 0, entry.exact)
         if n > best.tokens and entry.depth < MAX_DEPTH:
             best = Source(n, entry=entry)
     for other in engine.sessions:
@@ -64,7 +65,7 @@ def find(session, input_ids: list[int], own: int) -> Source | None:
         start = cache.offset  # its chain is an entry, matched above: only its own tokens are new
         if start and held.get(id(cache.prefix), 0) < start:
             continue
-        n = _common(other.history, input_ids, start, cache.end)
+        n = _common(other.history, input_ids, start, cache.exact)
         if n > best.tokens:
             best = Source(n, session=other)
     return best if best.entry is not None or best.session is not None else None

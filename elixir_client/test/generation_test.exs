@@ -117,6 +117,22 @@ defmodule Sidecar.GenerationTest do
              Generation.params("Hi", [strategy: %{type: :greedy_search, num_samples: 2}], nil)
   end
 
+  test "reuse and keep go on the wire when given; their types are checked here" do
+    params = Generation.params([5, 6], [reuse: :shift, keep: 4], nil)
+    assert %{"reuse" => "shift", "keep" => 4} = params
+    refute Map.has_key?(Generation.params([5, 6], [], nil), "reuse")
+    # keep without shift is the sidecar's to refuse, naming the option
+    assert %{"keep" => 2} = Generation.params([5, 6], [keep: 2], nil)
+
+    assert_raise ArgumentError, ~r/:reuse must be :prefix or :shift/, fn ->
+      Generation.params([5, 6], [reuse: "shift"], nil)
+    end
+
+    assert_raise ArgumentError, ~r/:keep must be a non-negative integer/, fn ->
+      Generation.params([5, 6], [reuse: :shift, keep: -1], nil)
+    end
+  end
+
   test "strategy maps with an unknown key, misplaced top_k/top_p or a mistyped value raise" do
     for {strategy, pattern} <- [
           {%{type: :beam_search, beams: 4}, ~r/unknown key :beams in the strategy/},

@@ -29,6 +29,8 @@ defmodule Sidecar.OptionsTest do
     assert Sidecar.Options.flags(device: "cuda:1", dtype: :bf16) == ["--device", "cuda:1", "--dtype", "bf16"]
     assert Sidecar.Options.flags(session_dir: "/var/sessions") == ["--session-dir", "/var/sessions"]
     assert Sidecar.Options.flags(device: nil, dtype: nil, session_dir: nil) == []
+    assert Sidecar.Options.flags(share_prefixes: false) == ["--no-share-prefixes"]
+    assert Sidecar.Options.flags(share_prefixes: true) == []
 
     assert_raise ArgumentError, ~r/invalid value "" for Sidecar option :session_dir/, fn ->
       Sidecar.start_link(session_dir: "")

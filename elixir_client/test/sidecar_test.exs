@@ -9,7 +9,10 @@ defmodule SidecarTest do
   @moduletag timeout: 180_000
 
   setup_all do
-    %{conn: start_supervised!({Sidecar, sidecar_opts(device: "cpu")})}
+    # `cold` shares no prefixes across sessions: a fresh session there computes everything, the reference
+    conn = start_supervised!({Sidecar, sidecar_opts(device: "cpu")}, id: :conn)
+    cold = start_supervised!({Sidecar, sidecar_opts(share_prefixes: false)}, id: :cold)
+    %{conn: conn, cold: cold}
   end
 
   defp tokens(seed, n), do: for(i <- 1..n, do: 7 + rem(seed * 31 + i * 17, 900))
@@ -48,7 +51,7 @@ defmodule SidecarTest do
   end
 
   describe "the three Petals cases reuse the cache and mean the same as a fresh session" do
-    setup %{conn: conn} do
+    setup %{cold: conn} do
       pieces = for {marker, seed} <- Enum.zip([3, 4, 5, 6], 1..4), do: [marker | tokens(seed, 19)]
       {:ok, session} = Sidecar.open_session(conn)
       on_exit(fn -> Sidecar.close_session(conn, session) end)
@@ -56,7 +59,7 @@ defmodule SidecarTest do
     end
 
     for name <- [:prefix, :different_suffix, :rolling] do
-      test "#{name}", %{conn: conn, session: session, pieces: pieces} do
+      test "#{name}", %{cold: conn, session: session, pieces: pieces} do
         {first, second, reuse} = petals_case(unquote(name), pieces)
         opts = [max_new_tokens: 8, eos_token_id: []]
         assert {:ok, earlier} = Sidecar.generate(conn, session, first, opts)
@@ -68,6 +71,50 @@ defmodule SidecarTest do
         assert fresh.stats.reused_tokens == 0
       end
     end
+  end
+
+  test "a session continues a prefix another session computed, with the cold result", %{
+    conn: conn,
+    cold: cold
+  } do
+    system = tokens(77, 40)
+    {:ok, first} = Sidecar.open_session(conn)
+    {:ok, second} = Sidecar.open_session(conn)
+    opts = [max_new_tokens: 6, eos_token_id: []]
+    assert {:ok, _} = Sidecar.generate(conn, first, system ++ [3 | tokens(78, 5)], opts)
+    input = system ++ [4 | tokens(79, 5)]
+    assert {:ok, shared} = Sidecar.generate(conn, second, input, opts)
+    assert %{reused_tokens: 40, shared_tokens: 40, prefill_tokens: 6} = shared.stats
+    assert {:ok, fresh} = fresh_generate(cold, input, opts)
+    assert fresh.stats.reused_tokens == 0 and shared.token_ids == fresh.token_ids
+    assert {:ok, %{"models" => %{"default" => %{"shared_prefixes" => n}}}} = Sidecar.stats(conn)
+    assert n >= 1
+    :ok = Sidecar.close_session(conn, first)
+    :ok = Sidecar.close_session(conn, second)
+  end
+
+  test "reuse: :shift reuses a window that slid, the rolling case the default recomputes", %{
+    conn: conn,
+    cold: cold
+  } do
+    [a, b, c, d] = for {marker, seed} <- Enum.zip([3, 4, 5, 6], 1..4), do: [marker | tokens(seed, 19)]
+    {:ok, session} = Sidecar.open_session(conn)
+    opts = [max_new_tokens: 8, eos_token_id: []]
+    assert {:ok, earlier} = Sidecar.generate(conn, session, a ++ b ++ c, opts)
+
+    # the window drops `a` and goes on after the answer; all but the answer's last token is cached
+    window = b ++ c ++ earlier.token_ids ++ d
+    assert {:ok, shifted} = Sidecar.generate(conn, session, window, [reuse: :shift, keep: 0] ++ opts)
+    assert %{reused_tokens: 47, shifted_tokens: 47, prefill_tokens: 21} = shifted.stats
+    assert length(shifted.token_ids) == 8
+
+    assert {:ok, exact} = fresh_generate(cold, window, opts)
+    assert %{reused_tokens: 0, shifted_tokens: 0} = exact.stats
+
+    assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "keep"}}} =
+             Sidecar.generate(conn, session, window, keep: 4)
+
+    :ok = Sidecar.close_session(conn, session)
   end
 
   # {first call, second call, tokens the second call must reuse}

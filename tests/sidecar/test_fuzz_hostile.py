@@ -449,6 +449,8 @@ class Fuzz:
             "num_return_sequences": lambda: rng.choice([None, 1, 2]),
             "length_penalty": lambda: rng.choice([None, 1.0, -0.5, 2]),
             "early_stopping": lambda: rng.choice([None, True, False, "never"]),
+            "reuse": lambda: rng.choice(["prefix", "prefix", "shift"]),
+            "keep": lambda: rng.choice([None, None, 0, 4]),
             "device": lambda: rng.choice([None, "cpu"]),
             "seed": lambda: rng.choice([None, 0, 7, 2**63, 2**64 - 1]),
             "processors": lambda: [processor_spec(rng, rng.choice([0.0, 0.0, 0.3, 1.0])) for _ in range(rng.randrange(4))],

@@ -130,7 +130,8 @@ def test_cancel_of_a_queued_request_and_shutdown_with_work_in_flight(peer):
     generate(peer, 61, session="q", token_ids=[5, 6], max_new_tokens=3, eos_token_ids=[])
     generate(peer, 62, session="q", token_ids=[5, 6], max_new_tokens=3, eos_token_ids=[])
     peer.send({"id": 63, "op": "cancel", "target": 61})
-    zero = {"prompt_tokens": 0, "reused_tokens": 0, "shared_tokens": 0, "prefill_tokens": 0, "generated_tokens": 0, "ttft_s": None, "total_s": 0.0}
+    zero = {"prompt_tokens": 0, "reused_tokens": 0, "shared_tokens": 0, "shifted_tokens": 0, "prefill_tokens": 0,
+            "generated_tokens": 0, "ttft_s": None, "total_s": 0.0}
     assert peer.reply_for(61)[1]["error"] == {"code": "cancelled", "message": "the generation was cancelled before it started",
                                               "token_ids": [], "text": "", "finish_reason": "cancelled", "stats": zero}
     assert peer.reply_for(63)[1]["result"] == {"cancelled": True}

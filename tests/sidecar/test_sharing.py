@@ -3,6 +3,7 @@ model, computes every prompt in full; a session continuing another's cache must 
 (beam scores within 1e-4), hold one copy of the shared prefix, and say in its stats what it took."""
 
 import pytest
+import torch
 
 import processors as proc
 from sidecar import Engine
@@ -227,3 +228,72 @@ def test_a_session_continuing_a_shared_prefix_saves_all_of_it(sharing, cold, tmp
     follow = session.history + [7]
     result = restored.generate(token_ids=follow, max_new_tokens=6, eos_token_ids=[])
     assert result.stats.reused_tokens == session.cached and result.token_ids == run(cold, follow, n=6).token_ids
+
+
+def test_keys_a_shift_moved_are_never_shared(engine):
+    """A shifted window's keys are approximate: another session shares only what comes before them."""
+    sharing = Engine(engine.model, engine.tokenizer)
+    cold = Engine(engine.model, engine.tokenizer, share_prefixes=False)
+    window = tokens(200, seed=61)
+    rolled = SYSTEM[:40] + window
+    slider = sharing.session()
+    slider.generate(token_ids=SYSTEM[:40] + tokens(60, seed=62) + window, max_new_tokens=1, eos_token_ids=[])
+    slid = slider.generate(token_ids=rolled, max_new_tokens=1, eos_token_ids=[], reuse="shift", keep=40)
+    assert slid.stats.shifted_tokens == len(window) - 1 and slider.cache.exact == 40
+    prompt = rolled + question(1)
+    result = run(sharing, prompt)  # the slider holds all of it but the question, exact for 40 tokens
+    assert result.stats.shared_tokens == result.stats.reused_tokens == 40
+    assert result.token_ids == run(cold, prompt).token_ids
+
+
+def test_a_session_continuing_a_shared_prefix_shifts_only_its_own_tokens(engine):
+    sharing = Engine(engine.model, engine.tokenizer)
+    cold = Engine(engine.model, engine.tokenizer, share_prefixes=False)
+    warm(sharing)
+    session = sharing.session()
+    window = tokens(80, seed=71)
+    session.generate(token_ids=SYSTEM + tokens(30, seed=72) + window, max_new_tokens=1, eos_token_ids=[])
+    assert session.cache.offset == len(SYSTEM)
+    entry = session.cache.prefix
+    kept = [k.clone() for k in entry.keys]
+    slid = session.generate(token_ids=SYSTEM + window, max_new_tokens=4, eos_token_ids=[], reuse="shift",
+                            keep=len(SYSTEM))
+    assert slid.stats.shifted_tokens == len(window) - 1
+    assert all(torch.equal(a, b) for a, b in zip(kept, entry.keys))  # the shared keys are untouched
+    assert session.cache.exact == len(SYSTEM)
+    prompt = SYSTEM + question(5)
+    other = run(sharing, prompt)
+    assert other.stats.shared_tokens == len(SYSTEM) and other.token_ids == run(cold, prompt).token_ids
+
+
+def test_a_saved_shifted_session_stays_unshared_after_restore(engine, tmp_path):
+    sharing = Engine(engine.model, engine.tokenizer)
+    window = tokens(120, seed=81)
+    slider = sharing.session()
+    slider.generate(token_ids=SYSTEM[:50] + tokens(60, seed=82) + window, max_new_tokens=1, eos_token_ids=[])
+    slider.generate(token_ids=SYSTEM[:50] + window, max_new_tokens=1, eos_token_ids=[], reuse="shift", keep=50)
+    slider.save(tmp_path / "slid")
+    restored = sharing.restore(tmp_path / "slid")
+    assert restored.cache.exact == 50 and restored.cached == slider.cached
+    slider.close()
+    result = run(sharing, SYSTEM[:50] + window + question(2))
+    assert result.stats.shared_tokens == 50 and result.stats.reused_tokens == 50
+
+
+def test_a_shift_moves_tokens_out_of_the_shared_prefix_as_it_would_its_own(engine):
+    """Another session sharing a session's cache must not take its shift away: the moved tokens are read
+    from the shared entry and become its own, giving what the same calls give without any sharing."""
+    sharing = Engine(engine.model, engine.tokenizer)
+    alone = Engine(engine.model, engine.tokenizer, share_prefixes=False)
+    head, window = tokens(60, seed=91), tokens(100, seed=92)
+    results = []
+    for candidate in (sharing, alone):
+        slider = candidate.session()
+        slider.generate(token_ids=head + window, max_new_tokens=3, eos_token_ids=[])
+        candidate.session().generate(token_ids=head + window[:50], max_new_tokens=1, eos_token_ids=[])
+        slid = slider.generate(token_ids=window + question(3), max_new_tokens=6, eos_token_ids=[], reuse="shift")
+        results.append(slid)
+    shared, reference = results
+    assert sharing.stats()["shared_prefixes"] == 1 and alone.stats()["shared_prefixes"] == 0
+    assert shared.stats.shifted_tokens == reference.stats.shifted_tokens == len(window)
+    assert shared.token_ids == reference.token_ids

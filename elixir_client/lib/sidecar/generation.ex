@@ -24,6 +24,12 @@ defmodule Sidecar.Generation do
     * `:seed` - makes sampling reproducible
     * `:stop` - stop strings, trimmed from the text (not in Bumblebee)
     * `:processors` - more processor structs (`Sidecar.Processors`), applied after the ones above
+    * `:reuse` - how the session reuses its KV cache: `:prefix` (the default: the longest common
+      prefix, exact) or `:shift` (opt-in, approximate: a window that slid reuses its cached tokens
+      moved back by the number dropped; a model without rotary positions answers
+      `reason: :invalid_argument` naming `"reuse"`). `stats.shifted_tokens` counts the moved tokens.
+    * `:keep` - with `reuse: :shift`, the leading tokens that stay in place (attention sinks, a system
+      prompt; default 0)
     * `:timeout` - milliseconds before the generation is cancelled (default: the `:call_timeout`)
 
   The built-in processors come first, in Bumblebee's order: no-repeat n-gram, min new tokens,
@@ -79,6 +85,8 @@ defmodule Sidecar.Generation do
     :seed,
     :stop,
     :processors,
+    :reuse,
+    :keep,
     :timeout
     | for({key, _, _} <- @chat_options, do: key)
   ]
@@ -137,6 +145,8 @@ defmodule Sidecar.Generation do
     |> Map.merge(sequence_params)
     |> put_present("eos_token_ids", eos_ids && List.wrap(eos_ids))
     |> put_present("seed", opts[:seed])
+    |> put_present("reuse", reuse!(opts[:reuse]))
+    |> put_present("keep", keep!(opts[:keep]))
   end
 
   @doc false
@@ -287,6 +297,18 @@ defmodule Sidecar.Generation do
         "unsupported strategy #{inspect(other)}; use %{type: :greedy_search}, " <>
           "%{type: :multinomial_sampling} or %{type: :beam_search}"
       )
+
+  # Whether `:keep` goes with the reuse given is the sidecar's to judge: its error names the option.
+  defp reuse!(nil), do: nil
+  defp reuse!(reuse) when reuse in [:prefix, :shift], do: Atom.to_string(reuse)
+
+  defp reuse!(other),
+    do: raise(ArgumentError, "option :reuse must be :prefix or :shift, got #{inspect(other)}")
+
+  defp keep!(keep) when is_nil(keep) or (is_integer(keep) and keep >= 0), do: keep
+
+  defp keep!(other),
+    do: raise(ArgumentError, "option :keep must be a non-negative integer, got #{inspect(other)}")
 
   defp valid?(:uint, value), do: is_integer(value) and value >= 0
   defp valid?(:number, value), do: is_number(value)

@@ -30,6 +30,12 @@ defmodule Sidecar.Options do
           "`restore_session/3` reads them (`--session-dir`); `nil`: both answer `:forbidden`",
       default: nil
     ],
+    share_prefixes: [
+      doc:
+        "whether a session continues a prefix another session's cache holds (a shared system prompt) " <>
+          "instead of computing it again; `false` passes `--no-share-prefixes`",
+      default: true
+    ],
     args: [doc: "extra command-line arguments for `python -m sidecar`", default: []],
     env: [doc: "extra environment variables, as `[{name, value}]` strings", default: []],
     cd: [doc: "working directory of the Python process", default: nil],
@@ -86,7 +92,7 @@ defmodule Sidecar.Options do
        when key in [:startup_timeout, :call_timeout] and ((is_integer(v) and v > 0) or v == :infinity),
        do: :ok
 
-  defp check!(:log_stderr, v) when is_boolean(v), do: :ok
+  defp check!(key, v) when key in [:log_stderr, :share_prefixes] and is_boolean(v), do: :ok
 
   defp check!(key, v), do: invalid!(key, v)
 
@@ -110,7 +116,7 @@ defmodule Sidecar.Options do
   def flags(opts) do
     Enum.flat_map([device: "--device", dtype: "--dtype", session_dir: "--session-dir"], fn {key, flag} ->
       if opts[key] == nil, do: [], else: [flag, to_string(opts[key])]
-    end)
+    end) ++ if(opts[:share_prefixes] == false, do: ["--no-share-prefixes"], else: [])
   end
 
   defp each!(key, list, ok?) do
