@@ -106,7 +106,8 @@ def _over_budget(engine, doing: str, cached: int, extra: int) -> CacheBudgetExce
 
 
 def fork(session):
-    """A new, independent session with the same history and a copy of the cache: nothing is recomputed."""
+    """A new, independent session with the same history, last result and a copy of the cache: nothing is
+    recomputed."""
     _check_idle(session)
     engine, cache = session.engine, session.cache
     extra = cache.length * engine.store.bytes_per_token
@@ -114,6 +115,7 @@ def fork(session):
         raise _over_budget(engine, "forking", cache.length, extra)
     twin = engine.session()
     twin.history = list(session.history)
+    twin.last = session.last
     if cache.length:
         twin.cache.reserve(cache.length)
         twin.cache.copy_prefix(cache)
