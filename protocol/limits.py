@@ -31,8 +31,9 @@ class Limits:
         64 * 1024 * 1024, "frame bytes of the requests in flight together (their decoded form takes several times that)")
     max_depth: int = _limit(32, "nesting depth of maps and lists in one request")
     max_prompt_bytes: int = _limit(
-        1024 * 1024, "UTF-8 bytes of a generate prompt or messages, or a tokenize text, checked before tokenizing",
-        bounds=(("generate", "prompt"), ("generate", "messages"), ("tokenize", "text")), measure="bytes")
+        1024 * 1024, "UTF-8 bytes of a generate prompt, messages or continue, or a tokenize text, checked before tokenizing",
+        bounds=(("generate", "prompt"), ("generate", "messages"), ("generate", "continue"), ("tokenize", "text")),
+        measure="bytes")
     max_input_tokens: int = _limit(
         262_144, "token ids in one list: generate's token_ids and eos_token_ids, detokenize's token_ids",
         bounds=(("generate", "token_ids"), ("generate", "eos_token_ids"), ("detokenize", "token_ids")), measure="items")

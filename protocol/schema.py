@@ -9,7 +9,7 @@ A frame that cannot be attributed to a request gets a reply with "id": null.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import INVALID_ID, INVALID_MESSAGE, INVALID_PARAMS, UNKNOWN_OP, ProtocolError
@@ -21,10 +21,13 @@ MAX_ID = 2**64 - 1
 
 @dataclass(frozen=True)
 class Param:
-    kind: str  # str | uint | number | bool | bool|str | map | list[uint] | list[str] | list[map], optionally "|null"
+    kind: str  # str | int | uint | number | bool | bool|str | map | list[uint] | list[str] | list[map], optionally "|null"
     required: bool = False
     default: Any = None
     doc: str = ""
+    # A map's own keys, checked as an op's parameters are (errors name them `param.key`), absent ones filled
+    # with their defaults. None: a map of anything.
+    fields: dict[str, "Param"] | None = field(default=None, hash=False)
 
 
 def _is_int(v) -> bool:
@@ -40,6 +43,7 @@ def _is_uint(v) -> bool:
 CONTAINERS = {"list[uint]": list, "list[str]": list, "list[map]": list}
 CHECKS = {
     "str": lambda v: isinstance(v, str),
+    "int": _is_int,
     "uint": _is_uint,
     "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "bool": lambda v: isinstance(v, bool),
@@ -52,6 +56,15 @@ CHECKS = {
 
 SESSION = Param("str", required=True, doc="the session name")
 MODEL = Param("str", default="default", doc="the model name")
+
+# generate.continue: which sequence of the session's last result to generate from, and how to change it.
+CONTINUE = {
+    "sequence": Param("uint", default=0, doc="the index of the sequence in the last result's sequences"),
+    "tokens": Param("int|null", doc="keep its first k tokens, of its input and generated ones (negative: all but the last -k)"),
+    "chars": Param("uint|null", doc="keep the tokens of its first n characters, rounded down to a token boundary"),
+    "append": Param("str|null", doc="then append the tokens of this text, tokenized alone without special tokens"),
+    "append_token_ids": Param("list[uint]|null", doc="or append these token ids"),
+}
 
 OPS: dict[str, dict[str, Param]] = {
     "hello": {},
@@ -106,6 +119,8 @@ OPS: dict[str, dict[str, Param]] = {
         "early_stopping": Param("bool|str|null", doc='with beam: true, false or "never", as in transformers (default false)'),
         "reuse": Param("str", default="prefix", doc="prefix (exact) | shift (approximate: moves the cache after dropped tokens)"),
         "keep": Param("uint|null", doc="with shift: leading tokens that stay in place (default 0)"),
+        "continue": Param("map|null", doc="the input is a sequence of the session's last result, cut and extended "
+                          "(instead of prompt, token_ids and messages)", fields=CONTINUE),
     },
     "cancel": {"target": Param("uint", required=True, doc="the id of the request to cancel")},
     "tokenize": {
@@ -185,7 +200,30 @@ def parse_request(message, limits: Limits = DEFAULT_LIMITS) -> Request:
         kind = schema[key].kind.removesuffix("|null")
         if kind in CONTAINERS and value is not None and not CHECKS[kind](value):
             raise _mistyped(op, key, schema[key], value, rid)
+        if schema[key].fields is not None and value is not None:
+            params[key] = _check_fields(op, key, schema[key].fields, value, rid)
     return Request(rid, op, params)
+
+
+def _check_fields(op: str, name: str, fields: dict[str, Param], value: dict, rid: int) -> dict:
+    """The entries of a map parameter with declared keys, typed and completed with their defaults."""
+    checked = {}
+    for key, item in value.items():
+        param = fields.get(key) if isinstance(key, str) else None
+        if param is None:
+            shown = _short(key) if isinstance(key, str) else _show(key)
+            raise ProtocolError(INVALID_PARAMS, f"{op}: {name} has no key {shown!r}; valid: {', '.join(fields)}", rid,
+                                param=f"{name}.{shown}")
+        kind, nullable = param.kind.removesuffix("|null"), param.kind.endswith("|null")
+        if not (CHECKS[kind](item) or (nullable and item is None)):
+            raise _mistyped(op, f"{name}.{key}", param, item, rid)
+        checked[key] = item
+    for key, param in fields.items():
+        if key not in checked:
+            if param.required:
+                raise ProtocolError(INVALID_PARAMS, f"{op}: {name} needs the key {key!r}", rid, param=f"{name}.{key}")
+            checked[key] = param.default
+    return checked
 
 
 def _mistyped(op: str, key: str, param: Param, value, rid: int) -> ProtocolError:

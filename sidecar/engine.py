@@ -15,7 +15,7 @@ import torch
 import processors as proc
 from processors.structured import Vocabulary
 
-from . import attention, chat, models, persist, shift
+from . import attention, chat, models, persist, sequences, shift
 from .errors import (
     ContextOverflow,
     EmptyInput,
@@ -27,6 +27,7 @@ from .errors import (
 )
 from .kv import KVStore
 from .scheduler import Scheduler
+from .sequences import Continuable
 from .session import REUSES, STRATEGIES, Request, Session
 
 DEFAULT_CACHE_BUDGET = 2 * 1024**3
@@ -146,6 +147,8 @@ class Engine:
             input_ids = chat.render(self.tokenizer, messages, chat_template=chat_template,
                                     add_generation_prompt=add_generation_prompt,
                                     continue_final_message=continue_final_message)
+        elif isinstance(prompt, Continuable):
+            input_ids = sequences.input_ids(self, prompt)
         elif prompt is not None:
             if not isinstance(prompt, str):
                 raise InvalidArgument(f"prompt must be a string, got {type(prompt).__name__}", option="prompt")

@@ -109,3 +109,16 @@ class SaveFailed(SidecarError):
     """A session could not be written (the disk is full, the directory not writable...); nothing was left behind."""
 
     code = "save_failed"
+
+
+class SampleMismatch(SidecarError):
+    """A sequence to continue named by a count of samples that does not fit: a result of several sequences
+    continued as a whole (continue one of them), or an index past the last result's sequences."""
+
+    code = "sample_mismatch"
+
+
+class TokenizerMismatch(SidecarError):
+    """A sequence to continue made by another engine: its token ids may spell other text in this one."""
+
+    code = "tokenizer_mismatch"

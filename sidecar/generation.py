@@ -298,11 +298,15 @@ class Run:
     def _settle(self, sequences: list[Sequence], reason: str) -> None:
         session = self.session
         best = sequences[0]
+        for sequence in sequences:
+            sequence.prompt_ids, sequence.tokenizer = self.request.input_ids, session.engine.tokenizer
         if self.admitted and self.width > 1:
             session.history = list(self.request.input_ids) + best.token_ids
         self.stats.generated_tokens = sum(len(s.token_ids) for s in sequences)
         self.stats.total_s = time.perf_counter() - self.started
         self.result = Result(best.text, best.token_ids, reason, self.stats, sequences)
+        if self.admitted:  # a run cancelled before it started left the session, and its last result, as they were
+            session.last = self.result
         self._release()
 
     def fail(self, error: BaseException) -> None:

@@ -110,8 +110,9 @@ def _over_budget(engine, doing: str, cached: int, extra: int) -> CacheBudgetExce
 
 
 def fork(session):
-    """A new, independent session with the same history, continuing the same cache: nothing is recomputed,
-    nothing copied (the cache becomes a shared entry both continue; a copy when its chain is too deep)."""
+    """A new, independent session with the same history and last result, continuing the same cache: nothing
+    is recomputed, nothing copied (the cache becomes a shared entry both continue; a copy when its chain
+    is too deep)."""
     _check_idle(session)
     engine, cache = session.engine, session.cache
     if cache.length and (cache.depth >= sharing.MAX_DEPTH or not engine.share_prefixes):
@@ -120,6 +121,7 @@ def fork(session):
             raise _over_budget(engine, "forking", cache.end, extra)
     twin = engine.session()
     twin.history = list(session.history)
+    twin.last = session.last
     if not sharing.fork(session, twin):
         twin.cache.reserve(cache.end)
         twin.cache.copy_prefix(cache)

@@ -253,8 +253,13 @@ class Server:
             names = ", ".join(session.engine.chat_templates) or "none"
             raise InvalidArgument(f"the model has no chat template named {p['chat_template'][:64]!r} (it has: {names}); "
                                   "over the protocol a template is named, never sent", option="chat_template")
+        prompt = p["prompt"]
+        if p["continue"] is not None:  # read now, at the head of the queue: the result of the call before it
+            if prompt is not None:
+                raise InvalidArgument("give exactly one input: prompt, token_ids, messages or continue", option="prompt")
+            prompt = session.continuation(**p["continue"])
         job.generation = session.stream(
-            p["prompt"], token_ids=p["token_ids"], messages=p["messages"], chat_template=p["chat_template"],
+            prompt, token_ids=p["token_ids"], messages=p["messages"], chat_template=p["chat_template"],
             add_generation_prompt=p["add_generation_prompt"], continue_final_message=p["continue_final_message"],
             max_new_tokens=p["max_new_tokens"], strategy=p["strategy"],
             seed=p["seed"], processors=job.processors, stop=p["stop"],

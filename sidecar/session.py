@@ -24,8 +24,9 @@ import torch
 import processors as proc
 
 from . import persist, sharing, shift
-from .errors import SessionBusy, SessionClosed
+from .errors import SampleMismatch, SessionBusy, SessionClosed
 from .kv import KVCache
+from .sequences import Continuable, Tokens, continuation
 
 STRATEGIES = ("greedy", "sample", "beam")
 REUSES = ("prefix", "shift")
@@ -44,22 +45,45 @@ class Stats:
 
 
 @dataclass
-class Sequence:
+class Sequence(Continuable):
+    """One generated sequence. It continues (`sequences.Tokens`) from all its ids: the call's input, then
+    what it generated (every token, an ending EOS and a trimmed stop string's included)."""
+
     text: str
     token_ids: list[int]
     finish_reason: str  # "length" | "eos" | "stop" | "cancelled"
     score: float | None = None  # beam search: sum of log-probs / generated length ** length_penalty
+    prompt_ids: list[int] = field(default_factory=list, repr=False)  # the call's input ids
+    tokenizer: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.token_ids
+
+    @property
+    def tokens(self) -> Tokens:
+        return Tokens(tuple(self.all_ids), self.tokenizer)
 
 
 @dataclass
-class Result:
-    """A generate call's outcome: the best (or first) sequence, and all of them in `sequences`."""
+class Result(Continuable):
+    """A generate call's outcome: the best (or first) sequence, and all of them in `sequences`.
+
+    It continues as its sequence when it has one; with several, one must be chosen (`SampleMismatch`).
+    """
 
     text: str
     token_ids: list[int]
     finish_reason: str  # "length" | "eos" | "stop" | "cancelled"
     stats: Stats
     sequences: list[Sequence] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> Tokens:
+        if len(self.sequences) != 1:
+            raise SampleMismatch(f"the result holds {len(self.sequences)} sequences (samples or beams): continue "
+                                 "one of them, result.sequences[i]", sequences=len(self.sequences))
+        return self.sequences[0].tokens
 
 
 @dataclass(frozen=True)
@@ -134,6 +158,7 @@ class Session:
         self.engine = engine
         self.id = session_id
         self.history: list[int] = []  # every token of the last call: its input and what it generated
+        self.last: Result | None = None  # of the last call that ran (not failed ones): what `continuation` reads
         self.cache = engine.store.cache()  # KV of history[:cached]
         self.closed = False
         # The generation under way, weakly: a stream its caller dropped unfinished is cancelled where
@@ -173,9 +198,11 @@ class Session:
     def cache_bytes(self) -> int:
         return self.cache.nbytes
 
-    def generate(self, prompt: str | None = None, **options) -> Result:
+    def generate(self, prompt: str | Continuable | None = None, **options) -> Result:
         """Generates to the end and returns the `Result`.
 
+        `prompt` is a text, or a sequence to continue: a result of one sequence, one of a result's
+        `sequences`, or `Tokens` made from them (`seq[:k]`, `seq.cut(chars=n)`, `seq + "text"`).
         Options (declared once, in `Engine.validate`): `token_ids` or `messages` (instead of `prompt`;
         messages are `[{"role": ..., "content": ...}]` rendered by the model's chat template, with
         `chat_template`, `add_generation_prompt` and `continue_final_message` as in transformers),
@@ -189,7 +216,7 @@ class Session:
             pass
         return generation.result
 
-    def stream(self, prompt: str | None = None, **options):
+    def stream(self, prompt: str | Continuable | None = None, **options):
         """A generate call as an iterator of `TokenEvent`s; `.result` is set once it is exhausted.
 
         Everything is validated here, before the session changes, so a rejected call leaves it as it was.
@@ -206,8 +233,15 @@ class Session:
         self._running = weakref.ref(generation)
         return generation
 
+    def continuation(self, sequence: int = 0, tokens: int | None = None, chars: int | None = None,
+                     append: str | None = None, append_token_ids: list[int] | None = None) -> Tokens:
+        """Sequence `sequence` of the last result, cut to its first `tokens` tokens (negative: all but the
+        last) or `chars` characters, then extended by `append` (a text) or `append_token_ids`: what the
+        protocol's `generate.continue` generates from."""
+        return continuation(self.last, sequence, tokens, chars, append, append_token_ids)
+
     def fork(self) -> "Session":
-        """An independent session with this one's history and cache (copied, not recomputed)."""
+        """An independent session with this one's history, cache and last result (copied, not recomputed)."""
         return persist.fork(self)
 
     def save(self, path) -> None:

@@ -226,10 +226,12 @@ defmodule Sidecar do
   end
 
   @doc """
-  Generates from `input` and waits for the result. `input` is a string, a list of token ids, or a
+  Generates from `input` and waits for the result. `input` is a string, a list of token ids, a
   conversation: a list of messages such as `[%{role: "user", content: "Hi"}]`, rendered by the
-  model's chat template. Send the whole conversation each turn (earlier answers as `"assistant"`
-  messages): the session reuses its cache for what the previous turns already computed. Options are
+  model's chat template, or a sequence of the session's last result to continue: `:continue` or
+  `{:continue, sequence: i, tokens: k, chars: n, append: text}` (see `Sidecar.Generation`). Send the
+  whole conversation each turn (earlier answers as `"assistant"` messages): the session reuses its
+  cache for what the previous turns already computed. Options are
   Bumblebee's generation options and the chat options, listed in `Sidecar.Generation`; bad ones, and
   malformed messages, raise `ArgumentError` before anything is sent. Past `:timeout` (default: the
   connection's `:call_timeout`) the generation is cancelled and

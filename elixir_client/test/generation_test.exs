@@ -60,6 +60,36 @@ defmodule Sidecar.GenerationTest do
     end
   end
 
+  test "a sequence of the last result is continued by index, cut and extension" do
+    assert %{"continue" => %{}} = params = Generation.params(:continue, [max_new_tokens: 4], nil)
+    refute Map.has_key?(params, "prompt") or Map.has_key?(params, "token_ids")
+
+    assert %{"continue" => %{"sequence" => 2, "tokens" => -1, "append" => " and"}} =
+             Generation.params({:continue, sequence: 2, tokens: -1, append: " and"}, [], nil)
+
+    assert %{"continue" => %{"chars" => 5, "append_token_ids" => [7, 8]}} =
+             Generation.params({:continue, chars: 5, append_token_ids: [7, 8]}, [], nil)
+
+    for {bad, pattern} <- [
+          {{:continue, nope: 1}, ~r/unknown :continue key :nope; valid keys: :sequence, :tokens/},
+          {{:continue, sequence: -1}, ~r/:continue key :sequence must be a non-negative integer, got -1/},
+          {{:continue, tokens: "2"}, ~r/:continue key :tokens must be an integer/},
+          {{:continue, chars: 1.5}, ~r/:continue key :chars must be a non-negative integer/},
+          {{:continue, append: :x}, ~r/:continue key :append must be a string/},
+          {{:continue, append_token_ids: [-1]},
+           ~r/:append_token_ids must be a list of non-negative integers/},
+          {{:continue, [1]}, ~r/takes a keyword list/},
+          {{:continue, 3},
+           ~r/input must be a string, a list of token ids, a list of messages or \{:continue, keys\}/}
+        ] do
+      assert_raise ArgumentError, pattern, fn -> Generation.params(bad, [], nil) end
+    end
+
+    assert_raise ArgumentError, ~r/option :chat_template applies only to a list of messages/, fn ->
+      Generation.params(:continue, [chat_template: "default"], nil)
+    end
+  end
+
   test "chat options are checked, and refused without messages" do
     messages = [%{role: "user", content: "Hi"}]
 

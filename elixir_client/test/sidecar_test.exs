@@ -507,6 +507,49 @@ defmodule SidecarTest do
     end
   end
 
+  test "a sequence of the last result continues, cut and extended, reusing the cache", %{conn: conn} do
+    opts = [max_new_tokens: 4, eos_token_id: []]
+    {:ok, session} = Sidecar.open_session(conn)
+
+    assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "continue"}}} =
+             Sidecar.generate(conn, session, :continue, opts)
+
+    sampling = [strategy: %{type: :multinomial_sampling, num_samples: 3}, seed: 5] ++ opts
+    {:ok, samples} = Sidecar.generate(conn, session, [9, 10, 11, 12], sampling)
+    third = Enum.at(samples.sequences, 2)
+
+    {:ok, continued} =
+      Sidecar.generate(conn, session, {:continue, sequence: 2, tokens: -1, append: " and"}, opts)
+
+    {:ok, and_ids} = Sidecar.tokenize(conn, " and", add_special_tokens: false)
+    full = [9, 10, 11, 12] ++ Enum.drop(third.token_ids, -1) ++ and_ids
+    {:ok, expected} = fresh_generate(conn, full, opts)
+    assert continued.token_ids == expected.token_ids
+    # samples leave their input cached, not the third sample's tokens
+    assert continued.stats.reused_tokens == 4 and continued.stats.prompt_tokens == length(full)
+
+    {:ok, again} = Sidecar.generate(conn, session, :continue, opts)
+    {:ok, expected} = fresh_generate(conn, full ++ continued.token_ids, opts)
+    assert again.token_ids == expected.token_ids
+    assert again.stats.reused_tokens == length(full) + 4 - 1
+
+    assert {:error,
+            %Error{reason: :sample_mismatch, details: %{"option" => "continue.sequence", "sequences" => 1}}} =
+             Sidecar.generate(conn, session, {:continue, sequence: 1}, opts)
+
+    assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "continue.tokens"}}} =
+             Sidecar.generate(conn, session, {:continue, tokens: 1_000}, opts)
+
+    assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "continue"}}} =
+             Sidecar.generate(conn, session, {:continue, tokens: 2, chars: 2}, opts)
+
+    {:ok, cut} = Sidecar.generate(conn, session, {:continue, chars: 3, append_token_ids: [7]}, opts)
+    kept = cut.stats.prompt_tokens - 1
+    {:ok, text} = Sidecar.detokenize(conn, Enum.take(full ++ continued.token_ids, kept))
+    assert String.length(text) <= 3 and cut.stats.reused_tokens == kept
+    :ok = Sidecar.close_session(conn, session)
+  end
+
   test "load_model takes a device; one this machine lacks is unknown_device", %{conn: conn} do
     # the connection was started with device: "cpu"
     assert {:ok, [%{"name" => "default", "device" => "cpu", "dtype" => dtype}]} = Sidecar.models(conn)

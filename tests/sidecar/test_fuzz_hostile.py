@@ -7,10 +7,10 @@ non-string keys, token ids outside the vocabulary, and valid values too, so that
 past validation into real generation. The requests are generated from `protocol.OPS` and from
 `processors.catalogue()`, so a parameter or option added later is fuzzed without touching this file.
 First a sweep puts every hostile value in every parameter and every option once; then random steps
-interleave hostile requests with valid generations, processor chains that leave nothing to sample,
-cancels (of queued, running and unknown ids), duplicate ids in flight, `session_info` and
-`close_session` queued behind generations, session churn, `load_model` / `unload_model`, a burst
-past `max_in_flight`, undecodable payloads and oversized frames. The frames depend on the seed alone.
+interleave hostile requests with valid generations, continuations of a session's last result,
+processor chains that leave nothing to sample, cancels (of queued, running and unknown ids), duplicate
+ids in flight, `session_info` and `close_session` queued behind generations, session churn,
+`load_model` / `unload_model`, a burst past `max_in_flight`, undecodable payloads and oversized frames. The frames depend on the seed alone.
 
 The server runs with small limits so that hostile work stays cheap and the limits themselves are hit:
 `--max-new-tokens 8`, `--max-sessions 16`, `--max-in-flight 64`, `--max-frame-bytes 262144` (every
@@ -457,6 +457,7 @@ class Fuzz:
             "stop": lambda: rng.choice([[], ["e"], ["\n", "the"], [random_text(rng, 3)]]),
             "eos_token_ids": lambda: rng.choice([None, [], [2], [rng.randrange(VOCAB)]]),
             "target": lambda: rng.choice([*self.generates, 0, 2**64 - 1]) if self.generates else 0,
+            "continue": self.continuation,
         }
         if name in by_name:
             return by_name[name]()
@@ -467,6 +468,18 @@ class Fuzz:
                    "number": lambda: rng.uniform(-2, 2), "bool|str": lambda: rng.random() < 0.5,
                    "map": dict, "list[uint]": self.tokens, "list[str]": lambda: ["x"], "list[map]": lambda: [{}]}
         return by_kind[base]()
+
+    def continuation(self):
+        """Mostly none; else a `continue` of the session's last result, cut and extended at random, at times
+        past its ends (huge, negative), of a sequence it may not have, or with both of two exclusive keys."""
+        rng = self.rng
+        if rng.random() < 0.7:
+            return None
+        numbers = [0, 1, 3, 7, 20, -1, -4, 2**63 - 1, -(2**63), 10**6]
+        choices = {"sequence": lambda: rng.choice([0, 0, 1, 2, 64, 2**64 - 1]), "tokens": lambda: rng.choice(numbers),
+                   "chars": lambda: abs(rng.choice(numbers)), "append": lambda: rng.choice(["", " and", random_text(rng, 6)]),
+                   "append_token_ids": lambda: rng.choice([[], [5], [VOCAB], self.tokens()])}
+        return {key: draw() for key, draw in choices.items() if rng.random() < 0.35}
 
     def request(self, op: str, hostile_param: str | None = None, value=None, hostility: float = 0.0) -> dict:
         """A request for `op` with every parameter drawn: `hostile_param` gets `value`, the others are hostile
@@ -481,11 +494,12 @@ class Fuzz:
                 params[name] = hostile(rng)
             elif param.required or roll < 0.7:
                 params[name] = self.valid(op, name, param.kind)
-        if op == "generate" and "prompt" in params and "token_ids" in params:  # exactly one of them
-            if hostile_param in ("prompt", "token_ids"):
-                del params["token_ids" if hostile_param == "prompt" else "prompt"]
-            else:
-                del params[rng.choice(["prompt", "token_ids"])]
+        inputs = [name for name in ("prompt", "token_ids", "continue") if params.get(name) is not None]
+        if op == "generate" and len(inputs) > 1:  # exactly one of them
+            kept = hostile_param if hostile_param in inputs else rng.choice(inputs)
+            for name in inputs:
+                if name != kept:
+                    del params[name]
         if rng.random() < hostility * 0.1:
             params[rng.choice(HOSTILE_KEYS)] = hostile(rng)
         return {"id": self.new_id(), "op": op, **params}
@@ -514,7 +528,7 @@ class Fuzz:
                     self.send(self.request("generate", "processors", [spec]) | {"session": self.session()})
 
     def step(self) -> None:
-        actions = {"fuzz": 50, "generate": 14, "probe": 4, "cancel": 5, "cancel_running": 2, "queued": 3, "duplicate": 3,
+        actions = {"fuzz": 50, "generate": 14, "continue": 4, "probe": 4, "cancel": 5, "cancel_running": 2, "queued": 3, "duplicate": 3,
                    "churn": 6, "model": 1, "misc": 6, "envelope": 6}
         action = self.rng.choices(list(actions), weights=list(actions.values()))[0]
         getattr(self, f"do_{action}")()
@@ -528,9 +542,15 @@ class Fuzz:
 
     def do_generate(self) -> None:
         message = self.request("generate") | {"session": self.session(), "max_new_tokens": self.rng.randrange(1, 9)}
-        if "prompt" not in message and "token_ids" not in message:
+        if not any(name in message for name in ("prompt", "token_ids", "continue")):
             message["token_ids"] = self.tokens()
         self.send(message)
+
+    def do_continue(self) -> None:
+        """A generation that continues its session's last result (it may have none, or fewer sequences)."""
+        self.send({"id": self.new_id(), "op": "generate", "session": self.session(), "continue": self.continuation() or {},
+                   "max_new_tokens": self.rng.randrange(1, 9), "eos_token_ids": [],
+                   "strategy": self.rng.choice(["greedy", "sample", "beam"])})
 
     def do_probe(self) -> None:
         """On KEEP: a generation, then one whose processors leave nothing to sample (it crops KEEP's cache, then

@@ -11,6 +11,7 @@ import pytest
 
 from protocol import FrameDecoder, frame, pack, unpack
 from protocol.peer import Peer
+from sidecar.sequences import Tokens
 
 SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "WARNING"]
 
@@ -380,3 +381,53 @@ def test_session_limits_and_requests_overtaken_while_compiling_or_closing(defaul
         assert peer.reply_for(compiling)[1]["error"]["code"] == "invalid_processor"
         stats = peer.call("stats")["result"]
         assert stats["in_flight"] == 0 and stats["sessions"] == 1
+
+
+def test_continue_names_a_sequence_of_the_last_result(peer, engine):
+    """`continue` is read when the request reaches the head of its session's queue: pipelined behind a
+    generate, it continues that one's result. Bad values are typed errors and change nothing."""
+    peer.call("open_session", session="q")
+    assert peer.call("generate", session="q", max_new_tokens=2, **{"continue": {}})["error"] == {
+        "code": "invalid_argument", "option": "continue", "message": "the session has no result to continue: it has not "
+        "generated yet"}
+    sampled, continued = peer.next_id(), peer.next_id()
+    generate(peer, sampled, session="q", prompt="Once upon a time", strategy="sample", num_samples=3, seed=9,
+             max_new_tokens=5, eos_token_ids=[])
+    generate(peer, continued, session="q", max_new_tokens=4, eos_token_ids=[],
+             **{"continue": {"sequence": 2, "tokens": -1, "append": " and"}})
+    samples, reply = peer.reply_for(sampled)[1]["result"], peer.reply_for(continued)[1]["result"]
+    prompt = engine.tokenizer.encode("Once upon a time")
+    ids = prompt + samples["sequences"][2]["token_ids"][:-1] + engine.tokenizer.encode(" and", add_special_tokens=False)
+    with engine.session() as reference:
+        assert reply["token_ids"] == reference.generate(token_ids=ids, max_new_tokens=4, eos_token_ids=[]).token_ids
+    assert reply["stats"]["reused_tokens"] == len(prompt)  # samples leave the input cached, not sample 2's tokens
+    info = peer.call("session_info", session="q")["result"]
+    bad = [
+        ({"sequence": 1}, {"code": "sample_mismatch", "option": "continue.sequence", "sequences": 1}),
+        ({"tokens": len(ids) + 5}, {"code": "invalid_argument", "option": "continue.tokens"}),
+        ({"tokens": -(2**63)}, {"code": "invalid_argument", "option": "continue.tokens"}),
+        ({"tokens": 0}, {"code": "empty_input"}),
+        ({"chars": 10**6}, {"code": "invalid_argument", "option": "continue.chars"}),
+        ({"tokens": 2, "chars": 2}, {"code": "invalid_argument", "option": "continue"}),
+        ({"append": "a", "append_token_ids": [1]}, {"code": "invalid_argument", "option": "continue"}),
+        ({"append_token_ids": [10**6]}, {"code": "token_out_of_range"}),
+        ({"append_token_ids": [5] * 3000}, {"code": "context_overflow"}),
+        ({"tokens": "2"}, {"code": "invalid_params", "param": "continue.tokens"}),
+        ({"sequence": -1}, {"code": "invalid_params", "param": "continue.sequence"}),
+        ({"bogus": 1}, {"code": "invalid_params", "param": "continue.bogus"}),
+        ({1: 1}, {"code": "invalid_params", "param": "continue.int 1"}),
+        ({"append": "x" * (1 << 20)}, {"code": "limit_exceeded", "limit": "max_prompt_bytes", "param": "continue"}),
+        ([], {"code": "invalid_params", "param": "continue"}),
+    ]
+    for value, expected in bad:
+        error = peer.call("generate", session="q", max_new_tokens=2, **{"continue": value})["error"]
+        assert {k: error.get(k) for k in expected} == expected, (value, error)
+    for both in ({"prompt": "x"}, {"token_ids": [5]}, {"messages": [{"role": "user", "content": "x"}]}):
+        error = peer.call("generate", session="q", **both, **{"continue": {}})["error"]
+        assert (error["code"], error["option"]) == ("invalid_argument", "prompt"), both
+    assert peer.call("session_info", session="q")["result"] == info
+    again = peer.call("generate", session="q", max_new_tokens=3, eos_token_ids=[], **{"continue": {"chars": 9}})["result"]
+    cut = Tokens(tuple(ids + reply["token_ids"]), engine.tokenizer).cut(9)  # the last good result's, cut
+    with engine.session() as reference:
+        assert again["token_ids"] == reference.generate(cut, max_new_tokens=3, eos_token_ids=[]).token_ids
+    assert again["stats"]["reused_tokens"] == len(cut) - 1

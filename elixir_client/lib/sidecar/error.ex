@@ -21,7 +21,8 @@ defmodule Sidecar.Error do
     * rejected `generate` input: `:invalid_argument` (`details["option"]` names the option),
       `:empty_input`, `:token_out_of_range`, `:context_overflow`, `:unknown_strategy`,
       `:invalid_processor`, `:no_chat_template` (messages for a model whose tokenizer has no chat
-      template)
+      template), `:sample_mismatch` (a `{:continue, sequence: i}` past the last result's sequences;
+      `details["sequences"]` says how many it has)
     * `:cache_budget_exceeded` - the generation (or a fork or restore) needs more KV memory than the
       sidecar's cache budget even with every idle cache evicted; `details` carry `"limit"`, `"max"`
       and `"value"` (bytes)
@@ -54,7 +55,7 @@ defmodule Sidecar.Error do
     invalid_model cancelled too_many_requests internal model_not_found not_causal_lm no_tokenizer
     remote_code_required invalid_argument empty_input token_out_of_range context_overflow
     unknown_strategy session_closed session_busy invalid_processor invalid_logits no_chat_template
-    cache_budget_exceeded unknown_device invalid_session_file save_failed)
+    cache_budget_exceeded unknown_device invalid_session_file save_failed sample_mismatch)
 
   @doc false
   @spec from_reply(map()) :: t()

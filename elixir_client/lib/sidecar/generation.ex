@@ -7,7 +7,24 @@ defmodule Sidecar.Generation do
   `%{role: "user", content: "Hi"}` (atom or string keys, the role an atom or a string; other keys go
   to the template as they are), rendered by the model's own chat template (transformers'
   `apply_chat_template`). A model without a chat template
-  answers `reason: :no_chat_template`. With messages only:
+  answers `reason: :no_chat_template`.
+
+  The input may also be a sequence of the session's last result, continued: `:continue` (all the
+  tokens of its first or best sequence, input and generated) or `{:continue, keyword}` with
+
+    * `:sequence` - which of the result's `:sequences` (default 0)
+    * `:tokens` - keep its first `k` tokens (negative: all but the last `-k`)
+    * `:chars` - keep the tokens of its first `n` characters, rounded down to a token boundary
+    * `:append` - then append the tokens of this text (tokenized alone, without special tokens), or
+    * `:append_token_ids` - these token ids
+
+  The session's cache holds the last input and first sequence, so continuing reuses it
+  (`stats.reused_tokens` says how much). A `:sequence` the last result does not have is
+  `reason: :sample_mismatch`; no result yet, `:tokens` or `:chars` past the sequence's end, or both of
+  two exclusive keys are `reason: :invalid_argument` with `details["option"]` naming the key
+  (`"continue.tokens"`, ...). An unknown key or a value of the wrong type raises `ArgumentError`.
+
+  With messages only:
 
     * `:chat_template` - the name of one of the model's templates, as listed in its model info's
       `"chat_templates"` (`session.model["chat_templates"]`); default: the model's default
@@ -96,7 +113,16 @@ defmodule Sidecar.Generation do
           required(:role | String.t()) => atom() | String.t(),
           required(:content | String.t()) => String.t()
         }
-  @type input :: String.t() | [non_neg_integer()] | [message()]
+  @type input :: String.t() | [non_neg_integer()] | [message()] | :continue | {:continue, keyword()}
+
+  # {key, check, what it must be}: the keys of a `{:continue, keyword}` input
+  @continue_keys [
+    {:sequence, :uint, "a non-negative integer"},
+    {:tokens, :int, "an integer"},
+    {:chars, :uint, "a non-negative integer"},
+    {:append, :string, "a string"},
+    {:append_token_ids, :token_ids, "a list of non-negative integers"}
+  ]
 
   @doc """
   The `generate` parameters for `input` (a string, a list of token ids or a list of messages).
@@ -156,6 +182,35 @@ defmodule Sidecar.Generation do
 
   defp input_param(prompt, opts) when is_binary(prompt), do: no_chat_options!(opts, %{"prompt" => prompt})
 
+  defp input_param(:continue, opts), do: input_param({:continue, []}, opts)
+
+  defp input_param({:continue, keys}, opts) when is_list(keys) do
+    unless Keyword.keyword?(keys),
+      do: raise(ArgumentError, "{:continue, keys} takes a keyword list, got #{inspect(keys)}")
+
+    continued =
+      Map.new(keys, fn {key, value} ->
+        case List.keyfind(@continue_keys, key, 0) do
+          nil ->
+            raise ArgumentError,
+                  "unknown :continue key #{inspect(key)}; valid keys: " <>
+                    Enum.map_join(@continue_keys, ", ", &inspect(elem(&1, 0)))
+
+          {_, type, expected} ->
+            unless valid?(type, value),
+              do:
+                raise(
+                  ArgumentError,
+                  ":continue key #{inspect(key)} must be #{expected}, got #{inspect(value)}"
+                )
+
+            {Atom.to_string(key), value}
+        end
+      end)
+
+    no_chat_options!(opts, %{"continue" => continued})
+  end
+
   defp input_param([message | _] = messages, opts) when is_map(message) do
     for {key, ok?, expected} <- @chat_options,
         reduce: %{"messages" => Enum.with_index(messages, &message!/2)} do
@@ -176,7 +231,8 @@ defmodule Sidecar.Generation do
     do:
       raise(
         ArgumentError,
-        "input must be a string, a list of token ids or a list of messages, got #{inspect(other, limit: 8)}"
+        "input must be a string, a list of token ids, a list of messages or {:continue, keys}, " <>
+          "got #{inspect(other, limit: 8)}"
       )
 
   defp no_chat_options!(opts, param) do
@@ -311,6 +367,9 @@ defmodule Sidecar.Generation do
     do: raise(ArgumentError, "option :keep must be a non-negative integer, got #{inspect(other)}")
 
   defp valid?(:uint, value), do: is_integer(value) and value >= 0
+  defp valid?(:int, value), do: is_integer(value)
+  defp valid?(:string, value), do: is_binary(value)
+  defp valid?(:token_ids, value), do: is_list(value) and Enum.all?(value, &valid?(:uint, &1))
   defp valid?(:number, value), do: is_number(value)
   defp valid?(:early_stopping, value), do: value in [true, false, :never, "never"]
 
