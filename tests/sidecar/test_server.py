@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import processors as proc
 from protocol import FrameDecoder, frame, pack, unpack
 from protocol.peer import Peer
 from sidecar.sequences import Tokens
@@ -230,6 +231,48 @@ def test_eight_sessions_at_once_through_the_server_equal_their_solo_runs(peer, e
         assert reply["result"]["token_ids"] == expected
         assert [e["token_ids"][0] for e in events] == (expected if i % 2 == 0 else [])
     assert peer.call("stats")["result"]["models"]["default"]["cache_peak_bytes"] > 0
+
+
+def test_sessions_sharing_a_prefix_while_its_owner_closes_equal_cold_runs(peer, engine):
+    """Pipelined sessions continue one session's prefix while that session and one of them are closed
+    mid-flight; each result equals a fresh session of an engine that shares nothing. no_repeat_ngram
+    makes every step depend on the order of the logits, not only on the top one (a random model)."""
+    from sidecar import Engine
+
+    from .conftest import tokens
+
+    cold = Engine(engine.model, engine.tokenizer, share_prefixes=False)
+    strict = [{"name": "no_repeat_ngram", "options": {"ngram_size": 1}}]
+    head = tokens(120, seed=7)
+    peer.call("open_session", session="owner")
+    peer.call("generate", session="owner", token_ids=head + [7, 8], max_new_tokens=4, eos_token_ids=[],
+              processors=strict)
+    peer.call("open_session", session="first")  # shares the owner's cache, which becomes a shared entry now
+    assert peer.call("generate", session="first", token_ids=head + [9], max_new_tokens=1,
+                     eos_token_ids=[])["result"]["stats"]["shared_tokens"] == len(head)
+    inputs = {f"s{i}": head + tokens(5 + i, seed=100 + i) for i in range(5)}
+    for name in inputs:
+        peer.call("open_session", session=name)
+    for i, (name, ids) in enumerate(inputs.items()):
+        generate(peer, 700 + i, session=name, token_ids=ids, max_new_tokens=8, eos_token_ids=[], stream=True,
+                 processors=strict)
+    peer.send({"id": 710, "op": "close_session", "session": "owner"})
+    peer.send({"id": 711, "op": "close_session", "session": "s0"})
+    for i, (name, ids) in enumerate(inputs.items()):
+        reply = peer.reply_for(700 + i)[1]["result"]
+        with cold.session() as fresh:
+            expected = fresh.generate(token_ids=ids, max_new_tokens=8, eos_token_ids=[],
+                                      processors=[proc.configure(proc.NoRepeatNGram, ngram_size=1)])
+        assert reply["stats"]["shared_tokens"] == len(head) and reply["token_ids"] == expected.token_ids
+    assert peer.reply_for(710)[1]["ok"] and peer.reply_for(711)[1]["ok"]
+    again = peer.call("generate", session="s3", token_ids=inputs["s3"] + [11, 12], max_new_tokens=4,
+                      eos_token_ids=[], processors=strict)["result"]
+    with cold.session() as fresh:
+        expected = fresh.generate(token_ids=inputs["s3"] + [11, 12], max_new_tokens=4, eos_token_ids=[],
+                                  processors=[proc.configure(proc.NoRepeatNGram, ngram_size=1)])
+    assert again["token_ids"] == expected.token_ids
+    stats = peer.call("stats")["result"]["models"]["default"]
+    assert stats["shared_prefixes"] >= 1 and stats["cache_peak_bytes"] <= stats["cache_budget_bytes"]
 
 
 def test_beams_and_samples_through_the_server_equal_the_python_api(peer, engine):
