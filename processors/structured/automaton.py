@@ -10,6 +10,8 @@ of it is built once per (constraint, vocabulary) and shared by every generation 
 
 from __future__ import annotations
 
+import functools
+
 import hashlib
 from dataclasses import dataclass, field, replace
 
@@ -35,6 +37,7 @@ class TokenAutomaton:
     ends: torch.Tensor  # bool [S + 1]
     copies: dict = field(default_factory=dict, compare=False, repr=False)  # device -> this automaton there
     bound: dict = field(default_factory=dict, compare=False, repr=False)  # (eos ids, device) -> its masks
+    one_rows: dict = field(default_factory=dict, compare=False, repr=False)  # state -> tensor([state])
 
     def to(self, device) -> "TokenAutomaton":
         """This automaton's transitions on `device` (what `advance` reads; masks are bound per device by
@@ -44,7 +47,7 @@ class TokenAutomaton:
             return self
         if device not in self.copies:
             self.copies[device] = replace(self, keys=self.keys.to(device), targets=self.targets.to(device),
-                                          copies={}, bound={})
+                                          copies={}, bound={}, one_rows={})
         return self.copies[device]
 
     @property
@@ -67,10 +70,23 @@ class TokenAutomaton:
 
     def step(self, state: int, token: int) -> int:
         """`advance` for one row on the CPU, in numpy: a handful of torch calls cost more than the lookup itself."""
-        keys = self.keys.numpy()
+        keys, targets = self._tables
         wanted = state * self.vocab_size + token
         where = int(np.searchsorted(keys, wanted))
-        return int(self.targets[where]) if keys[where] == wanted else self.dead
+        return int(targets[where]) if keys[where] == wanted else self.dead
+
+    def one_row(self, state: int) -> torch.Tensor:
+        """`tensor([state])`, the one-row path's state, made once per state and shared (a state tensor is
+        never written in place: `Chain.reorder` selects into a new one); making it costs microseconds."""
+        tensor = self.one_rows.get(state)
+        if tensor is None:
+            tensor = self.one_rows[state] = torch.tensor([state])
+        return tensor
+
+    @functools.cached_property
+    def _tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """`keys` and `targets` as numpy views (taking a view costs a step's worth of time each call)."""
+        return self.keys.numpy(), self.targets.numpy()
 
     def masks(self, eos_token_ids: tuple[int, ...], device) -> "BoundMasks":
         """`with_end_tokens` on `device`, built once per set of end tokens and device, and shared."""
@@ -141,13 +157,23 @@ class BoundMasks:
 
     mask_of: torch.Tensor
     bias: torch.Tensor
+    views: dict = field(default_factory=dict, compare=False, repr=False)  # mask index -> its row, a view
 
     def to(self, device) -> "BoundMasks":
         return BoundMasks(self.mask_of.to(device), self.bias.to(device))
 
     def row(self, state: int) -> torch.Tensor:
-        """float32 [vocab]: one state's bias row, a view (no copy)."""
-        return self.bias[int(self.mask_of[state])]
+        """float32 [vocab]: one state's bias row on the CPU, a view (no copy) made once per mask: indexing a
+        tensor with Python ints costs microseconds, which the one-row path spends per token."""
+        index = int(self._mask_of[state])
+        view = self.views.get(index)
+        if view is None:
+            view = self.views[index] = self.bias[index]
+        return view
+
+    @functools.cached_property
+    def _mask_of(self) -> np.ndarray:
+        return self.mask_of.numpy()
 
     def rows(self, states: torch.Tensor) -> torch.Tensor:
         """float32 [rows, vocab]: each state's bias row."""

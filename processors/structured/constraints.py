@@ -257,7 +257,7 @@ class AutomatonProcessor(LogitsProcessor):
             current = int(state)
             if context.length > context.input_length:
                 current = self.automaton.step(current, int(context.sequence[0, context.length - 1]))
-                state = torch.tensor([current])
+                state = self.automaton.one_row(current)
             logits = logits + self.masks.row(current).to(logits.dtype)
         else:
             if context.length > context.input_length:
