@@ -64,6 +64,11 @@ def spread(values: list[float], *, scale: float = 1e3, unit: str = "ms", digits:
     return f"{number(statistics.median(values))} {unit} [{number(min(values))}-{number(max(values))}]"
 
 
+def ratio_spread(ratios: list[float]) -> str:
+    """A median ratio with the range of the rounds' own, e.g. `3.35x [2.96-3.68]`."""
+    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+
+
 def print_table(title: str, header: list[str], rows: list[list[object]]) -> None:
     cells = [header] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]

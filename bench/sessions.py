@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import Target, judged, print_table, sample_times, spread  # noqa: E402
+from bench.common import Target, judged, print_table, ratio_spread, sample_times, spread  # noqa: E402
 from sidecar import Engine  # noqa: E402
 
 
@@ -30,10 +30,10 @@ def save_and_restore(engine, args) -> None:
     a user waits for: the call after a restore still runs one token over the whole cache)."""
     prompt = [3 + (i * 7919) % (engine.vocab_size - 3) for i in range(args.tokens)]
     alone = Engine(engine.model, engine.tokenizer, share_prefixes=False)  # a fresh session recomputes
-    with engine.session() as session:
+    with engine.session() as session, tempfile.TemporaryDirectory() as folder:
         session.generate(token_ids=prompt, max_new_tokens=1, eos_token_ids=[])
         history = list(session.history)
-        path = Path(tempfile.mkdtemp()) / "s.safetensors"
+        path = Path(folder) / "s.safetensors"
 
         def recompute(then_call):
             def call():
@@ -42,7 +42,7 @@ def save_and_restore(engine, args) -> None:
                                    eos_token_ids=[])
             return call
 
-        def save_and_restore(then_call):
+        def restore(then_call):
             def call():
                 session.save(path)
                 with engine.restore(path) as restored:
@@ -51,19 +51,19 @@ def save_and_restore(engine, args) -> None:
                         assert result.stats.reused_tokens == session.cached
             return call
 
-        times = sample_times({"recompute": recompute(False), "save + restore": save_and_restore(False),
-                              "recompute + call": recompute(True), "save + restore + call": save_and_restore(True)},
+        times = sample_times({"recompute": recompute(False), "save + restore": restore(False),
+                              "recompute + call": recompute(True), "save + restore + call": restore(True)},
                              args.rounds)
+        size = path.stat().st_size
     rows = []
     for label, cold, warm in (("session held again", "recompute", "save + restore"),
                               ("then its next call (one token)", "recompute + call", "save + restore + call")):
         ratio = [a / b for a, b in zip(times[cold], times[warm])]
-        speedup = statistics.median(ratio)
         rows += [[f"{label}: recompute (fresh session, full prefill)", spread(times[cold]), "1.00x", "-", "-"],
-                 [f"{label}: save + restore", spread(times[warm]), f"{speedup:.2f}x [{min(ratio):.2f}-{max(ratio):.2f}]",
-                  *judged(speedup, Target(5, at_least=True, unit="x"))]]
+                 [f"{label}: save + restore", spread(times[warm]), ratio_spread(ratio),
+                  *judged(statistics.median(ratio), Target(5, at_least=True, unit="x"))]]
     print_table(f"A {len(history)}-token session saved and restored ({args.rounds} alternating rounds; file "
-                f"{path.stat().st_size / 2**20:.1f} MiB)", ["case", "time", "speedup", "target", "verdict"], rows)
+                f"{size / 2**20:.1f} MiB)", ["case", "time", "speedup", "target", "verdict"], rows)
 
 
 def shared_system_prompt(engine, args) -> None:
@@ -98,7 +98,7 @@ def shared_system_prompt(engine, args) -> None:
         [["each session prefills it (--no-share-prefixes)", spread(ttft["alone"], scale=1, unit="s"), "1.00x",
           f"{held['alone'] / 2**20:.1f} MiB / {copies['alone']:.1f}", "-", "-"],
          ["prefixes shared across sessions", spread(ttft["shared"], scale=1, unit="s"),
-          f"{speedup:.2f}x [{min(ratio):.2f}-{max(ratio):.2f}]",
+          ratio_spread(ratio),
           f"{held['shared'] / 2**20:.1f} MiB / {copies['shared']:.1f}",
           *judged(speedup, Target(5, at_least=True, unit="x"))],
          ["  memory for the system prompt", "-", "-", f"{copies['shared']:.1f} copies",
@@ -111,24 +111,22 @@ def shared_system_prompt(engine, args) -> None:
 
 def decode_after_prefix(sharing, alone, args) -> dict[str, list[float]]:
     """Seconds per decode step of one session after the system prompt: reading a shared prefix in parts
-    (split softmax) against reading its own copy (one SDPA call)."""
+    (merged by their log-sum-exps) against reading its own copy (one SDPA call)."""
     vocab = sharing.vocab_size
     system = [3 + (i * 7919 + 7) % (vocab - 3) for i in range(args.tokens)]
     owner = sharing.session()
     owner.generate(token_ids=system + [5], max_new_tokens=1, eos_token_ids=[])
     steps = 32
 
-    def per_step(engine):
-        def call():
-            with engine.session() as session:
-                result = session.generate(token_ids=system + [6, 7], max_new_tokens=steps, eos_token_ids=[])
-            return (result.stats.total_s - result.stats.ttft_s) / (steps - 1)
-        return call
+    def per_step(engine) -> float:
+        with engine.session() as session:
+            result = session.generate(token_ids=system + [6, 7], max_new_tokens=steps, eos_token_ids=[])
+        return (result.stats.total_s - result.stats.ttft_s) / (steps - 1)
 
     values = {"shared": [], "alone": []}
     for _ in range(max(3, args.rounds // 3)):
-        values["shared"].append(per_step(sharing)())
-        values["alone"].append(per_step(alone)())
+        values["shared"].append(per_step(sharing))
+        values["alone"].append(per_step(alone))
     owner.close()
     return values
 

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import trained  # noqa: E402
-from bench.common import Target, judged, print_table, spread  # noqa: E402
+from bench.common import Target, judged, print_table, ratio_spread, spread  # noqa: E402
 from sidecar import Engine  # noqa: E402
 
 WINDOW, SLIDE, FORCED = 1024, 256, 16
@@ -155,8 +155,7 @@ def main() -> None:
             times = ttft(engine, text, keep, args.rounds)
             ratio = [a / b for a, b in zip(times["exact"], times["shift"])]
             speedup = statistics.median(ratio)
-            speed.append([name, keep, spread(times["exact"]), spread(times["shift"]),
-                          f"{speedup:.2f}x [{min(ratio):.2f}-{max(ratio):.2f}]",
+            speed.append([name, keep, spread(times["exact"]), spread(times["shift"]), ratio_spread(ratio),
                           *judged(speedup, Target(2, at_least=True, unit="x"))])
             top1, mean_kl, max_kl, entropy = divergence(engine, text, keep, args.slides)
             drift.append([name, keep, f"{args.slides * FORCED}", f"{top1:.1f}%", f"{mean_kl:.2e}", f"{max_kl:.2e}",

@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import NO_TARGET, Target, judged, percentile, print_table, spread  # noqa: E402
+from bench.common import NO_TARGET, Target, judged, percentile, print_table, spread, us  # noqa: E402
 from processors import Chain, Context, JsonSchema, configure  # noqa: E402
 from processors.structured import Vocabulary  # noqa: E402
 from processors.structured import compile as structured_compile  # noqa: E402
@@ -61,8 +61,6 @@ TARGET_US = 30.0
 
 SCHEMA = {
     "type": "object",
-    # Declared in alphabetical order: ours keeps a schema as JSON with sorted keys, which reorders its
-    # properties, while the others keep the declared order; so all four accept the same documents.
     "properties": {
         "address": {
             "type": "object",
@@ -372,9 +370,6 @@ def per_step_and_compile(label: str, path: Path, runs: int, walks: int):
 
 
 def step_rows(result) -> list[list[object]]:
-    def micro(value):
-        return f"{value * 1e6:.1f} us"
-
     def run_range(runs, statistic):
         values = [statistic(run) for run in runs]
         return f"[{min(values) * 1e6:.1f}-{max(values) * 1e6:.1f}]"
@@ -390,8 +385,8 @@ def step_rows(result) -> list[list[object]]:
             runs = result["steps"][(batch, backend.name)]
             pooled = [v for run in runs for v in run]
             median = statistics.median(pooled)
-            cells = [result["label"], batch, backend.name, micro(median), run_range(runs, statistics.median),
-                     micro(p99(pooled)), run_range(runs, p99), f"{median / ours_median:.2f}x"]
+            cells = [result["label"], batch, backend.name, us(median), run_range(runs, statistics.median),
+                     us(p99(pooled)), run_range(runs, p99), f"{median / ours_median:.2f}x"]
             if backend.name == "ours":
                 beaten = sum(statistics.median(o) < statistics.median(t) for o, t in zip(ours, llg))
                 met = median * 1e6 <= TARGET_US and beaten == len(ours)

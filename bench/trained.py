@@ -14,7 +14,6 @@ import hashlib
 import json
 import math
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -125,21 +124,8 @@ def build(target: Path, training: Training) -> None:
 
 def materialise(training: Training = Training()) -> Path:
     """The trained model's directory, trained on first use (minutes). Safe when several processes race."""
-    target = default_model.cache_root() / f"trained-{training.fingerprint()}"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".training-", dir=target.parent))
-    try:
-        build(staging, training)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return default_model.built_once(default_model.cache_root() / f"trained-{training.fingerprint()}",
+                                    lambda staging: build(staging, training))
 
 
 def report(path: Path) -> dict:

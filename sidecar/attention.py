@@ -17,6 +17,7 @@ model stays usable as a reference.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,16 @@ class Segment:
     @property
     def tokens(self) -> int:
         return self.length * self.rows
+
+    @functools.cached_property
+    def chain(self) -> list[tuple[KVCache, int]]:
+        """What the cache continues (`KVCache.chain`), walked once a forward pass, not once a layer."""
+        return self.cache.chain()
+
+    @functools.cached_property
+    def position(self) -> int:
+        """The position of its first token: what the cache continues, then `start`."""
+        return sum(n for _, n in self.chain) + self.start
 
 
 @dataclass
@@ -85,11 +96,11 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
             outputs.append(_decode(segment, layer, query[0, :, offset:end], key[0, :, offset:end], value[0, :, offset:end],
                                    scaling, gqa))
         else:
-            keys, values = segment.cache.write(layer, segment.row, segment.start, key[0, :, offset:end], value[0, :, offset:end])
-            before = segment.cache.offset + segment.start
+            keys, values = segment.cache.write(layer, segment.row, segment.start, key[0, :, offset:end],
+                                               value[0, :, offset:end], segment.chain)
             mask = None  # a whole prompt from position 0: SDPA's own causal flag
-            if before > 0:
-                mask = kv_plan.mask(before, segment.length, query.device)
+            if segment.position > 0:
+                mask = kv_plan.mask(segment.position, segment.length, query.device)
             out, _ = sdpa_attention_forward(module, query[:, :, offset:end], keys, values, mask, scaling=scaling, dropout=dropout)
             outputs.append(out)
         offset = end
@@ -105,8 +116,8 @@ def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool)
     """
     keys, values = segment.cache.write_rows(layer, segment.row, segment.rows, segment.start,
                                             key.transpose(0, 1), value.transpose(0, 1))
-    if segment.cache.prefix is not None:
-        return _decode_after_prefix(segment.cache.chain(), layer, query, keys, values, scaling)
+    if segment.chain:
+        return _decode_after_prefix(segment.chain, layer, query, keys, values, scaling)
     out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(2), keys, values, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(1, segment.rows, *out.shape[1:2], out.shape[3])
 

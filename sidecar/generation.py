@@ -78,6 +78,7 @@ class Run:
         self.stats = Stats(prompt_tokens=len(request.input_ids))
         self.started = time.perf_counter()
         self.saved = None  # the session's checkpoint, taken when admitted
+        self.own = 0  # input tokens the session's own cache holds (`Session.reusable`), found with `source`
         self.source = None  # another cache holding more of the input than the session's (`sharing.find`)
         self.fresh: list[int] = []  # prompt tokens still to prefill
         self.work = None  # the KVCache the rows decode in (the session's own for one row)
@@ -102,7 +103,7 @@ class Run:
         """Bytes of KV memory to add to the store before it can run to its end; decides, first, where the
         input's cached prefix comes from (the session's own cache, or another one: `source`)."""
         cache, request, session = self.session.cache, self.request, self.session
-        own = session.reusable(request.input_ids)
+        self.own = own = session.reusable(request.input_ids)
         # a shift reuses the session's own window: it does not look elsewhere
         self.source = None if request.shift_keep is not None else sharing.find(session, request.input_ids[:-1], own)
         offset = self.source.tokens if self.source is not None else min(cache.offset, own)  # where its own tokens start
@@ -123,8 +124,8 @@ class Run:
 
     def admit(self) -> None:
         session, request = self.session, self.request
-        session.engine._touch(session)
-        self.saved = session._reuse(request.input_ids, self.source, request.shift_keep)
+        self.saved = session._reuse(request.input_ids, self.own, self.source, request.shift_keep)
+        session.engine._touch(session)  # after the reuse: the chain it now continues is used too
         self.admitted = True
         self.stats.reused_tokens = self.saved.keep
         self.stats.shared_tokens = self.saved.shared
@@ -135,7 +136,6 @@ class Run:
         cache.pinned = True
         extra = request.max_new_tokens if self.width == 1 else 0
         cache.reserve(max(len(request.input_ids) + extra - cache.offset, self.saved.own))
-        session.engine.store.touch(cache)
         if self.width > 1:  # the rows' own cache, reserved now: what admission counted is what is held
             self.work = session.engine.store.cache(self.width)
             self.work.pinned = True

@@ -263,17 +263,16 @@ class KVCache:
         store._account(self.bytes_for(rows, capacity) - self.nbytes)
         self.keys, self.values, self.rows, self.capacity = keys, values, rows, capacity
 
-    def write(self, layer: int, row: int, start: int, keys: torch.Tensor, values: torch.Tensor):
+    def write(self, layer: int, row: int, start: int, keys: torch.Tensor, values: torch.Tensor, links=()):
         """Writes one row's new keys/values ([heads, n, head_dim]) at `start`; returns the row's keys and
-        values up to and including them, its chain's first, [1, heads, offset + start + n, head_dim]
-        (views when there is no chain)."""
+        values up to and including them, those of `links` (its `chain()`) first,
+        [1, heads, offset + start + n, head_dim] (views when there is no chain)."""
         end = start + keys.shape[-2]
         self.keys[layer][row, :, start:end] = keys
         self.values[layer][row, :, start:end] = values
         own_keys, own_values = self.keys[layer][row : row + 1, :, :end], self.values[layer][row : row + 1, :, :end]
-        if self.prefix is None:
+        if not links:
             return own_keys, own_values
-        links = self.chain()
         return (torch.cat([c.keys[layer][:1, :, :n] for c, n in links] + [own_keys], dim=2),
                 torch.cat([c.values[layer][:1, :, :n] for c, n in links] + [own_values], dim=2))
 

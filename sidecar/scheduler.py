@@ -118,7 +118,7 @@ class Scheduler:
         token_ids, positions, keep = [], [], []
         for feed in feeds:
             segment = feed.segment
-            position = segment.start + segment.cache.offset
+            position = segment.position
             positions += range(position, position + segment.length) if segment.rows == 1 else [position] * segment.rows
             token_ids += feed.token_ids
             keep += range(len(token_ids) - feed.logits, len(token_ids))

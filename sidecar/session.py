@@ -145,14 +145,6 @@ class Checkpoint:
             self.prefix = None
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
 class Session:
     def __init__(self, engine, session_id: int):
         self.engine = engine
@@ -251,16 +243,15 @@ class Session:
     def reusable(self, input_ids: list[int]) -> int:
         """How many leading tokens of `input_ids` its own cache holds and a call would reuse (the last input
         token is always fed again, so there are logits to sample from)."""
-        return min(common_prefix(self.history[: self.cached], input_ids), len(input_ids) - 1)
+        return min(sharing.common_prefix(self.history, input_ids, end=self.cached), len(input_ids) - 1)
 
-    def _reuse(self, input_ids: list[int], source: sharing.Source | None = None,
+    def _reuse(self, input_ids: list[int], own: int, source: sharing.Source | None = None,
                shift_keep: int | None = None) -> Checkpoint:
-        """Crops the cache to the longest reusable prefix of `input_ids`, makes it continue `source` (another
-        cache holding more of them), or, with `shift_keep`, shifts it when that reuses more; the
-        checkpoint's `keep` is how many are reused."""
+        """Crops the cache to the `own` tokens of `input_ids` it holds (`reusable`), makes it continue
+        `source` (another cache holding more of them), or, with `shift_keep`, shifts it when that reuses
+        more; the checkpoint's `keep` is how many are reused."""
         cache, store = self.cache, self.engine.store
         saved = Checkpoint(self.history, cache.length, cache.prefix, cache.prefix_length, cache.approximate_from)
-        own = self.reusable(input_ids)
         if source is not None and source.tokens > own:
             saved.keep = saved.shared = source.tokens
             entry = source.take()
@@ -274,15 +265,15 @@ class Session:
         if moved is not None and moved.reused > own:
             if moved.keep >= cache.offset:  # the moved tokens are its own, and move within its buffers
                 saved.start = moved.keep - cache.offset
-                saved.tail = source = cache.tail(saved.start)
+                saved.tail = moving = cache.tail(saved.start)
             else:  # they start in the shared prefix it continues, never written: moved, they become its own
-                source = [tuple(part[None, :, moved.keep :] for part in cache.span(layer))
+                moving = [tuple(part[None, :, moved.keep :] for part in cache.span(layer))
                           for layer in range(len(store.layers))]
                 saved.tail = cache.tail(0) if cache.length else []
                 cache.length = 0
                 store.link(cache, cache.prefix, moved.keep)
                 cache.reserve(max(cache.capacity, moved.count))
-            shift.move(cache, self.engine.rotation, moved, source)
+            shift.move(cache, self.engine.rotation, moved, moving)
             saved.keep, saved.shifted = moved.reused, moved.count
             cache.approximate_from = min(moved.keep, cache.approximate_from or moved.keep)
             return saved

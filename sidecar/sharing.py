@@ -55,7 +55,7 @@ def find(session, input_ids: list[int], own: int) -> Source | None:
     best = Source(own + MIN_SHARED_TOKENS - 1)
     held = {}  # entry id -> how many leading input tokens it holds
     for entry in engine.store.shared:
-        held[id(entry)] = n = _common(entry.tokens, input_ids, 0, entry.exact)
+        held[id(entry)] = n = common_prefix(entry.tokens, input_ids, end=entry.exact)
         if n > best.tokens and entry.depth < MAX_DEPTH:
             best = Source(n, entry=entry)
     for other in engine.sessions:
@@ -65,17 +65,17 @@ def find(session, input_ids: list[int], own: int) -> Source | None:
         start = cache.offset  # its chain is an entry, matched above: only its own tokens are new
         if start and held.get(id(cache.prefix), 0) < start:
             continue
-        n = _common(other.history, input_ids, start, cache.exact)
+        n = common_prefix(other.history, input_ids, start, cache.exact)
         if n > best.tokens:
             best = Source(n, session=other)
     return best if best.entry is not None or best.session is not None else None
 
 
-def _common(tokens: list[int], input_ids: list[int], start: int, end: int) -> int:
-    """How many leading tokens of `input_ids` equal `tokens` up to `end`, the first `start` known equal."""
-    n = min(end, len(input_ids))
+def common_prefix(a: list[int], b: list[int], start: int = 0, end: int | None = None) -> int:
+    """How many leading tokens `a[:end]` and `b` have in common, the first `start` known equal."""
+    n = min(len(a) if end is None else end, len(b))
     for i in range(start, n):
-        if tokens[i] != input_ids[i]:
+        if a[i] != b[i]:
             return i
     return n
 
@@ -91,6 +91,6 @@ def fork(session, twin) -> bool:
     if cache.length:
         if cache.depth >= MAX_DEPTH:
             return False
-        store.share(cache, session.history[: cache.end])
+        Source(cache.end, session=session).take()
     store.link(twin.cache, cache.prefix, cache.end)
     return True

@@ -11,7 +11,6 @@ of it is built once per (constraint, vocabulary) and shared by every generation 
 from __future__ import annotations
 
 import functools
-
 import hashlib
 from dataclasses import dataclass, field, replace
 

@@ -120,7 +120,7 @@ def _reaching(accepting, sources: np.ndarray, targets: np.ndarray) -> set[int]:
 def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float):
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_compile_child, args=(source, vocabulary, timeout_s, sender, receiver.fileno()), daemon=True)
+    child = context.Process(target=_compile_child, args=(source, vocabulary, timeout_s, sender), daemon=True)
     child.start()
     sender.close()
     try:
@@ -142,12 +142,12 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float)
     return payload
 
 
-def _compile_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, sender, receiving: int) -> None:
+def _compile_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, sender) -> None:
     """Runs in the child: outlines-core's index of the pattern and the sentinel, sent back as arrays of the
     text tokens' transitions, and the states where the sentinel may come (where the pattern may end)."""
     pattern = source[1]
     try:
-        _detach(sender.fileno(), receiving)
+        _detach(sender.fileno())
         _cap_memory(COMPILE_MEMORY_BYTES)
         # the parent kills it after `timeout_s`; if the parent is gone first, the kernel does
         resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(timeout_s) + 1, math.ceil(timeout_s) + 2))
@@ -189,10 +189,9 @@ def _compile_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: f
         os._exit(0)
 
 
-def _detach(keep: int, receiving: int) -> None:
+def _detach(keep: int) -> None:
     """In the child: drop every descriptor it inherited but its end of the pipe (the server's protocol
     output among them, or the client would not see EOF while a child lives), and die with its parent."""
-    os.close(receiving)
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1):
         os.dup2(null, fd)

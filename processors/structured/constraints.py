@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -122,7 +122,8 @@ def _transitions(name, value) -> tuple[tuple[int, int, int], ...]:
 @checks._with_schema({"type": "array", "items": STATE_ID})
 def _states(name, value) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not all(checks._is_int(x) and 0 <= x <= checks.MAX_TOKEN_ID for x in value):
-        raise InvalidOption(f"option {name!r} must be a list of states (integers >= 0), got {checks._shown(value)}")
+        raise InvalidOption(f"option {name!r} must be a list of states (integers in [0, {checks.MAX_TOKEN_ID}]), "
+                            f"got {checks._shown(value)}")
     return tuple(sorted(set(int(x) for x in value)))
 
 

@@ -8,13 +8,12 @@ so every token is mapped back to its bytes once, here. Special tokens stand for 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
-
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from ..errors import InvalidOption
 
@@ -22,7 +21,13 @@ _LLGUIDANCE: dict[str, Any] = {}
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-BYTE_LEVEL = {char: byte for byte, char in bytes_to_unicode().items()}  # GPT-2's stand-in character -> byte
+@functools.cache
+def byte_level() -> dict[str, int]:
+    """GPT-2's stand-in character -> the byte it stands for (transformers' table; imported when first
+    needed, so that importing the processors does not import transformers)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,8 @@ def _surface_decoder(tokenizer):
 
 def _from_byte_level(surface: str) -> bytes:
     try:
-        return bytes(BYTE_LEVEL[c] for c in surface)
+        table = byte_level()
+        return bytes(table[c] for c in surface)
     except KeyError:  # not a byte-level spelling: the token is plain text
         return surface.encode("utf-8")
 

@@ -62,23 +62,19 @@ def fingerprint() -> str:
 
 def materialise(root: Path | None = None) -> Path:
     """The directory of the default model, built on first use. Safe when several processes race."""
-    target = (root or cache_root()) / f"default-{fingerprint()}"
+    return built_once((root or cache_root()) / f"default-{fingerprint()}", _build)
+
+
+def built_once(target: Path, build) -> Path:
+    """`target`, a model directory that `build(staging)` writes on first use into a staging directory
+    beside it, renamed into place whole: a reader never sees half a model, and when several processes
+    race, the first rename wins and the others' work is thrown away."""
     if (target / "config.json").exists():
         return target
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".building-", dir=target.parent))
     try:
-        shutil.copy(HERE / "tokenizer.json", staging / "tokenizer.json")
-        (staging / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
-        vocab_size = len(AutoTokenizer.from_pretrained(staging, local_files_only=True))
-        config = LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"}, vocab_size=vocab_size)
-        with torch.random.fork_rng():
-            torch.manual_seed(SEED)
-            model = LlamaForCausalLM(config)
-        model.save_pretrained(staging)
+        build(staging)
         try:
             staging.rename(target)
         except OSError:
@@ -87,3 +83,17 @@ def materialise(root: Path | None = None) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _build(staging: Path) -> None:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    shutil.copy(HERE / "tokenizer.json", staging / "tokenizer.json")
+    (staging / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
+    vocab_size = len(AutoTokenizer.from_pretrained(staging, local_files_only=True))
+    config = LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"}, vocab_size=vocab_size)
+    with torch.random.fork_rng():
+        torch.manual_seed(SEED)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(staging)

@@ -125,7 +125,8 @@ defmodule Sidecar.Generation do
   ]
 
   @doc """
-  The `generate` parameters for `input` (a string, a list of token ids or a list of messages).
+  The `generate` parameters for `input` (a string, a list of token ids, a list of messages or
+  `{:continue, keys}`).
   Raises `ArgumentError` on bad options or a malformed message.
   """
   @spec params(input(), keyword(), [non_neg_integer()] | nil) :: map()
@@ -188,26 +189,13 @@ defmodule Sidecar.Generation do
     unless Keyword.keyword?(keys),
       do: raise(ArgumentError, "{:continue, keys} takes a keyword list, got #{inspect(keys)}")
 
-    continued =
-      Map.new(keys, fn {key, value} ->
-        case List.keyfind(@continue_keys, key, 0) do
-          nil ->
-            raise ArgumentError,
-                  "unknown :continue key #{inspect(key)}; valid keys: " <>
-                    Enum.map_join(@continue_keys, ", ", &inspect(elem(&1, 0)))
+    for {key, _} <- keys, not List.keymember?(@continue_keys, key, 0) do
+      raise ArgumentError,
+            "unknown :continue key #{inspect(key)}; valid keys: " <>
+              Enum.map_join(@continue_keys, ", ", &inspect(elem(&1, 0)))
+    end
 
-          {_, type, expected} ->
-            unless valid?(type, value),
-              do:
-                raise(
-                  ArgumentError,
-                  ":continue key #{inspect(key)} must be #{expected}, got #{inspect(value)}"
-                )
-
-            {Atom.to_string(key), value}
-        end
-      end)
-
+    continued = typed!(keys, @continue_keys, ":continue key")
     no_chat_options!(opts, %{"continue" => continued})
   end
 
@@ -327,16 +315,7 @@ defmodule Sidecar.Generation do
       raise ArgumentError, ":top_k and :top_p apply only to %{type: :multinomial_sampling}, got #{inspect(s)}"
     end
 
-    params =
-      for {key, type, expected} <- @sequence_options, Map.has_key?(s, key), into: %{} do
-        value = s[key]
-
-        unless valid?(type, value) do
-          raise ArgumentError, "strategy option #{inspect(key)} must be #{expected}, got #{inspect(value)}"
-        end
-
-        {Atom.to_string(key), if(value == :never, do: "never", else: value)}
-      end
+    params = typed!(s, @sequence_options, "strategy option")
 
     sampling = [
       s[:top_k] && Processors.configure(Processors.TopK, k: s[:top_k]),
@@ -365,6 +344,17 @@ defmodule Sidecar.Generation do
 
   defp keep!(other),
     do: raise(ArgumentError, "option :keep must be a non-negative integer, got #{inspect(other)}")
+
+  # The keys of `given` (a keyword list or a map) that `table` ({key, type, what it must be}) declares,
+  # each checked, as the protocol's string-keyed map; `label` names a key in the error.
+  defp typed!(given, table, label) do
+    for {key, type, expected} <- table, {^key, value} <- given, into: %{} do
+      unless valid?(type, value),
+        do: raise(ArgumentError, "#{label} #{inspect(key)} must be #{expected}, got #{inspect(value)}")
+
+      {Atom.to_string(key), if(value == :never, do: "never", else: value)}
+    end
+  end
 
   defp valid?(:uint, value), do: is_integer(value) and value >= 0
   defp valid?(:int, value), do: is_integer(value)
