@@ -275,7 +275,8 @@ class Session:
                 cache.reserve(max(cache.capacity, moved.count))
             shift.move(cache, self.engine.rotation, moved, moving)
             saved.keep, saved.shifted = moved.reused, moved.count
-            cache.approximate_from = min(moved.keep, cache.approximate_from or moved.keep)
+            if cache.approximate_from is None or moved.keep < cache.approximate_from:
+                cache.approximate_from = moved.keep
             return saved
         saved.keep = own
         saved.start = min(max(own - cache.offset, 0), cache.length)

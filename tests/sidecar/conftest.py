@@ -43,3 +43,14 @@ def any_engine(request, engine, gpt2_engine):
 def tokens(n: int, seed: int, low: int = 3, high: int = 1000) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, high, (n,), generator=g).tolist()
+
+
+_UNSHARED = {}
+
+
+def unshared(engine: Engine) -> Engine:
+    """An engine on `engine`'s model that shares no prefixes across sessions: its fresh sessions compute
+    everything, so they are a cold reference even while the sessions under test hold the same prefix."""
+    if id(engine) not in _UNSHARED:
+        _UNSHARED[id(engine)] = (engine, Engine(engine.model, engine.tokenizer, share_prefixes=False))
+    return _UNSHARED[id(engine)][1]

@@ -9,13 +9,13 @@ import pytest
 from sidecar import Engine
 from sidecar.errors import CacheBudgetExceeded, InvalidSessionFile, SaveFailed, SessionBusy
 
-from .conftest import tokens
+from .conftest import tokens, unshared
 
 PROMPT = tokens(200, seed=5)
 
 
 def cold(engine, token_ids, n=8):
-    with engine.session() as fresh:
+    with unshared(engine).session() as fresh:
         return fresh.generate(token_ids=token_ids, max_new_tokens=n, eos_token_ids=[]).token_ids
 
 

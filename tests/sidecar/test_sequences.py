@@ -9,12 +9,14 @@ from sidecar.errors import (
 )
 from sidecar.sequences import Tokens
 
+from .conftest import unshared
+
 PROMPT = "Once upon a time"
 FREE = dict(max_new_tokens=8, eos_token_ids=[])
 
 
 def fresh(engine, ids, **options):
-    with engine.session() as reference:
+    with unshared(engine).session() as reference:
         return reference.generate(token_ids=list(ids), **options)
 
 

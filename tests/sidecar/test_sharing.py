@@ -297,3 +297,19 @@ def test_a_shift_moves_tokens_out_of_the_shared_prefix_as_it_would_its_own(engin
     assert sharing.stats()["shared_prefixes"] == 1 and alone.stats()["shared_prefixes"] == 0
     assert shared.stats.shifted_tokens == reference.stats.shifted_tokens == len(window)
     assert shared.token_ids == reference.token_ids
+
+
+def test_a_second_shift_keeping_more_does_not_make_the_first_ones_keys_exact(engine):
+    """A shift with keep 0 then one with keep 60: the keys after position 0 stay approximate, unshared."""
+    sharing = Engine(engine.model, engine.tokenizer)
+    cold = Engine(engine.model, engine.tokenizer, share_prefixes=False)
+    text = tokens(200, seed=95)
+    slider = sharing.session()
+    slider.generate(token_ids=text, max_new_tokens=1, eos_token_ids=[])
+    slider.generate(token_ids=text[10:], max_new_tokens=1, eos_token_ids=[], reuse="shift")
+    slider.generate(token_ids=slider.history[:60] + slider.history[70:], max_new_tokens=1, eos_token_ids=[],
+                    reuse="shift", keep=60)
+    assert slider.cache.exact == 0
+    prompt = slider.history + question(1)
+    result = run(sharing, prompt)
+    assert result.stats.shared_tokens == 0 and result.token_ids == run(cold, prompt).token_ids

@@ -74,12 +74,13 @@ def test_sharing_under_random_steps(engines):
             self.generate(len(self.sessions) - 1, history + tokens(n, seed=seed))
 
         @precondition(lambda self: self.sessions)
-        @rule(pick=st.integers(0, 100), drop=st.integers(1, 30), n=st.integers(1, 5))
-        def slide(self, pick, drop, n):
+        @rule(pick=st.integers(0, 100), drop=st.integers(1, 30), n=st.integers(1, 5), keep=st.sampled_from([0, 0, 4, 40]))
+        def slide(self, pick, drop, n, keep):
             index = pick % len(self.sessions)
             history = self.sessions[index][0].history
-            if len(history) > drop + 2:
-                self.generate(index, history[drop:] + tokens(n, seed=drop), reuse="shift")
+            if len(history) > keep + drop + 2:
+                self.generate(index, history[:keep] + history[keep + drop :] + tokens(n, seed=drop), reuse="shift",
+                              keep=keep)
 
         @precondition(lambda self: self.sessions)
         @rule(pick=st.integers(0, 100))

@@ -15,7 +15,7 @@ from sidecar import Engine
 from sidecar.errors import InvalidArgument
 from sidecar.shift import Shift, align
 
-from .conftest import tokens
+from .conftest import tokens, unshared
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,7 +62,7 @@ def rope_engine(request, tmp_path_factory, default_dir, engine):
 
 def cold(engine, input_ids, **options):
     """A fresh session's result and its cache (keys and values of every layer) for `input_ids`."""
-    with engine.session() as session:
+    with unshared(engine).session() as session:
         result = session.generate(token_ids=input_ids, eos_token_ids=[], **options)
         cache = [(k[0, :, : session.cached].clone(), v[0, :, : session.cached].clone())
                  for k, v in zip(session.cache.keys, session.cache.values)]
