@@ -15,7 +15,8 @@ from .errors import LIMIT_EXCEEDED, ProtocolError
 
 
 def _limit(default: int, doc: str, *, bounds: tuple[tuple[str, str], ...] = (), measure: str = "") -> int:
-    """One limit: `bounds` lists the (op, param) values it applies to ("*" for every op), measured as `measure`."""
+    """One limit: `bounds` lists the (op, param) values it applies to ("*" for every op; "param.key" for a list
+    inside a map parameter), measured as `measure`."""
     return dataclasses.field(default=default, metadata={"doc": doc, "bounds": bounds, "measure": measure})
 
 
@@ -35,8 +36,10 @@ class Limits:
         bounds=(("generate", "prompt"), ("generate", "messages"), ("generate", "continue"), ("tokenize", "text")),
         measure="bytes")
     max_input_tokens: int = _limit(
-        262_144, "token ids in one list: generate's token_ids and eos_token_ids, detokenize's token_ids",
-        bounds=(("generate", "token_ids"), ("generate", "eos_token_ids"), ("detokenize", "token_ids")), measure="items")
+        262_144, "token ids in one list: generate's token_ids, eos_token_ids and continue.append_token_ids, "
+        "detokenize's token_ids",
+        bounds=(("generate", "token_ids"), ("generate", "eos_token_ids"), ("generate", "continue.append_token_ids"),
+                ("detokenize", "token_ids")), measure="items")
     max_new_tokens: int = _limit(
         32_768, "max_new_tokens of one generate (the model's context bounds it further)",
         bounds=(("generate", "max_new_tokens"),), measure="value")
@@ -105,13 +108,19 @@ def _walk(value, *, keys: bool):
 
 # (op, param) -> [(limit, measure)], read once from the declarations ("*" for every op)
 BOUNDS: dict[tuple[str, str], list[tuple[str, str]]] = {}
+# op -> [("param.key", limit, measure)]: lists inside map parameters
+NESTED_BOUNDS: dict[str, list[tuple[str, str, str]]] = {}
 for _field in dataclasses.fields(Limits):
-    for _bound in _field.metadata["bounds"]:
-        BOUNDS.setdefault(_bound, []).append((_field.name, _field.metadata["measure"]))
+    for _op, _param in _field.metadata["bounds"]:
+        if "." in _param:
+            NESTED_BOUNDS.setdefault(_op, []).append((_param, _field.name, _field.metadata["measure"]))
+        else:
+            BOUNDS.setdefault((_op, _param), []).append((_field.name, _field.metadata["measure"]))
 
 
 def check_params(op: str, params: dict, limits: Limits, request_id: int) -> None:
-    """Raises `limit_exceeded` for the first parameter value over a limit; values are assumed well-typed."""
+    """Raises `limit_exceeded` for the first parameter value over a limit; values are assumed well-typed,
+    except inside maps (not typed yet: a nested bound measures only a list)."""
     for param, value in params.items():
         if value is None:
             continue
@@ -119,6 +128,12 @@ def check_params(op: str, params: dict, limits: Limits, request_id: int) -> None
             size = _measure(measure, value)
             if size > getattr(limits, name):
                 raise limits.exceeded(name, size, request_id, param=param)
+    for path, name, measure in NESTED_BOUNDS.get(op, ()):
+        outer, key = path.split(".")
+        value = params.get(outer)
+        value = value.get(key) if isinstance(value, dict) else None
+        if isinstance(value, list) and (size := _measure(measure, value)) > getattr(limits, name):
+            raise limits.exceeded(name, size, request_id, param=path)
 
 
 def check_depth(value, max_depth: int, request_id: int | None, param: str, *, start: int = 1) -> None:

@@ -397,6 +397,8 @@ PROTOCOL_ROWS = [
     ("prompt over max_prompt_bytes", gen(prompt="a" * (MIB + 1)), "limit_exceeded", "limit"),
     ("tokenize text over max_prompt_bytes", {"op": "tokenize", "text": "é" * (MIB // 2 + 1)}, "limit_exceeded", "limit"),
     ("token_ids over max_input_tokens", gen(token_ids=[5] * 262_145), "limit_exceeded", "limit"),
+    ("continue.append_token_ids over max_input_tokens", gen(**{"continue": {"append_token_ids": [5] * 262_145}}),
+     "limit_exceeded", "limit"),
     ("max_new_tokens over its limit", gen(prompt="a", max_new_tokens=32_769), "limit_exceeded", "limit"),
     ("stop strings over max_stop_bytes", gen(prompt="a", stop=["x" * 2049, "y" * 2048]), "limit_exceeded", "limit"),
     ("processors over max_processors", gen(prompt="a", processors=[processor("top_k", k=5)] * 65), "limit_exceeded", "limit"),

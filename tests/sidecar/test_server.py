@@ -460,6 +460,9 @@ def test_continue_names_a_sequence_of_the_last_result(peer, engine):
         ({"bogus": 1}, {"code": "invalid_params", "param": "continue.bogus"}),
         ({1: 1}, {"code": "invalid_params", "param": "continue.int 1"}),
         ({"append": "x" * (1 << 20)}, {"code": "limit_exceeded", "limit": "max_prompt_bytes", "param": "continue"}),
+        ({"append_token_ids": [5] * 262_145},
+         {"code": "limit_exceeded", "limit": "max_input_tokens", "param": "continue.append_token_ids", "value": 262_145}),
+        ({"append_token_ids": "12"}, {"code": "invalid_params", "param": "continue.append_token_ids"}),
         ([], {"code": "invalid_params", "param": "continue"}),
     ]
     for value, expected in bad:
