@@ -92,6 +92,7 @@ class Server:
         self.engines: dict[str, Engine] = {}
         self.sessions: dict[str, tuple[str, object]] = {}  # name -> (model name, Session)
         self.queues: dict[str, deque[Job]] = {}  # session name -> jobs in arrival order
+        self.forking: dict[str, Job] = {}  # a fork's new name -> its fork_session, until it runs
         self.in_flight: dict[int, Job] = {}
         self.queued_bytes = 0  # frame bytes of the jobs in flight
         self.active: list[Job] = []  # started generations, in the order they started
@@ -165,9 +166,11 @@ class Server:
             if self.queued_bytes + size > self.limits.max_queued_bytes:
                 raise self.limits.exceeded("max_queued_bytes", self.queued_bytes + size, request.id)
             name = request.params["session"]
-            if name not in self.sessions:
+            if name not in self.sessions and name not in self.forking:
                 raise ProtocolError(codes.UNKNOWN_SESSION, f"no open session {name!r}", request.id, session=name)
             job = Job(request, size)
+            if request.op == "fork_session" and request.params["new"] is not None:
+                self._reserve(request.params["new"], job)
             self.in_flight[request.id] = job
             self.queued_bytes += size
             self.queues[name].append(job)
@@ -182,6 +185,8 @@ class Server:
         A request that fails to start is answered and retired here, so it can never block its queue.
         """
         jobs = self.queues.get(name)
+        if name in self.forking:
+            return  # the fork that creates this session has not run yet
         while jobs and jobs[0].generation is None:
             job = jobs[0]
             try:
@@ -198,6 +203,8 @@ class Server:
             except Exception as bug:
                 reply = internal_reply(job.request.id, bug)
             self._retire(job, reply)
+            if job.request.op == "fork_session" and job.request.params["new"] in self.queues:
+                self._advance(job.request.params["new"])  # what was sent to the fork while it waited
             jobs = self.queues.get(name)  # close_session removes the queue
 
     def _compile_first(self, name: str, job: Job) -> bool:
@@ -293,9 +300,12 @@ class Server:
                     self._finish(job, internal_reply(job.request.id, problem))
 
     def _retire(self, job: Job, reply: dict | None) -> None:
-        """Takes a job out of every table and sends its reply."""
+        """Takes a job out of every table and sends its reply (a fork that did not run first answers what
+        waited for the session it was to create)."""
         if self.in_flight.pop(job.request.id, None) is not None:
             self.queued_bytes -= job.size
+        if self.forking.get(job.request.params.get("new")) is job:
+            self._unreserve(job, answer=reply is not None)
         if job in self.active:
             self.active.remove(job)
         jobs = self.queues.get(job.request.params.get("session"))
@@ -317,6 +327,7 @@ class Server:
 
     def _cancel_all(self, reply: bool) -> None:
         """Cancels everything, starting nothing: the server is about to exit."""
+        self.forking.clear()  # what waits for a fork is cancelled with the rest
         for job in list(self.in_flight.values()):
             self._retire(job, cancelled_reply(job) if reply else None)
 
@@ -407,20 +418,37 @@ class Server:
 
     def _claim_session_name(self, name: str | None, rid: int) -> str:
         """A name for a new session: the one asked for if it is free, else a fresh one; within max_sessions."""
-        if name is not None and name in self.sessions:
+        if name is not None and (name in self.sessions or name in self.forking):
             raise ProtocolError(codes.SESSION_EXISTS, f"a session named {name!r} is already open", rid, session=name)
-        if len(self.sessions) >= self.limits.max_sessions:
-            raise self.limits.exceeded("max_sessions", len(self.sessions) + 1, rid)
+        if len(self.sessions) + len(self.forking) >= self.limits.max_sessions:
+            raise self.limits.exceeded("max_sessions", len(self.sessions) + len(self.forking) + 1, rid)
         return self._fresh_session_name() if name is None else name
 
     def _add_session(self, name: str, model: str, session) -> None:
         self.sessions[name] = (model, session)
+        self.queues.setdefault(name, deque())  # a fork's may hold what was sent to it before it ran
+
+    def _reserve(self, name: str, fork: Job) -> None:
+        """Claims a fork's new name when the fork arrives, so that requests pipelined behind it for that
+        name wait for the fork in the new session's queue instead of being `unknown_session`."""
+        self._claim_session_name(name, fork.request.id)
+        self.forking[name] = fork
         self.queues[name] = deque()
+
+    def _unreserve(self, fork: Job, answer: bool) -> None:
+        """The fork ended without creating its session: what waited for it is `unknown_session`."""
+        name = fork.request.params["new"]
+        del self.forking[name]
+        for job in self.queues.pop(name):
+            self._retire(job, problem_reply(job.request.id, ProtocolError(
+                codes.UNKNOWN_SESSION, f"session {name!r} was never created: the fork_session (request "
+                f"{fork.request.id}) that was to create it failed", job.request.id, session=name)) if answer else None)
 
     def op_fork_session(self, params, rid):
         model, session = self._session(params["session"], rid)
-        name = self._claim_session_name(params["new"], rid)
+        name = params["new"] if params["new"] is not None else self._claim_session_name(None, rid)
         twin = session.fork()  # it runs at the head of the source's queue: the source is idle
+        self.forking.pop(name, None)
         self._add_session(name, model, twin)
         return {"session": name, "history_tokens": len(twin.history), "cached_tokens": twin.cached}
 
@@ -509,7 +537,7 @@ class Server:
     def _fresh_session_name(self) -> str:
         while True:
             self._names += 1
-            if f"s{self._names}" not in self.sessions:
+            if f"s{self._names}" not in self.sessions and f"s{self._names}" not in self.forking:
                 return f"s{self._names}"
 
 

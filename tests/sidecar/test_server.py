@@ -372,6 +372,52 @@ def test_fork_save_and_restore_sessions_by_name(default_dir, tmp_path):
         assert peer.call("stats")["result"]["sessions"] == 0
 
 
+def test_requests_pipelined_for_a_fork_wait_for_it(default_dir):
+    """A fork's new name is taken when the fork arrives: requests for it sent right behind (the fork
+    itself waiting behind a generate of its source) run once the fork has, in order; when the fork
+    fails, each of them is answered unknown_session before the fork's own error, and nothing leaks."""
+    with Peer(SERVER + ["--max-sessions", "3"], stderr=subprocess.DEVNULL) as peer:
+        peer.call("open_session", session="a")
+        running, fork, info, follow, taken, over = (peer.next_id() for _ in range(6))
+        generate(peer, running, session="a", token_ids=list(range(5, 40)), max_new_tokens=8, eos_token_ids=[])
+        peer.send({"id": fork, "op": "fork_session", "session": "a", "new": "b"})
+        peer.send({"id": info, "op": "session_info", "session": "b"})
+        generate(peer, follow, session="b", token_ids=list(range(5, 40)) + [9], max_new_tokens=3, eos_token_ids=[])
+        peer.send({"id": taken, "op": "open_session", "session": "b"})
+        peer.send({"id": over, "op": "fork_session", "session": "a", "new": "c"})  # a, b and c: at the limit
+        assert peer.reply_for(taken)[1]["error"]["code"] == "session_exists"
+        assert peer.call("open_session", session="d")["error"]["limit"] == "max_sessions"  # b and c are claimed
+        first = peer.reply_for(running)[1]["result"]
+        assert peer.reply_for(fork)[1]["result"]["history_tokens"] == 35 + 8
+        assert peer.reply_for(info)[1]["result"]["history_tokens"] == 35 + 8
+        assert peer.reply_for(follow)[1]["result"]["stats"]["reused_tokens"] == 35
+        assert peer.replied.index(fork) < peer.replied.index(info) < peer.replied.index(follow)
+        assert peer.reply_for(over)[1]["ok"]
+        assert first["token_ids"]
+
+        # the fork fails: its source is closed before it runs (the close waiting behind a generate)
+        assert peer.call("close_session", session="b")["ok"]
+        busy, close, doomed, waiting = (peer.next_id() for _ in range(4))
+        generate(peer, busy, session="c", token_ids=[5, 6, 7], max_new_tokens=16, eos_token_ids=[])
+        peer.send({"id": close, "op": "close_session", "session": "c"})
+        peer.send({"id": doomed, "op": "fork_session", "session": "c", "new": "x"})
+        generate(peer, waiting, session="x", token_ids=[5, 6, 7], max_new_tokens=2, eos_token_ids=[])
+        assert peer.reply_for(doomed)[1]["error"]["code"] == "session_closed"
+        error = peer.reply_for(waiting)[1]["error"]
+        assert error["code"] == "unknown_session" and error["session"] == "x" and "fork_session" in error["message"]
+        assert peer.reply_for(close)[1]["ok"] and peer.reply_for(busy)[1]["ok"]
+        assert peer.replied.index(waiting) < peer.replied.index(doomed) < peer.replied.index(close)
+        stats = peer.call("stats")["result"]
+        assert stats["in_flight"] == 0 and stats["sessions"] == 1
+        assert peer.call("open_session", session="x")["ok"]  # the name is free again
+
+        # a fork pending when the input ends: the server exits cleanly
+        generate(peer, peer.next_id(), session="a", token_ids=list(range(5, 60)), max_new_tokens=64, eos_token_ids=[])
+        peer.send({"id": peer.next_id(), "op": "fork_session", "session": "a", "new": "y"})
+        generate(peer, peer.next_id(), session="y", token_ids=[5, 6], max_new_tokens=2, eos_token_ids=[])
+        assert peer.close() == 0
+
+
 def test_saving_is_off_without_a_session_dir(peer):
     peer.call("open_session", session="a")
     assert peer.call("save_session", session="a", name="x")["error"]["code"] == "forbidden"
