@@ -26,6 +26,11 @@ from .errors import InvalidArgument
 # Rotary types whose frequencies are fixed at load time, so a rotation by -drop undoes one by +drop.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
+# What one try of `align`'s one-by-one search costs besides the tokens it compares, counted in tokens:
+# about what its linear search spends on 16, so the tries its budget (4 tokens a token) allows cost no
+# more than that search.
+TRY = 64
+
 
 @dataclass(frozen=True)
 class Shift:
@@ -45,25 +50,59 @@ def align(cached: list[int], input_ids: list[int], keep: int) -> Shift | None:
 
     The first `keep` tokens must agree; then the drop d > 0 is the one whose cached tokens after
     `keep + d` share the longest prefix with the input after `keep` (the smallest such d on a tie). As
-    with prefix reuse, the last input token is never reused, so there are logits to sample from. Only
-    drops where the first token agrees are tried, in increasing order, and the search stops once a
-    larger drop could not reuse more: a sliding window is found at its first candidate or so.
+    with prefix reuse, the last input token is never reused, so there are logits to sample from.
+
+    Drops where the first token agrees are tried in increasing order, each compared at length by numpy,
+    and the search stops once a larger drop could not reuse more: a sliding window is found at its first
+    candidate or so. Repetitive tokens (one token, or a short period, over and over) make every candidate
+    match at length, so trying them all is quadratic, and a client can send exactly that: once the tries
+    have compared a few times as many tokens as there are (a try counting as `TRY` more, numpy's cost of
+    a call), the prefix lengths of all drops are computed at once in linear time instead.
     """
     limit = len(input_ids) - 1 - keep  # input tokens a shift may reuse after the kept ones
     if keep > len(cached) or limit <= 0 or cached[:keep] != input_ids[:keep]:
         return None
-    old = np.asarray(cached[keep:], dtype=np.int64)
-    new = np.asarray(input_ids[keep : keep + limit], dtype=np.int64)
+    old, new = cached[keep:], input_ids[keep : keep + limit]
+    old_array, new_array = np.asarray(old, dtype=np.int64), np.asarray(new, dtype=np.int64)
+    budget = 4 * (len(old) + len(new))  # tokens the tries may compare before the linear search takes over
     best = Shift(keep, 0, 0)
-    for drop in (np.flatnonzero(old[1:] == new[0]) + 1).tolist():
+    for drop in (np.flatnonzero(old_array[1:] == new_array[0]) + 1).tolist():
         bound = min(len(old) - drop, limit)
         if bound <= best.count:
             break
-        mismatch = np.flatnonzero(old[drop : drop + bound] != new[:bound])
+        budget -= TRY + bound
+        if budget < 0:  # None, equal to no token, ends every match at the end of `new`
+            counts = prefix_lengths(new + [None] + old[1:])[limit + 1 :]  # counts[d - 1]: drop d's
+            count = max(counts)
+            best = Shift(keep, counts.index(count) + 1, count)
+            break
+        mismatch = np.flatnonzero(old_array[drop : drop + bound] != new_array[:bound])
         count = int(mismatch[0]) if mismatch.size else bound
         if count > best.count:
             best = Shift(keep, drop, count)
     return best if best.count else None
+
+
+def prefix_lengths(s: list) -> list[int]:
+    """z[i]: the length of the longest common prefix of `s` and `s[i:]` (z[0] = 0), the Z-function. In
+    linear time, since no item is matched twice: inside the last match found, from `left` up to `right`,
+    `s` repeats its own start, so what is known there needs no comparison."""
+    z = [0] * len(s)
+    left = right = 0
+    for i in range(1, len(s)):
+        if i < right:
+            n = z[i - left]
+            if n < right - i:  # ends inside the match: known
+                z[i] = n
+                continue
+            n = right - i
+        else:
+            n = 0
+        while i + n < len(s) and s[n] == s[i + n]:
+            n += 1
+        z[i] = n
+        left, right = i, i + n
+    return z
 
 
 class Rotation:

@@ -7,8 +7,11 @@ one-layer model's whole shifted cache must equal the cold one.
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from sidecar import Engine
@@ -102,13 +105,77 @@ def test_align_needs_the_kept_tokens_and_leaves_the_last_input_token():
     assert align([1, 2, 3], [7, 8], 0) is None
 
 
-def test_align_of_4k_repetitive_tokens_is_quick():
-    import time
+def reference(cached, input_ids, keep):
+    """align by its definition: every drop tried, its common prefix with the input counted token by token."""
+    limit = len(input_ids) - 1 - keep
+    if keep > len(cached) or limit <= 0 or cached[:keep] != input_ids[:keep]:
+        return None
+    best = Shift(keep, 0, 0)
+    for drop in range(1, len(cached) - keep):
+        tail = cached[keep + drop :]
+        count = 0
+        while count < min(limit, len(tail)) and tail[count] == input_ids[keep + count]:
+            count += 1
+        if count > best.count:
+            best = Shift(keep, drop, count)
+    return best if best.count else None
 
-    old = [7] * 2048 + [8] * 2048
-    start = time.perf_counter()
-    found = align(old, old[1:] + [9], 0)
-    assert found == Shift(0, 1, 4095) and time.perf_counter() - start < 0.5
+
+few = st.lists(st.integers(0, 2), max_size=40)  # three tokens: repetition everywhere, ties too
+
+
+@settings(max_examples=1000, deadline=None)
+@given(few, st.integers(0, 40), st.integers(0, 40), few, st.integers(0, 3), st.booleans())
+def test_align_is_the_drop_that_trying_every_one_finds(cached, start, end, extra, keep, kept):
+    """The input continues the cache's kept tokens (or not) with a piece of it and more; small enough that
+    both searches run: one try after another, and the linear one once the tries compared too much."""
+    input_ids = (cached[:keep] if kept else []) + cached[keep + start : keep + end] + extra
+    assert align(cached, input_ids, keep) == reference(cached, input_ids, keep)
+
+
+class Counted(int):
+    """A token that counts how often Python compares it."""
+
+    compared = 0
+
+    def __eq__(self, other):
+        Counted.compared += 1
+        return int.__eq__(self, other)
+
+
+N = 32768
+PERIOD = ([1, 2, 3] * N)[:N]
+REPETITIVE = [  # every candidate drop matches, most of them at length
+    pytest.param([5] * N, [5] * (N // 2) + [7] + [5] * (N // 2 - 1), 0, Shift(0, 1, N // 2), id="one token"),
+    pytest.param([5] * N, [5] * (N // 2) + [7] + [5] * (N // 2 - 1), 4, Shift(4, 1, N // 2 - 4), id="keep 4"),
+    pytest.param([5] * N, [5, 7] + [5] * (N - 2), 0, Shift(0, 1, 1), id="one token, then another"),
+    pytest.param(PERIOD, PERIOD[1 : N // 2] + [3] + PERIOD[: N // 2], 0, Shift(0, 1, N // 2 - 1), id="period 3"),
+    pytest.param(PERIOD, PERIOD[:4] + PERIOD[5 : N // 2] + [3] + PERIOD[: N // 2], 4, Shift(4, 1, N // 2 - 5),
+                 id="period 3, keep 4"),
+    pytest.param([5] * N, [5, 7, 0], 0, Shift(0, 1, 1), id="short tries, many"),
+    pytest.param([7] * 2048 + [8] * 2048, [7] * 2047 + [8] * 2048 + [9], 0, Shift(0, 1, 4095), id="two runs"),
+]
+
+
+@pytest.mark.parametrize("cached, input_ids, keep, expected", REPETITIVE)
+def test_align_of_repetitive_tokens_does_linear_work(monkeypatch, cached, input_ids, keep, expected):
+    """Trying every candidate drop compared 400 million tokens at 32k, or made a numpy call for each of
+    32k short tries. Counted without a clock: the tokens numpy compares (each comparison is read through
+    flatnonzero) and its calls, and the comparisons Python makes of the tokens themselves."""
+    numpy = {"calls": 0, "compared": 0}
+    flatnonzero = np.flatnonzero
+
+    def counted(a):
+        numpy["calls"] += 1
+        numpy["compared"] += a.size
+        return flatnonzero(a)
+
+    monkeypatch.setattr(np, "flatnonzero", counted)
+    Counted.compared = 0
+    assert align([Counted(t) for t in cached], [Counted(t) for t in input_ids], keep) == expected
+    n = len(cached) + len(input_ids)
+    assert numpy["compared"] + Counted.compared <= 8 * n
+    assert numpy["calls"] <= n // 16 + 2
 
 
 # ---- the re-rotation -----------------------------------------------------------------------------
