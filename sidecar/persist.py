@@ -89,16 +89,20 @@ def restore(engine, path):
     if not engine.store.make_room(extra):  # only now, for a file known good, are idle caches evicted
         raise _over_budget(engine, "restoring", cached, extra)
     session = engine.session()
-    session.history = history
-    if cached:
-        cache = session.cache
-        cache.reserve(cached)
-        for layer in range(len(engine.store.layers)):
-            cache.keys[layer][0, :, :cached] = tensors[f"keys.{layer}"]
-            cache.values[layer][0, :, :cached] = tensors[f"values.{layer}"]
-        cache.length = cached
-        if metadata["exact"] < cached:  # keys a rolling shift moved stay unshared after a restore too
-            cache.approximate_from = metadata["exact"]
+    try:
+        session.history = history
+        if cached:
+            cache = session.cache
+            cache.reserve(cached)
+            for layer in range(len(engine.store.layers)):
+                cache.keys[layer][0, :, :cached] = tensors[f"keys.{layer}"]
+                cache.values[layer][0, :, :cached] = tensors[f"values.{layer}"]
+            cache.length = cached
+            if metadata["exact"] < cached:  # keys a rolling shift moved stay unshared after a restore too
+                cache.approximate_from = metadata["exact"]
+    except BaseException:  # an allocation failing: no half-restored session stays behind
+        session.close()
+        raise
     return session
 
 

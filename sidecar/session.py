@@ -249,9 +249,22 @@ class Session:
                shift_keep: int | None = None) -> Checkpoint:
         """Crops the cache to the `own` tokens of `input_ids` it holds (`reusable`), makes it continue
         `source` (another cache holding more of them), or, with `shift_keep`, shifts it when that reuses
-        more; the checkpoint's `keep` is how many are reused."""
-        cache, store = self.cache, self.engine.store
+        more; the checkpoint's `keep` is how many are reused.
+
+        Should that fail midway (memory, the model's rotary module), the cache may be half moved: it is
+        emptied instead (the history stays, so the next call recomputes), and what it held is let go."""
+        cache = self.cache
         saved = Checkpoint(self.history, cache.length, cache.prefix, cache.prefix_length, cache.approximate_from)
+        try:
+            return self._reuse_into(saved, input_ids, own, source, shift_keep)
+        except BaseException:
+            cache.clear()
+            saved.drop()
+            raise
+
+    def _reuse_into(self, saved: Checkpoint, input_ids: list[int], own: int, source: sharing.Source | None,
+                    shift_keep: int | None) -> Checkpoint:
+        cache, store = self.cache, self.engine.store
         if source is not None and source.tokens > own:
             saved.keep = saved.shared = source.tokens
             entry = source.take()

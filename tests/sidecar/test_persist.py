@@ -1,6 +1,7 @@
 """Saved, restored and forked sessions against cold runs: what they continue with must be exactly what a
 fresh session computing everything gives, and every broken file is refused, changing nothing."""
 
+import json
 import subprocess
 import sys
 
@@ -113,8 +114,20 @@ def test_another_model_or_dtype_is_refused(engine, gpt2_engine, default_dir, sav
     with pytest.raises(InvalidSessionFile, match="another model"):
         gpt2_engine.restore(saved[0])
     half = Engine.load(default_dir, dtype="bfloat16")
-    with pytest.raises(InvalidSessionFile, match="another model|bfloat16"):
+    with pytest.raises(InvalidSessionFile, match="another model"):  # its weights differ
         half.restore(saved[0])
+    # the same model's fingerprint over a cache of another dtype: refused by the dtype itself
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(saved[0]), framework="pt") as file:
+        metadata = file.metadata()
+    header = json.loads(metadata["session"])
+    header["dtype"] = "torch.bfloat16"
+    relabelled = saved[0].with_name("relabelled.safetensors")
+    save_file(load_file(saved[0]), relabelled, metadata={**metadata, "session": json.dumps(header)})
+    with pytest.raises(InvalidSessionFile, match="holds a cache in torch.bfloat16, this model runs in torch.float32"):
+        engine.restore(relabelled)
     with pytest.raises(InvalidSessionFile, match="no saved session missing.safetensors"):
         engine.restore(saved[0].with_name("missing.safetensors"))
 
@@ -156,6 +169,22 @@ def test_a_restore_that_does_not_fit_the_budget_is_refused(default_dir, tmp_path
     with pytest.raises(CacheBudgetExceeded):
         tiny.restore(tmp_path / "small.safetensors")
     assert tiny.stats()["sessions"] == 0
+
+
+def test_a_restore_whose_allocation_fails_leaves_no_session_behind(engine, saved, monkeypatch):
+    from sidecar import kv
+
+    path, _, _ = saved
+    fresh = unshared(engine)
+
+    def no_memory(cache, capacity):
+        raise MemoryError("no room for the keys")
+
+    monkeypatch.setattr(kv.KVCache, "reserve", no_memory)
+    with pytest.raises(MemoryError):
+        fresh.restore(path)
+    monkeypatch.undo()
+    assert fresh.stats()["sessions"] == 0 and fresh.store.used_bytes == 0
 
 
 def test_a_save_that_cannot_be_written_leaves_nothing_behind(engine, tmp_path):

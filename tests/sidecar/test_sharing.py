@@ -313,3 +313,44 @@ def test_a_second_shift_keeping_more_does_not_make_the_first_ones_keys_exact(eng
     prompt = slider.history + question(1)
     result = run(sharing, prompt)
     assert result.stats.shared_tokens == 0 and result.token_ids == run(cold, prompt).token_ids
+
+
+def books_balance(engine):
+    """The store's bytes are its caches', and each cache's references are the links to it."""
+    caches = list(engine.store._caches.values())
+    assert engine.store.used_bytes == sum(c.nbytes for c in caches)
+    for cache in caches:
+        assert cache.refs == sum(c.prefix is cache for c in caches)
+
+
+@pytest.mark.parametrize("where", ["continuing a shared prefix", "shifting"])
+def test_a_reuse_failing_midway_empties_the_cache_and_leaks_no_reference(engine, monkeypatch, where):
+    """A failure inside the reuse itself (memory, the model's rotary module) may leave the cache half
+    moved: it is emptied and every link it held let go; the history stays and the next call equals a cold run."""
+    from sidecar import kv, shift
+
+    sharing = Engine(engine.model, engine.tokenizer)
+    cold = Engine(engine.model, engine.tokenizer, share_prefixes=False)
+    warm(sharing)
+    session = sharing.session()
+    window = tokens(80, seed=71)
+    session.generate(token_ids=SYSTEM + tokens(30, seed=72) + window, max_new_tokens=1, eos_token_ids=[])
+    entry, history = session.cache.prefix, list(session.history)
+    refs = entry.refs
+    if where == "shifting":
+        monkeypatch.setattr(shift, "move", lambda *a: (_ for _ in ()).throw(MemoryError("no room to move")))
+        prompt, options = SYSTEM + window, {"reuse": "shift", "keep": len(SYSTEM)}
+    else:  # its own cache is copied aside before it continues the other one, which runs out of memory
+        session.generate(token_ids=tokens(40, seed=73), max_new_tokens=1, eos_token_ids=[])  # its own, unshared
+        history, refs = list(session.history), entry.refs
+        monkeypatch.setattr(kv.KVCache, "tail", lambda *a: (_ for _ in ()).throw(MemoryError("no room to copy")))
+        prompt, options = SYSTEM + question(6), {}
+    with pytest.raises(MemoryError):
+        session.generate(token_ids=prompt, max_new_tokens=4, eos_token_ids=[], **options)
+    monkeypatch.undo()
+    assert entry.refs == refs - (where == "shifting")  # the link the failed call's session had is gone
+    books_balance(sharing)
+    assert session.history == history and session.cached == 0 and session.cache.prefix is None
+    assert run(sharing, prompt, **options).token_ids == run(cold, prompt, **options).token_ids
+    again = session.generate(token_ids=prompt, max_new_tokens=8, eos_token_ids=[], **options)
+    assert again.token_ids == run(cold, prompt, **options).token_ids
