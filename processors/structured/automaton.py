@@ -120,9 +120,11 @@ class TokenAutomaton:
         src, dst = numbered[1 : 1 + n], numbered[1 + n : 1 + 2 * n]
         acc = numbered[1 + 2 * n :]
         keys = src * vocab_size + tokens
-        order = np.argsort(keys)
-        keys, dst = keys[order], dst[order]
-        repeated = np.nonzero(keys[1:] == keys[:-1])[0]
+        repeated = []
+        if not (keys[1:] > keys[:-1]).all():  # a compiled constraint's come sorted, each once: no sort
+            order = np.argsort(keys)
+            keys, dst = keys[order], dst[order]
+            repeated = np.nonzero(keys[1:] == keys[:-1])[0]
         if len(repeated):
             conflict = repeated[dst[repeated] != dst[repeated + 1]]
             if len(conflict):

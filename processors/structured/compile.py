@@ -38,10 +38,12 @@ SENTINEL, SENTINEL_REGEX = "\U0010FFFF", r"\x{10FFFF}"  # a noncharacter: no rea
 
 MAX_FAILURES = 1024  # constraints remembered as impossible to compile
 MAX_REGEX_CHARS = 4_000_000  # a schema's regex, built in the child
+MAX_VOCABULARIES = 4  # vocabularies kept in outlines-core's form (a server loads at most a few models)
 
 _cache: OrderedDict[tuple, TokenAutomaton] = OrderedDict()
 _failures: OrderedDict[tuple, tuple[InvalidOption, float]] = OrderedDict()  # (the error, the timeout it had)
 _cache_lock = threading.Lock()
+_outlines_vocabularies: OrderedDict[str, OutlinesVocabulary] = OrderedDict()  # by vocabulary fingerprint
 
 
 class CompileTimedOut(InvalidOption):
@@ -83,14 +85,10 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
 
 
 def _build(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float) -> TokenAutomaton:
-    """Compiles in the child, then keeps only the states from which the text can still be ended."""
+    """Compiles in the child; builds the tables from the transitions it sends."""
+    _outlines_vocabulary(vocabulary)  # made here, where the next compiles find it
     initial, sources, tokens, targets, accepting = _in_child(source, vocabulary, timeout_s)
-    live = _reaching(accepting, sources, targets)
-    if initial not in live:
-        raise InvalidOption("the vocabulary cannot write any text that matches the constraint")
-    kept = np.isin(targets, np.fromiter(live, dtype=np.int64))
-    return TokenAutomaton.from_transitions(initial, sources[kept], tokens[kept], targets[kept], accepting,
-                                           vocabulary.size)
+    return TokenAutomaton.from_transitions(initial, sources, tokens, targets, accepting, vocabulary.size)
 
 
 def is_compiled(source: tuple[str, str], vocabulary: Vocabulary) -> bool:
@@ -99,22 +97,72 @@ def is_compiled(source: tuple[str, str], vocabulary: Vocabulary) -> bool:
         return (source, vocabulary.fingerprint) in _cache or (source, vocabulary.fingerprint) in _failures
 
 
-def _reaching(accepting, sources: np.ndarray, targets: np.ndarray) -> set[int]:
-    """The states from which an accepting state can be reached (on the graph of states, tokens merged)."""
-    labels, numbered = renumber(np.concatenate([sources, targets, np.asarray(accepting, dtype=np.int64)]))
-    n, count = len(sources), len(labels)
-    edges = np.unique(numbered[n : 2 * n] * count + numbered[:n])  # target * count + source, each pair once
-    into: dict[int, list[int]] = {}
-    for target, source in zip(*np.divmod(edges, count)):
-        into.setdefault(int(target), []).append(int(source))
-    start = numbered[2 * n :].tolist()
-    live, frontier = set(start), list(start)
+def _outlines_vocabulary(vocabulary: Vocabulary) -> OutlinesVocabulary:
+    """The vocabulary as outlines-core takes it, the sentinel included (its id is `vocabulary.size`, and
+    the end token's the next one, ids no token has). Made once per vocabulary, in the parent, so that each
+    compiling child inherits it: at 32k tokens making it took a tenth of a second of every compile."""
+    with _cache_lock:
+        found = _outlines_vocabularies.get(vocabulary.fingerprint)
+    if found is None:
+        tokens_by_bytes = vocabulary.text_tokens()
+        tokens_by_bytes.setdefault(SENTINEL.encode(), []).append(vocabulary.size)
+        found = OutlinesVocabulary(vocabulary.size + 1, tokens_by_bytes)
+        with _cache_lock:
+            _outlines_vocabularies[vocabulary.fingerprint] = found
+            while len(_outlines_vocabularies) > MAX_VOCABULARIES:
+                _outlines_vocabularies.popitem(last=False)
+    return found
+
+
+def _live_transitions(index: Index, sentinel: int):
+    """outlines-core's index of the pattern and the sentinel as arrays: the transitions on text tokens
+    between states from which the pattern can still be ended, sorted by (state, token), so that the
+    tables need no sort; and the states where the pattern may end (the sentinel leads to a final state).
+
+    Each state's moves are read as whole arrays (not token by token in Python): at 32k tokens a JSON
+    schema has two million transitions.
+    """
+    transitions, finals = index.get_transitions(), index.get_final_states()
+    moves = {state: (np.fromiter(move.keys(), dtype=np.int64, count=len(move)),
+                     np.fromiter(move.values(), dtype=np.int64, count=len(move)))
+             for state, move in transitions.items()}
+    top = 1 + max([*finals, *moves] + [int(targets.max()) for _, targets in moves.values() if len(targets)])
+    final = np.zeros(top, dtype=bool)
+    final[list(finals)] = True
+    accepting, text = [], {}
+    for state, (tokens, targets) in moves.items():
+        # the sentinel is also an ordinary character where the pattern allows any (inside a JSON string):
+        # only its transitions into a final state say "the pattern may end here"
+        into_final = final[targets]
+        if (into_final & (tokens == sentinel)).any():
+            accepting.append(state)
+        kept = (tokens < sentinel) & ~into_final
+        text[state] = (tokens[kept], targets[kept])
+    into: dict[int, list[int]] = {}  # the graph of states, tokens merged, backwards
+    for state, (_, targets) in text.items():
+        for target in np.unique(targets).tolist():
+            into.setdefault(target, []).append(state)
+    live, frontier = set(accepting), list(accepting)
     while frontier:
-        for source in into.get(frontier.pop(), ()):
-            if source not in live:
-                live.add(source)
-                frontier.append(source)
-    return set(labels[sorted(live)].tolist())
+        for state in into.get(frontier.pop(), ()):
+            if state not in live:
+                live.add(state)
+                frontier.append(state)
+    initial = index.get_initial_state()
+    if initial not in live:
+        raise ValueError("the vocabulary cannot write any text that matches the constraint")
+    reaching = np.zeros(top, dtype=bool)
+    reaching[list(live)] = True
+    parts = []
+    for state in sorted(text):
+        tokens, targets = text[state]
+        kept = reaching[targets]
+        order = np.argsort(tokens[kept])
+        parts.append((np.full(len(order), state, dtype=np.int32), tokens[kept][order].astype(np.int32),
+                      targets[kept][order].astype(np.int32)))
+    sources, tokens, targets = (np.concatenate([part[i] for part in parts]) if parts else np.empty(0, np.int32)
+                                for i in range(3))
+    return initial, sources, tokens, targets, sorted(accepting)
 
 
 def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float):
@@ -161,20 +209,8 @@ def _compile_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: f
             if len(pattern) > MAX_REGEX_CHARS:
                 raise ValueError(f"the schema's regular expression has {len(pattern):,} characters, more than "
                                  f"{MAX_REGEX_CHARS:,} (limit max_regex_chars): nest less deeply")
-        sentinel, end = vocabulary.size, vocabulary.size + 1  # ids no token has
-        tokens_by_bytes = vocabulary.text_tokens()
-        tokens_by_bytes.setdefault(SENTINEL.encode(), []).append(sentinel)
-        index = Index(f"(?:{pattern}){SENTINEL_REGEX}", OutlinesVocabulary(end, tokens_by_bytes))
-        transitions = index.get_transitions()
-        sources = np.fromiter((s for s, moves in transitions.items() for _ in moves), dtype=np.int64)
-        tokens = np.fromiter((t for moves in transitions.values() for t in moves), dtype=np.int64)
-        targets = np.fromiter((n for moves in transitions.values() for n in moves.values()), dtype=np.int64)
-        # the sentinel is also an ordinary character where the pattern allows any (inside a JSON string):
-        # only its transitions into a final state say "the pattern may end here"
-        final = np.isin(targets, np.array(sorted(index.get_final_states()), dtype=np.int64))
-        accepting = sorted(set(sources[(tokens == sentinel) & final].tolist()))
-        text = (tokens < sentinel) & ~final
-        sender.send(("ok", (index.get_initial_state(), sources[text], tokens[text], targets[text], accepting)))
+        index = Index(f"(?:{pattern}){SENTINEL_REGEX}", _outlines_vocabulary(vocabulary))
+        sender.send(("ok", _live_transitions(index, vocabulary.size)))
     except MemoryError:
         sender.send(("error", f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
                               f"(limit compile_memory)"))

@@ -212,11 +212,14 @@ def reference_dfa(transitions, initial, accepting, tokens, vocab_size):
     return out
 
 
-def test_dfa_masks_equal_a_plain_walk_of_its_transitions(vocab):
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])  # compiled constraints come sorted: no sort then
+def test_dfa_masks_equal_a_plain_walk_of_its_transitions(vocab, order):
     rnd = random.Random(3)
     states = [10, 20, 30, 40, 50]  # any integers, as in Bumblebee's example
     transitions = sorted({(s, rnd.randrange(3, 60), rnd.choice(states)) for s in states[:4] for _ in range(6)})
     transitions = list({(s, t): (s, t, n) for s, t, n in transitions}.values())
+    if order == "shuffled":
+        rnd.shuffle(transitions)
     config = configure(Dfa, initial_state=10, transitions=transitions, accepting_states=[30])
     chain = Chain([config]).bind(vocab, [EOS])
     bound = chain.processors[0]
