@@ -4,6 +4,7 @@ One main thread does all the work. It owns the output, drains incoming frames be
 ticks each engine's scheduler, which runs one forward pass for every active generation of that model
 together (continuous batching), so a long generation in one session does not delay a ping or a
 generation in another. Requests for one session wait in that session's queue and run in arrival order.
+Only compiling constraints runs elsewhere, on COMPILERS threads, never waited for by the main thread.
 
 Every request gets exactly one reply, whatever happens to it or to its session: a failure while it
 starts or runs is an error on that request alone, and a session closed or unloaded under queued
@@ -18,10 +19,11 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import processors as proc
+from processors.structured.compile import CompileCancelled
 from processors.structured.constraints import RegularConstraint
 from protocol import (
     OPS, PROTOCOL_VERSION, Limits, OversizedFrame, ProtocolError, Request, error, event, ok, parse_request,
@@ -43,6 +45,15 @@ SESSION_OPS = ("generate", "close_session", "session_info", "fork_session", "sav
 SAVED_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SAVED_SUFFIX = ".safetensors"
 
+# Constraints compiled at once, each by its own thread. A compile runs in a child that may take up to
+# COMPILE_MEMORY_BYTES (2 GiB) and a core for up to compile_timeout_s (300 s at most): with one at a time,
+# a single pathological constraint held up every other session's constrained generate for its whole
+# timeout; with one per request, a client's costly constraints could take the machine's memory and cores
+# from the forward passes. Two: one such compile leaves a place for everyone else's, the children stay
+# within 4 GiB and two cores, and a compile that no request waits for any more is stopped at once, freeing
+# its place (so two stuck ones last only as long as the client lets them).
+COMPILERS = 2
+
 
 @dataclass
 class Job:
@@ -51,16 +62,31 @@ class Job:
     generation: Generation | None = None
     streamed: bool = False
     processors: list | None = None  # a generate's, configured once it reaches the head of its queue
-    compiling: bool = False  # its constraints are being compiled on another thread
-    compiled: bool = False  # they are ready (or `problem` says why not)
+    compiles: list = field(default_factory=list)  # (processor index, Compile) it waits for, in processor order
+    compiled: bool = False  # its constraints are ready (or `problem` says why not)
     problem: SidecarError | None = None
+
+
+@dataclass(eq=False)
+class Compile:
+    """One constraint being compiled for one vocabulary, shared by every generate that waits for it. The
+    main thread owns `waiting` and `done`; a compiling thread sets `problem`, then puts `Compiled` in the
+    inbox. `stop` is set once no request waits for it any more: its child is killed, its failure not kept."""
+
+    key: tuple  # (what the compiler is given, the vocabulary's fingerprint, compile_timeout_s)
+    constraint: RegularConstraint
+    vocabulary: object
+    waiting: dict = field(default_factory=dict)  # request id -> Job
+    stop: threading.Event = field(default_factory=threading.Event)
+    problem: proc.ProcessorError | None = None
+    done: bool = False
 
 
 @dataclass(frozen=True)
 class Compiled:
-    """Put in the inbox by a compiling thread: the generation waiting at the head of `session` may start."""
+    """Put in the inbox by a compiling thread: the generations waiting for `compile` may go on."""
 
-    session: str
+    compile: Compile
 
 
 class Shutdown(Exception):
@@ -87,8 +113,10 @@ class Server:
         self.trust_remote_code = trust_remote_code
         self.engine_options = engine_options or {}
         self.session_dir = Path(session_dir).resolve() if session_dir is not None else None
-        self.compiles: queue.Queue = queue.Queue()  # (session name, job, engine, constraints), one at a time
-        threading.Thread(target=self._compiler, daemon=True, name="compile").start()
+        self.compiles: queue.Queue = queue.Queue()  # Compiles not yet started, taken by COMPILERS threads
+        self.compiling: dict[tuple, Compile] = {}  # key -> the compile that requests for that key join
+        for number in range(COMPILERS):
+            threading.Thread(target=self._compiler, daemon=True, name=f"compile-{number}").start()
         self.engines: dict[str, Engine] = {}
         self.sessions: dict[str, tuple[str, object]] = {}  # name -> (model name, Session)
         self.queues: dict[str, deque[Job]] = {}  # session name -> jobs in arrival order
@@ -133,8 +161,7 @@ class Server:
             if isinstance(item, OversizedFrame):
                 self.writer.send(oversized_frame_reply(item, self.limits.max_frame_bytes, self.in_flight))
             elif isinstance(item, Compiled):
-                if item.session in self.queues:
-                    self._advance(item.session)
+                self._compiled(item.compile)
             else:
                 self.handle_payload(item)
 
@@ -208,48 +235,78 @@ class Server:
             jobs = self.queues.get(name)  # close_session removes the queue
 
     def _compile_first(self, name: str, job: Job) -> bool:
-        """Starts compiling a generation's constraints that no earlier call compiled, on a thread, so that
-        the loop goes on ticking the other sessions meanwhile (a large vocabulary takes a second or more).
+        """Starts compiling a generation's constraints that no earlier call compiled, on other threads, so
+        that the loop goes on ticking the other sessions meanwhile (a large vocabulary takes a second or
+        more). A constraint already being compiled for another request is waited for, not compiled again.
         True while the job must wait."""
-        if job.compiling:
+        if job.compiles:
             return True
         _, session = self._session(name, job.request.id)
-        engine = session.engine
+        vocabulary = session.engine.vocabulary
         job.processors = build_processors(job.request.params["processors"], job.request.id)
-        missing = [(index, p) for index, p in enumerate(job.processors)
-                   if isinstance(p, RegularConstraint) and not p.compiled_for(engine.vocabulary)]
-        if not missing:
+        for index, p in enumerate(job.processors):
+            if isinstance(p, RegularConstraint) and not p.compiled_for(vocabulary):
+                # the timeout is part of the key: a request never waits on a compile bounded by another's
+                key = (p.source(), vocabulary.fingerprint, p.compile_timeout_s)
+                task = self.compiling.get(key)
+                if task is None:
+                    task = self.compiling[key] = Compile(key, p, vocabulary)
+                    self.compiles.put(task)
+                task.waiting[job.request.id] = job
+                job.compiles.append((index, task))
+        if not job.compiles:
             job.compiled = True
-            return False
-        job.compiling = True
-        self.compiles.put((name, job, engine, missing))
-        return True
+        return not job.compiled
 
     def _compiler(self) -> None:
-        """The compiling thread. A daemon: a server that exits does not wait for a compile (its child
-        process is bounded in CPU time too)."""
+        """A compiling thread (one of COMPILERS). A daemon: a server that exits does not wait for a compile
+        (its child process is bounded in CPU time too, and dies with the thread that forked it)."""
         while True:
-            self._compile(*self.compiles.get())
+            task = self.compiles.get()
+            try:
+                if task.stop.is_set():  # every request that wanted it left before it started
+                    raise CompileCancelled("the compile was cancelled before it started")
+                task.constraint.automaton(task.vocabulary, task.stop.is_set)
+            except proc.ProcessorError as problem:  # CompileCancelled too: nobody waits to read it
+                task.problem = problem
+            except Exception as bug:  # a defect of ours: the generations will meet it again when they start
+                log.exception("compiling constraint %s failed", task.constraint.name, exc_info=bug)
+            finally:
+                self.inbox.put(Compiled(task), 0, lambda: False)
 
-    def _compile(self, name: str, job: Job, engine: Engine, missing) -> None:
-        """On the compiling thread: fills the shared cache, or records why a constraint cannot compile.
+    def _compiled(self, task: Compile) -> None:
+        """On the main thread, a compile is over: the generations it held that need nothing else go on."""
+        task.done = True
+        if self.compiling.get(task.key) is task:
+            del self.compiling[task.key]
+        for job in list(task.waiting.values()):
+            if job.request.id in self.in_flight and self._settled(job):
+                self._advance(job.request.params["session"])  # it waits at the head of that session's queue
 
-        One compile at a time: each runs in a child that may take up to `COMPILE_MEMORY_BYTES`, so a
-        client sending many costly constraints makes its own sessions wait, not the machine swap."""
-        if job.request.id not in self.in_flight:  # cancelled, or its session closed, while it waited
-            return
-        try:
-            for index, constraint in missing:
-                try:
-                    constraint.automaton(engine.vocabulary)
-                except proc.ProcessorError as problem:
-                    job.problem = InvalidProcessor(f"processors[{index}] ({constraint.name}): {problem}", index=index)
-                    break
-        except Exception as bug:  # a defect of ours: the generation will meet it again when it starts
-            log.exception("compiling the constraints of request %s failed", job.request.id, exc_info=bug)
-        finally:
-            job.compiling, job.compiled = False, True
-            self.inbox.put(Compiled(name), 0, lambda: False)
+    def _settled(self, job: Job) -> bool:
+        """Whether a job is done waiting: every compile it waits for is over, or the first failure in
+        processor order is known (the error it would have met compiling them one by one). Then it leaves
+        the compiles still running, which stop if nobody else waits for them."""
+        for index, task in job.compiles:
+            if not task.done:
+                return False
+            if task.problem is not None:
+                job.problem = InvalidProcessor(f"processors[{index}] ({task.constraint.name}): {task.problem}",
+                                               index=index)
+                break
+        self._release(job)
+        job.compiled = True
+        return True
+
+    def _release(self, job: Job) -> None:
+        """The job waits for its compiles no more (it is done with them, cancelled, or its session is gone):
+        a compile still running that no other request waits for is stopped, its child killed."""
+        for _, task in job.compiles:
+            if task.waiting.pop(job.request.id, None) is not None and not task.waiting and not task.done:
+                task.stop.set()
+                if self.compiling.get(task.key) is task:
+                    del self.compiling[task.key]  # a later request for the key starts a compile of its own
+        job.compiles = []
 
     def _start_generation(self, job: Job) -> None:
         if job.problem is not None:
@@ -304,6 +361,8 @@ class Server:
         waited for the session it was to create)."""
         if self.in_flight.pop(job.request.id, None) is not None:
             self.queued_bytes -= job.size
+        if job.compiles:
+            self._release(job)
         if self.forking.get(job.request.params.get("new")) is job:
             self._unreserve(job, answer=reply is not None)
         if job in self.active:

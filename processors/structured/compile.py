@@ -13,6 +13,10 @@ native code that a thread cannot interrupt, so it runs in a forked child: the pa
 at most, then kills it, and the child's address space is capped so a pathological pattern fails instead
 of swapping the machine. Results, failures included, are cached by (constraint, vocabulary
 fingerprint): every generation with the same constraint on the same model shares one automaton.
+
+A caller that may stop wanting the result passes `cancelled`, a callable the parent asks while it waits
+(every `POLL_S`): once it answers True the child is killed and `CompileCancelled` raised. A stopped
+compile says nothing about the constraint, so it is neither cached nor remembered as a failure.
 """
 
 from __future__ import annotations
@@ -22,13 +26,15 @@ import multiprocessing
 import os
 import resource
 import threading
+import time
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 from outlines_core import Index, Vocabulary as OutlinesVocabulary
 
-from ..errors import InvalidOption
-from .automaton import TokenAutomaton, renumber
+from ..errors import InvalidOption, ProcessorError
+from .automaton import TokenAutomaton
 from .vocabulary import Vocabulary
 
 COMPILE_MEMORY_BYTES = 2 * 2**30  # what the compiling child may allocate beyond what it inherits
@@ -39,6 +45,7 @@ SENTINEL, SENTINEL_REGEX = "\U0010FFFF", r"\x{10FFFF}"  # a noncharacter: no rea
 MAX_FAILURES = 1024  # constraints remembered as impossible to compile
 MAX_REGEX_CHARS = 4_000_000  # a schema's regex, built in the child
 MAX_VOCABULARIES = 4  # vocabularies kept in outlines-core's form (a server loads at most a few models)
+POLL_S = 0.05  # how often a waiting parent asks `cancelled`: a stopped compile's child lives this long at most
 
 _cache: OrderedDict[tuple, TokenAutomaton] = OrderedDict()
 _failures: OrderedDict[tuple, tuple[InvalidOption, float]] = OrderedDict()  # (the error, the timeout it had)
@@ -50,14 +57,21 @@ class CompileTimedOut(InvalidOption):
     """Compiling took longer than its timeout: a longer one may succeed, so this failure is retried."""
 
 
-def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float) -> TokenAutomaton:
+class CompileCancelled(ProcessorError):
+    """The caller's `cancelled` hook stopped the compile: nothing is known about the constraint."""
+
+
+def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
+                  cancelled: Callable[[], bool] | None = None) -> TokenAutomaton:
     """The automaton of `source` over `vocabulary`, from the cache or compiled now. `source` is
     ("regex", pattern) or ("json_schema", schema text): a schema becomes its regex in the child too,
     because that regex can grow exponentially with the schema (4x per level of nested arrays).
 
     Raises `InvalidOption` when the vocabulary cannot write any match, when compiling takes longer than
     `timeout_s` or more memory than `COMPILE_MEMORY_BYTES`. A failure is remembered like a success, so
-    asking again costs nothing (unless with a longer timeout, after a timeout).
+    asking again costs nothing (unless with a longer timeout, after a timeout). Raises `CompileCancelled`
+    (remembering nothing) when `cancelled()` turns True before the compile is done: its child is killed
+    within `POLL_S`.
     """
     key = (source, vocabulary.fingerprint)
     with _cache_lock:
@@ -67,10 +81,10 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
         failed = _failures.get(key)
     if found is not None:
         return found
-    if failed is not None and not (isinstance(failed[0], CompileTimedOut) and timeout_s > failed[1]):
+    if failed is not None and not _retried(failed, timeout_s):
         raise InvalidOption(str(failed[0]))
     try:
-        automaton = _build(source, vocabulary, timeout_s)
+        automaton = _build(source, vocabulary, timeout_s, cancelled or _never)
     except InvalidOption as error:
         with _cache_lock:
             _failures[key] = (error, timeout_s)
@@ -84,17 +98,30 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
     return automaton
 
 
-def _build(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float) -> TokenAutomaton:
+def _never() -> bool:
+    return False
+
+
+def _retried(failed: tuple[InvalidOption, float], timeout_s: float | None) -> bool:
+    """Whether a remembered failure is tried again: a timeout, asked again with a longer timeout."""
+    return isinstance(failed[0], CompileTimedOut) and timeout_s is not None and timeout_s > failed[1]
+
+
+def _build(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled) -> TokenAutomaton:
     """Compiles in the child; builds the tables from the transitions it sends."""
-    _outlines_vocabulary(vocabulary)  # made here, where the next compiles find it
-    initial, sources, tokens, targets, accepting = _in_child(source, vocabulary, timeout_s)
+    initial, sources, tokens, targets, accepting = _in_child(source, vocabulary, timeout_s, cancelled)
     return TokenAutomaton.from_transitions(initial, sources, tokens, targets, accepting, vocabulary.size)
 
 
-def is_compiled(source: tuple[str, str], vocabulary: Vocabulary) -> bool:
-    """Whether binding `source` to `vocabulary` takes no compiling: compiled, or known to fail."""
+def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float | None = None) -> bool:
+    """Whether binding `source` to `vocabulary` (with `timeout_s`) takes no compiling: compiled, or known
+    to fail (a timeout is not known to fail with a longer timeout: `compile_regex` tries again)."""
+    key = (source, vocabulary.fingerprint)
     with _cache_lock:
-        return (source, vocabulary.fingerprint) in _cache or (source, vocabulary.fingerprint) in _failures
+        if key in _cache:
+            return True
+        failed = _failures.get(key)
+    return failed is not None and not _retried(failed, timeout_s)
 
 
 def _outlines_vocabulary(vocabulary: Vocabulary) -> OutlinesVocabulary:
@@ -165,16 +192,27 @@ def _live_transitions(index: Index, sentinel: int):
     return initial, sources, tokens, targets, sorted(accepting)
 
 
-def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float):
+def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled=_never):
+    """Runs `_compile_child` in a forked child and returns what it sent; waits `timeout_s` at most, in
+    polls of `POLL_S` between which it asks `cancelled`, and kills the child whatever ends the wait."""
+    if cancelled():
+        raise CompileCancelled("the compile was cancelled before it started")
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_compile_child, args=(source, vocabulary, timeout_s, sender), daemon=True)
+    # made here and handed over: the child takes no lock, which another thread may hold at the fork
+    outlines = _outlines_vocabulary(vocabulary)
+    child = context.Process(target=_compile_child, args=(source, outlines, vocabulary.size, timeout_s, sender),
+                            daemon=True)
     child.start()
     sender.close()
+    deadline = time.monotonic() + timeout_s
     try:
-        if not receiver.poll(timeout_s):
-            raise CompileTimedOut(f"compiling the constraint took longer than compile_timeout_s = {timeout_s:g} s "
-                                  f"(limit compile_timeout_s)")
+        while not receiver.poll(max(0.0, min(POLL_S, deadline - time.monotonic()))):  # True at EOF too
+            if cancelled():
+                raise CompileCancelled("the compile was cancelled: no caller waits for it any more")
+            if time.monotonic() >= deadline:
+                raise CompileTimedOut(f"compiling the constraint took longer than compile_timeout_s = {timeout_s:g} s "
+                                      f"(limit compile_timeout_s)")
         try:
             status, payload = receiver.recv()
         except EOFError:
@@ -190,7 +228,8 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float)
     return payload
 
 
-def _compile_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, sender) -> None:
+def _compile_child(source: tuple[str, str], outlines: OutlinesVocabulary, sentinel: int, timeout_s: float,
+                   sender) -> None:
     """Runs in the child: outlines-core's index of the pattern and the sentinel, sent back as arrays of the
     text tokens' transitions, and the states where the sentinel may come (where the pattern may end)."""
     pattern = source[1]
@@ -209,8 +248,8 @@ def _compile_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: f
             if len(pattern) > MAX_REGEX_CHARS:
                 raise ValueError(f"the schema's regular expression has {len(pattern):,} characters, more than "
                                  f"{MAX_REGEX_CHARS:,} (limit max_regex_chars): nest less deeply")
-        index = Index(f"(?:{pattern}){SENTINEL_REGEX}", _outlines_vocabulary(vocabulary))
-        sender.send(("ok", _live_transitions(index, vocabulary.size)))
+        index = Index(f"(?:{pattern}){SENTINEL_REGEX}", outlines)
+        sender.send(("ok", _live_transitions(index, sentinel)))
     except MemoryError:
         sender.send(("error", f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
                               f"(limit compile_memory)"))

@@ -169,12 +169,15 @@ class RegularConstraint(Constraint):
         """("regex", pattern) or ("json_schema", schema text): what the compiler is given."""
         raise NotImplementedError
 
-    def automaton(self, vocabulary):
-        return compile_regex(self.source(), vocabulary, self.compile_timeout_s)
+    def automaton(self, vocabulary, cancelled=None):
+        """Compiled (or from the cache); `cancelled`, a callable asked while compiling, may stop it (see
+        `compile_regex`)."""
+        return compile_regex(self.source(), vocabulary, self.compile_timeout_s, cancelled)
 
     def compiled_for(self, vocabulary) -> bool:
-        """Whether binding to `vocabulary` takes no compiling (an earlier call compiled the same constraint)."""
-        return is_compiled(self.source(), vocabulary)
+        """Whether binding to `vocabulary` takes no compiling (an earlier call compiled the same constraint,
+        or failed to with a timeout at least this one's)."""
+        return is_compiled(self.source(), vocabulary, self.compile_timeout_s)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ regular constraints, a plain-Python walk for user automata, a recursive checker 
 and the tokenizer's own encoding for the bytes of each token."""
 
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -338,6 +339,53 @@ def test_a_pathological_pattern_is_stopped_by_its_timeout(vocab):
     with pytest.raises(P.InvalidOption, match="longer than compile_timeout_s = 0.5 s|more than .* MiB"):
         config.bind(vocab, [EOS])
     assert time.perf_counter() - started < 30
+
+
+def test_a_compile_stopped_through_its_hook_kills_its_child_and_is_not_remembered(vocab, monkeypatch):
+    """A caller that stops waiting stops the compile: its child is killed, not left to run out its
+    timeout (300 s here), and nothing is cached or remembered, so the next call compiles again."""
+    import multiprocessing
+    import signal
+    from collections import OrderedDict
+
+    from processors.structured import compile as structured_compile
+
+    assert multiprocessing.active_children() == []
+    monkeypatch.setattr(structured_compile, "_failures", OrderedDict())  # what other tests remembered aside
+    monkeypatch.setattr(structured_compile, "_cache", OrderedDict())
+    calls = []
+    in_child = structured_compile._in_child
+    monkeypatch.setattr(structured_compile, "_in_child", lambda *a: calls.append(a) or in_child(*a))
+    source = ("regex", "(a|b)*a(a|b){40}")
+    key = (source, vocab.fingerprint)
+    seen = []
+
+    def cancelled():  # True from the first poll that finds the child running: the parent waits for it
+        if not seen:
+            seen.extend(multiprocessing.active_children())
+        return bool(seen)
+
+    with pytest.raises(structured_compile.CompileCancelled, match="cancelled"):
+        structured_compile.compile_regex(source, vocab, 300, cancelled)
+    (child,) = seen
+    assert child.exitcode == -signal.SIGKILL and not os.path.exists(f"/proc/{child.pid}")
+    assert multiprocessing.active_children() == []
+    assert key not in structured_compile._failures and key not in structured_compile._cache
+    assert not structured_compile.is_compiled(source, vocab, 300)
+
+    # asked again, it compiles again (and fails on its own, shorter timeout)
+    with pytest.raises(structured_compile.CompileTimedOut, match="compile_timeout_s = 0.5 s"):
+        structured_compile.compile_regex(source, vocab, 0.5)
+    assert len(calls) == 2 and multiprocessing.active_children() == []
+    # a timeout is no failure for a longer timeout: binding with one still takes a compile
+    assert structured_compile.is_compiled(source, vocab, 0.5) and not structured_compile.is_compiled(source, vocab, 1)
+
+    # a hook already set: no child at all
+    quick = ("regex", "[0-9]{7}")
+    with pytest.raises(structured_compile.CompileCancelled, match="before it started"):
+        structured_compile.compile_regex(quick, vocab, 10, lambda: True)
+    assert len(calls) == 3 and multiprocessing.active_children() == []
+    assert not structured_compile.is_compiled(quick, vocab)
 
 
 def test_compiled_constraints_are_shared_per_vocabulary(vocab, tokenizer):

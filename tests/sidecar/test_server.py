@@ -3,6 +3,7 @@
 import fcntl
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -335,6 +336,79 @@ def test_a_slow_compile_holds_up_only_its_own_session(peer):
     assert [rid for rid in peer.replied if rid in replies] == [other, slow, behind]
     assert replies[slow]["error"]["code"] == "invalid_processor" and "compile_timeout_s" in replies[slow]["error"]["message"]
     assert replies[behind]["ok"] and replies[other]["ok"]
+
+
+def server_children(pid: int) -> set[int]:
+    """The server's child processes: its compiles' forked children (it starts no other)."""
+    found = set()
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{thread}/children") as listing:
+                found.update(int(child) for child in listing.read().split())
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return found
+
+
+def wait_until(condition):
+    """Polls a condition that must turn true by construction (every compile is bounded by its timeout)."""
+    while not (value := condition()):
+        time.sleep(0.02)
+    return value
+
+
+def test_compiles_run_side_by_side_and_a_cancelled_one_is_killed_and_forgotten(peer):
+    """A pathological constraint (60 s of compiling) on one session does not hold up a simple one on
+    another: the simple one's reply comes first. Cancelling the generate that waits for the pathological
+    one kills its compiling child instead of letting it run out its timeout, and remembers nothing: the
+    same request compiles again (had the child been left to time out, that failure would be remembered
+    and answer the request at once)."""
+    pid = peer.process.pid
+    for name in ("a", "b"):
+        peer.call("open_session", session=name)
+    assert server_children(pid) == set()
+    slow = [{"name": "regex", "options": {"pattern": "(a|b)*a(a|b){40}", "compile_timeout_s": 60}}]
+    stuck, quick = peer.next_id(), peer.next_id()
+    generate(peer, stuck, session="a", prompt="x", max_new_tokens=4, processors=slow)
+    generate(peer, quick, session="b", prompt="Call", max_new_tokens=8,
+             processors=[{"name": "regex", "options": {"pattern": "[0-9]{3}"}}])
+    reply = peer.reply_for(quick)[1]
+    assert reply["ok"] and re.fullmatch("[0-9]{3}", reply["result"]["text"])
+    assert stuck not in peer.replied
+    (child,) = wait_until(lambda: server_children(pid))  # the simple compile's child was reaped before its reply
+
+    assert peer.call("cancel", target=stuck)["result"]["cancelled"]
+    assert peer.reply_for(stuck)[1]["error"]["code"] == "cancelled"
+    wait_until(lambda: not server_children(pid))
+    assert not os.path.exists(f"/proc/{child}")
+
+    again = peer.next_id()
+    generate(peer, again, session="a", prompt="x", max_new_tokens=4, processors=slow)
+    assert peer.call("ping")["ok"] and again not in peer.replied  # it waits: no failure was remembered
+    (other,) = wait_until(lambda: server_children(pid))  # for a compile of its own
+    assert other != child
+    assert peer.call("cancel", target=again)["result"]["cancelled"]
+    assert peer.reply_for(again)[1]["error"]["code"] == "cancelled"
+    wait_until(lambda: not server_children(pid))
+    assert peer.call("stats")["result"]["in_flight"] == 0
+
+
+def test_a_compile_two_requests_wait_for_runs_on_when_one_is_cancelled(peer):
+    """Two sessions' generates wait for the same constraint, compiled once: cancelling one while it
+    compiles (about 2 s here) leaves the compile to the other, which gets its automaton and runs."""
+    shared = [{"name": "regex", "options": {"pattern": "(a|b)*a(a|b){15}", "compile_timeout_s": 60}}]
+    for name in ("c1", "c2"):
+        peer.call("open_session", session=name)
+    first, second = peer.next_id(), peer.next_id()
+    generate(peer, first, session="c1", prompt="x", max_new_tokens=24, processors=shared)
+    generate(peer, second, session="c2", prompt="x", max_new_tokens=24, processors=shared)
+    assert peer.call("cancel", target=first)["result"]["cancelled"]
+    cancelled = peer.reply_for(first)[1]["error"]
+    assert cancelled["code"] == "cancelled" and "before it started" in cancelled["message"]  # while compiling
+    reply = peer.reply_for(second)[1]
+    assert reply["ok"] and reply["result"]["token_ids"] and re.fullmatch("[ab]*", reply["result"]["text"])
+    assert peer.replied.index(first) < peer.replied.index(second)
+    assert server_children(peer.process.pid) == set()
 
 
 def test_fork_save_and_restore_sessions_by_name(default_dir, tmp_path):
