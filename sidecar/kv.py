@@ -18,7 +18,8 @@ a chain: each link is a cache and how many of its tokens are read, then its own 
 The store accounts the bytes of every cache's capacity. A reservation that would pass the budget first
 evicts the least recently used caches that nothing holds (a running generation `pinned` a cache, and
 with it the chain it reads); if that is not enough it fails, and the scheduler decides whether to wait
-for running generations or to refuse. A shared entry is evicted once no cache continues it.
+for running generations or to refuse. A shared entry is evicted once no cache continues it, and at
+most `MAX_IDLE_SHARED` of them are kept (the least recently used beyond go first).
 
 Why not transformers' paged cache: docs/design/kv-store-and-attention.md (its API is internal, it
 scores every query against every row's keys on CPU, and it shares prefixes by whole pages only).
@@ -30,6 +31,17 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+# At most this many shared entries that nothing continues stay cached; beyond it the least recently used
+# are evicted, as the budget would evict them. The budget alone does not bound them: a client can leave
+# thousands of small ones (sessions of distinct prompts, shared then closed), and every admission scans
+# every entry (`sharing.find`), about 0.1 us each that the probe turns away, more for one it does not
+# (a comparison of what it shares with the input past its chain). Why 256: a scan of that many takes
+# 0.03-0.04 ms (1,000: 0.1-0.5 ms), noise next to a forward pass of milliseconds even when many pass
+# the probe, while it is more distinct system prompts and forked conversations than an application
+# reuses at once (and the entries beyond are what the budget would evict first anyway). Referenced
+# entries are not counted: a session continues them, and they go when it does.
+MAX_IDLE_SHARED = 256
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,7 @@ class KVStore:
         self.peak_bytes = 0
         self.evictions = 0
         self._caches: OrderedDict[int, KVCache] = OrderedDict()  # least recently used first
+        self._trimming = False  # `trim` under way, or put off until `make_room` knows what to keep
 
     @property
     def bytes_per_token(self) -> int:
@@ -77,9 +90,9 @@ class KVStore:
             cache = cache.prefix
 
     def release(self, cache: "KVCache") -> None:
-        """Frees a cache's memory and forgets it."""
-        cache.clear()
+        """Frees a cache's memory and forgets it (forgotten first: the entry it unlinks may be trimmed)."""
         self._caches.pop(id(cache), None)
+        cache.clear()
 
     @property
     def shared(self) -> list["KVCache"]:
@@ -98,9 +111,42 @@ class KVStore:
             cache.prefix, cache.prefix_length = prefix, length - prefix.offset
 
     def unlink(self, cache: "KVCache") -> None:
-        if cache.prefix is not None:
-            cache.prefix.refs -= 1
+        prefix = cache.prefix
+        if prefix is not None:
             cache.prefix, cache.prefix_length = None, 0
+            self.unref(prefix)
+
+    def unref(self, cache: "KVCache") -> None:
+        """Drops a reference to `cache` (a cache continuing it, or a call holding it). A shared entry left
+        unreferenced may be one too many (`trim`).
+
+        The cap is enforced here, when an entry's last reference goes, rather than when `share` makes it:
+        a new entry is continued (it is not idle), entries become idle only here, so checking here keeps
+        the count at the cap at every moment; checked at `share`, the sessions closed since the last share
+        could leave any number of idle entries for every admission to scan."""
+        cache.refs -= 1
+        if not cache.refs and cache.tokens is not None:
+            self.trim()
+
+    def trim(self, keep: tuple["KVCache", ...] = ()) -> None:
+        """Evicts the least recently used shared entries that nothing continues, as `make_room` does, until
+        at most `MAX_IDLE_SHARED` are left; never `keep`, or what a pinned cache reads."""
+        if self._trimming:
+            return  # the trim under way counts again (evicting an entry may leave its own prefix idle)
+        self._trimming = True
+        try:
+            held = None
+            while True:
+                idle = [c for c in self._caches.values() if c.tokens is not None and not c.refs]
+                if len(idle) <= MAX_IDLE_SHARED:
+                    return
+                held = self._held(keep) if held is None else held
+                victim = next((c for c in idle if id(c) not in held), None)
+                if victim is None:
+                    return
+                self._evict(victim)
+        finally:
+            self._trimming = False
 
     def share(self, cache: "KVCache", tokens: list[int]) -> "KVCache":
         """Turns what an idle one-row cache holds into a shared entry for `tokens` (its whole chain's tokens),
@@ -126,20 +172,31 @@ class KVStore:
             return False
         held = self._held(keep)
         evicted = True
-        while evicted and self.used_bytes + extra_bytes > self.budget_bytes:
-            evicted = False  # an entry becomes evictable once the caches continuing it are: pass again
-            for cache in list(self._caches.values()):
-                if self.used_bytes + extra_bytes <= self.budget_bytes:
-                    break
-                if id(cache) in held or cache.refs or (cache.nbytes == 0 and cache.prefix is None):
-                    continue
-                if cache.tokens is not None:
-                    self.release(cache)
-                else:
-                    cache.clear()
-                self.evictions += 1
-                evicted = True
+        # Entries it leaves idle are trimmed at the end, when `keep` (an idle entry that admission is
+        # about to continue, say) can be spared: a trim on the way would not know it.
+        self._trimming = True
+        try:
+            while evicted and self.used_bytes + extra_bytes > self.budget_bytes:
+                evicted = False  # an entry becomes evictable once the caches continuing it are: pass again
+                for cache in list(self._caches.values()):
+                    if self.used_bytes + extra_bytes <= self.budget_bytes:
+                        break
+                    if id(cache) in held or cache.refs or (cache.nbytes == 0 and cache.prefix is None):
+                        continue
+                    self._evict(cache)
+                    evicted = True
+        finally:
+            self._trimming = False
+        self.trim(keep)
         return self.used_bytes + extra_bytes <= self.budget_bytes
+
+    def _evict(self, cache: "KVCache") -> None:
+        """Frees an idle cache: a shared entry is forgotten, a session's cache emptied (its history stays)."""
+        if cache.tokens is not None:
+            self.release(cache)
+        else:
+            cache.clear()
+        self.evictions += 1
 
     def could_fit(self, extra_bytes: int, keep: tuple["KVCache", ...] = ()) -> bool:
         """Whether `extra_bytes` more fit once every idle cache (but `keep`) is evicted; evicts nothing."""

@@ -141,8 +141,8 @@ class Checkpoint:
     def drop(self) -> None:
         """Lets the cache it held go (the call has ended)."""
         if self.prefix is not None:
-            self.prefix.refs -= 1
-            self.prefix = None
+            prefix, self.prefix = self.prefix, None
+            prefix.store.unref(prefix)
 
 
 class Session:

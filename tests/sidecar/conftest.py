@@ -54,3 +54,57 @@ def unshared(engine: Engine) -> Engine:
     if id(engine) not in _UNSHARED:
         _UNSHARED[id(engine)] = (engine, Engine(engine.model, engine.tokenizer, share_prefixes=False))
     return _UNSHARED[id(engine)][1]
+
+
+def assert_books_balance(store) -> None:
+    """The KV store's books: its bytes are its caches' (within the budget), each reference count is the
+    number of caches continuing that cache, and everything a cache reads is still held by the store."""
+    caches = list(store._caches.values())
+    assert store.used_bytes == sum(c.nbytes for c in caches) <= store.budget_bytes
+    for cache in caches:
+        assert cache.refs == sum(c.prefix is cache for c in caches)
+        link = cache.prefix
+        while link is not None:
+            assert any(link is c for c in caches) and link.length > 0
+            link = link.prefix
+
+
+def reference_common_prefix(a, b, start=0, end=None) -> int:
+    """`sharing.common_prefix` token by token, as it was written first."""
+    n = min(len(a) if end is None else end, len(b))
+    for i in range(start, n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def reference_find(session, input_ids, own):
+    """`sharing.find` as it was first written: every entry and idle session compared in full, token by token.
+    Returns what it picks as (tokens, entry, session), or None."""
+    from sidecar.sharing import MAX_DEPTH, MIN_SHARED_TOKENS
+
+    engine = session.engine
+    if not engine.share_prefixes:
+        return None
+    best = (own + MIN_SHARED_TOKENS - 1, None, None)
+    held = {}
+    for entry in engine.store.shared:
+        held[id(entry)] = n = reference_common_prefix(entry.tokens, input_ids, end=entry.exact)
+        if n > best[0] and entry.depth < MAX_DEPTH:
+            best = (n, entry, None)
+    for other in engine.sessions:
+        cache = other.cache
+        if other is session or cache.length == 0 or cache.pinned or cache.refs or cache.depth >= MAX_DEPTH:
+            continue
+        start = cache.offset
+        if start and held.get(id(cache.prefix), 0) < start:
+            continue
+        n = reference_common_prefix(other.history, input_ids, start, cache.exact)
+        if n > best[0]:
+            best = (n, None, other)
+    return best if best[1] is not None or best[2] is not None else None
+
+
+def picked(source):
+    """What `sharing.find` returned, as `reference_find` gives it."""
+    return None if source is None else (source.tokens, source.entry, source.session)

@@ -2,15 +2,20 @@
 model, computes every prompt in full; a session continuing another's cache must give exactly its tokens
 (beam scores within 1e-4), hold one copy of the shared prefix, and say in its stats what it took."""
 
+import random
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import processors as proc
-from sidecar import Engine
+from sidecar import Engine, kv
 from sidecar.errors import CacheBudgetExceeded
-from sidecar.sharing import MAX_DEPTH, MIN_SHARED_TOKENS
+from sidecar.kv import KVStore
+from sidecar.sharing import MAX_DEPTH, MIN_SHARED_TOKENS, common_prefix, find
 
-from .conftest import tokens
+from .conftest import assert_books_balance, picked, reference_common_prefix, reference_find, tokens, unshared
 
 SYSTEM = tokens(150, seed=41)  # GPT-2's context here is 256
 
@@ -315,12 +320,184 @@ def test_a_second_shift_keeping_more_does_not_make_the_first_ones_keys_exact(eng
     assert result.stats.shared_tokens == 0 and result.token_ids == run(cold, prompt).token_ids
 
 
-def books_balance(engine):
-    """The store's bytes are its caches', and each cache's references are the links to it."""
-    caches = list(engine.store._caches.values())
-    assert engine.store.used_bytes == sum(c.nbytes for c in caches)
-    for cache in caches:
-        assert cache.refs == sum(c.prefix is cache for c in caches)
+# ---- the cost of finding a prefix: common_prefix in slices, the probe, the cap on idle entries ------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 31, 32, 33, 95, 96, 97, 223, 224, 225, 479, 480, 481, 1000])
+def test_common_prefix_finds_a_mismatch_at_every_block_edge(n):
+    a = list(range(n + 40))
+    b = a[:n] + [-1] + a[n + 1 :]
+    assert common_prefix(a, b) == n
+    assert common_prefix(a, list(a)) == len(a)
+    assert common_prefix(a, a[:n]) == common_prefix(a[:n], a) == n
+    for start in (0, n // 2, n):
+        assert common_prefix(a, b, start) == n
+        assert common_prefix(a, b, start, end=n // 3) == n // 3  # `end` first, when known equal past it
+
+
+@settings(max_examples=400, deadline=None)
+@given(common=st.lists(st.integers(0, 2), max_size=600),
+       tails=st.tuples(*[st.lists(st.integers(0, 2), max_size=80)] * 2), data=st.data())
+def test_common_prefix_is_a_token_by_token_walk(common, tails, data):
+    a, b = common + tails[0], common + tails[1]
+    end = data.draw(st.none() | st.integers(0, len(a)), label="end")
+    start = data.draw(st.integers(0, reference_common_prefix(a, b)), label="start")  # known equal
+    assert common_prefix(a, b, start, end) == reference_common_prefix(a, b, start, end)
+    assert common_prefix(b, a, start) == reference_common_prefix(b, a, start)
+
+
+class _Session:
+    """What `find` reads of a session, over a store whose caches hold no tensors (no layers learnt)."""
+
+    def __init__(self, engine, history, cache):
+        self.engine, self.history, self.cache = engine, history, cache
+
+
+class _Engine:
+    def __init__(self):
+        self.share_prefixes = True
+        self.store = KVStore(2**40, torch.device("cpu"), torch.float32)
+        self.sessions = []
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_find_picks_what_a_full_scan_token_by_token_picks(seed):
+    """Random stores (entries continuing entries, sessions continuing them, shorter links, approximate keys,
+    pinned and closed sessions), random inputs that share their heads: the probe and the counts reused
+    along chains change nothing `find` picks."""
+    rng = random.Random(seed)
+    heads = [[rng.randrange(3) for _ in range(rng.randrange(20, 150))] for _ in range(3)]
+    engine = _Engine()
+    store = engine.store
+
+    def text(n):
+        return [rng.randrange(3) for _ in range(n)]
+
+    def open_session(history, prefix=None, link=0):
+        cache = store.cache()
+        if prefix is not None:
+            store.link(cache, prefix, link)
+        cache.length = rng.randint(0, len(history) - cache.offset)
+        if cache.length and rng.random() < 0.2:  # a shift moved its keys from here on (or, here, any token)
+            cache.approximate_from = rng.randint(0, cache.end)
+        cache.pinned = rng.random() < 0.1
+        engine.sessions.append(_Session(engine, history, cache))
+
+    for _ in range(rng.randint(1, 25)):
+        entries = store.shared
+        action = rng.random()
+        if action < 0.3 or not engine.sessions:
+            open_session(rng.choice(heads)[: rng.randint(0, 150)] + text(rng.randint(1, 60)))
+        elif action < 0.6 and entries:
+            entry = rng.choice(entries)
+            link = rng.randint(1, entry.end)
+            open_session(entry.tokens[:link] + text(rng.randint(0, 60)), entry, link)
+        elif action < 0.75:
+            other = rng.choice(engine.sessions)
+            if other.cache.length and not other.cache.pinned:
+                store.share(other.cache, other.history[: other.cache.end])
+        elif action < 0.9:  # used: it and its chain move to the end of the order `find` scans in
+            store.touch(rng.choice(engine.sessions).cache)
+        else:
+            other = engine.sessions.pop(rng.randrange(len(engine.sessions)))
+            store.release(other.cache)
+    sources = [e.tokens for e in store.shared] + [s.history for s in engine.sessions] + heads
+    for _ in range(20):
+        input_ids = rng.choice(sources)[: rng.randint(0, 200)] + text(rng.randint(0, 40))
+        probe = rng.choice(engine.sessions) if engine.sessions and rng.random() < 0.5 else _Session(engine, [], None)
+        own = rng.choice([0, 0, rng.randint(0, len(input_ids))])
+        assert picked(find(probe, input_ids, own)) == reference_find(probe, input_ids, own)
+
+
+def idle_entries(engine) -> list:
+    return [entry for entry in engine.store.shared if not entry.refs]
+
+
+def shared_pair(engine, system, close=True):
+    """Two sessions after `system`: the second continues the first's cache, which becomes an entry."""
+    pair = [engine.session(), engine.session()]
+    for q, s in enumerate(pair):
+        s.generate(token_ids=system + question(q), max_new_tokens=2, eos_token_ids=[])
+    if close:
+        for s in pair:
+            s.close()
+    return pair
+
+
+def test_idle_prefixes_beyond_the_cap_are_evicted_least_recently_used_first(sharing, monkeypatch):
+    monkeypatch.setattr(kv, "MAX_IDLE_SHARED", 3)
+    systems = [tokens(40, seed=400 + i) for i in range(5)]
+    counts = []
+    for i, system in enumerate(systems):
+        shared_pair(sharing, system)
+        if i == 2:  # a later session continues the first entry: it becomes the most recently used
+            assert run(sharing, systems[0] + question(7), n=2).stats.shared_tokens == 40
+        counts.append(sharing.stats()["shared_prefixes"])
+        assert_books_balance(sharing.store)
+    assert counts == [1, 2, 3, 3, 3]
+    assert [entry.tokens[:40] for entry in sharing.store.shared] == [systems[0], systems[3], systems[4]]
+    stats = sharing.stats()
+    assert stats["evictions"] == 2 and sharing.store.used_bytes == stats["shared_bytes"]
+    assert stats["shared_bytes"] == sum(entry.nbytes for entry in sharing.store.shared)
+
+
+def test_the_cap_never_evicts_a_prefix_a_session_continues(any_engine, monkeypatch):
+    monkeypatch.setattr(kv, "MAX_IDLE_SHARED", 1)
+    engine, cold = Engine(any_engine.model, any_engine.tokenizer), unshared(any_engine)
+    _, second = shared_pair(engine, SYSTEM, close=False)  # both continue one entry
+    entry = second.cache.prefix
+    for i in range(3):
+        shared_pair(engine, tokens(40, seed=450 + i))
+    assert entry.refs == 2 and any(e is entry for e in engine.store.shared)
+    assert len(idle_entries(engine)) == 1 and engine.stats()["evictions"] == 2
+    assert_books_balance(engine.store)
+    follow, cached = second.history + question(9), second.cached
+    result = second.generate(token_ids=follow, max_new_tokens=8, eos_token_ids=[])
+    assert result.stats.reused_tokens == cached and result.token_ids == run(cold, follow).token_ids
+
+
+def test_the_cap_spares_the_idle_prefix_an_admission_is_about_to_continue(any_engine, monkeypatch):
+    """Room for a call continuing an idle entry evicts the caches of sessions continuing another, which
+    becomes idle too: one past the cap. The cap evicts that one, though the entry the call continues
+    was used less recently."""
+    monkeypatch.setattr(kv, "MAX_IDLE_SHARED", 1)
+    engine, cold = Engine(any_engine.model, any_engine.tokenizer), unshared(any_engine)
+    x, y = tokens(40, seed=500), tokens(40, seed=501)
+    shared_pair(engine, x)
+    continuing_y = shared_pair(engine, y, close=False)
+    prompt, n = x + question(5), 8
+    needed = (len(prompt) + n - len(x)) * engine.store.bytes_per_token
+    engine.store.budget_bytes = engine.store.used_bytes - sum(s.cache.nbytes for s in continuing_y) + needed
+    result = run(engine, prompt, n=n)
+    assert result.stats.shared_tokens == len(x) and result.token_ids == run(cold, prompt, n=n).token_ids
+    assert [entry.tokens[: len(x)] for entry in engine.store.shared] == [x]
+    assert engine.stats()["evictions"] == 3 and [s.cached for s in continuing_y] == [0, 0]
+    assert_books_balance(engine.store)
+
+
+def test_under_the_cap_results_equal_an_engine_that_shares_nothing(any_engine, monkeypatch):
+    """Sessions of four system prompts, two of each in turn, each closed once the next has run: an entry
+    per prompt, two idle ones kept at most. A session continues what is left, or computes what the cap
+    evicted, and its greedy tokens are a fresh cold session's."""
+    monkeypatch.setattr(kv, "MAX_IDLE_SHARED", 2)
+    engine, cold = Engine(any_engine.model, any_engine.tokenizer), unshared(any_engine)
+    systems = [tokens(40 + 10 * i, seed=700 + i) for i in range(4)]
+    previous, shared = None, []
+    for step, which in enumerate([0, 0, 1, 1, 2, 2, 3, 3, 0, 1, 2]):
+        prompt = systems[which] + question(step)
+        session = engine.session()
+        result = session.generate(token_ids=prompt, max_new_tokens=6, eos_token_ids=[])
+        assert result.token_ids == run(cold, prompt, n=6).token_ids
+        shared.append(result.stats.shared_tokens)
+        if previous is not None:
+            previous.close()
+        previous = session
+        assert len(idle_entries(engine)) <= 2
+        assert_books_balance(engine.store)
+    # the entries of prompts 0 and 1 went when those of 2 and 3 became idle; that of 2 is still there
+    assert shared == [0, 40, 0, 50, 0, 60, 0, 70, 0, 0, 60]
+    assert engine.stats()["evictions"] == 2
 
 
 @pytest.mark.parametrize("where", ["continuing a shared prefix", "shifting"])
@@ -349,7 +526,7 @@ def test_a_reuse_failing_midway_empties_the_cache_and_leaks_no_reference(engine,
         session.generate(token_ids=prompt, max_new_tokens=4, eos_token_ids=[], **options)
     monkeypatch.undo()
     assert entry.refs == refs - (where == "shifting")  # the link the failed call's session had is gone
-    books_balance(sharing)
+    assert_books_balance(sharing.store)
     assert session.history == history and session.cached == 0 and session.cache.prefix is None
     assert run(sharing, prompt, **options).token_ids == run(cold, prompt, **options).token_ids
     again = session.generate(token_ids=prompt, max_new_tokens=8, eos_token_ids=[], **options)

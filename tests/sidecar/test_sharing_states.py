@@ -1,6 +1,8 @@
 """Random interleavings of what clients do to sessions that share prefixes, under a budget small enough to
-evict: after every step the KV store's books must balance (bytes, reference counts, no cache read after
-it was freed), and every generate must give what a fresh session of an engine that shares nothing gives.
+evict (and under a cap of two idle shared prefixes, as well as the default one): after every step the KV
+store's books must balance (bytes, reference counts, no cache read after it was freed, no more idle
+prefixes than the cap), every generate must give what a fresh session of an engine that shares nothing
+gives, and the cache `sharing.find` picks for it must be the one a full scan token by token picks.
 
 hypothesis' state machine picks the steps and shrinks a failing run to the shortest one that fails.
 """
@@ -11,10 +13,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import processors as proc
-from sidecar import Engine
+from sidecar import Engine, kv, sharing
 from sidecar.errors import CacheBudgetExceeded
 
-from .conftest import tokens
+from .conftest import assert_books_balance, picked, reference_find, tokens
 
 PREFIXES = [tokens(n, seed=300 + n) for n in (40, 55, 70)]  # longer than MIN_SHARED_TOKENS: shared
 STRICT = [proc.configure(proc.NoRepeatNGram, ngram_size=1)]  # every step depends on the logits' order
@@ -26,8 +28,10 @@ def engines(engine):
     return engine, per_token
 
 
-def test_sharing_under_random_steps(engines):
+@pytest.mark.parametrize("cap", [2, kv.MAX_IDLE_SHARED])
+def test_sharing_under_random_steps(engines, cap, monkeypatch):
     engine, per_token = engines
+    monkeypatch.setattr(kv, "MAX_IDLE_SHARED", cap)
 
     class Sessions(RuleBasedStateMachine):
         def __init__(self):
@@ -39,6 +43,8 @@ def test_sharing_under_random_steps(engines):
         def generate(self, index, token_ids, **options):
             session, approximate = self.sessions[index]
             before = (list(session.history), session.cached)
+            own = session.reusable(token_ids)
+            assert picked(sharing.find(session, token_ids[:-1], own)) == reference_find(session, token_ids[:-1], own)
             try:
                 result = session.generate(token_ids=token_ids, max_new_tokens=2, eos_token_ids=[],
                                           processors=STRICT, **options)
@@ -113,14 +119,8 @@ def test_sharing_under_random_steps(engines):
         @invariant()
         def books_balance(self):
             store = self.engine.store
-            caches = list(store._caches.values())
-            assert store.used_bytes == sum(c.nbytes for c in caches) <= store.budget_bytes
-            for cache in caches:
-                assert cache.refs == sum(c.prefix is cache for c in caches)
-                link = cache.prefix
-                while link is not None:  # everything a cache reads is still held by the store
-                    assert any(link is c for c in caches) and link.length > 0
-                    link = link.prefix
+            assert_books_balance(store)
+            assert sum(not entry.refs for entry in store.shared) <= cap
             for session, _ in self.sessions:
                 assert session.cached <= len(session.history)
 
