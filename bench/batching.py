@@ -1,8 +1,9 @@
 """The batched engine, side by side in one run: prints one table of medians, ratios and verdicts.
 
-    .venv/bin/python bench/batching.py [--runs 3] [--quick] [--baseline DIR] [--no-peer]
+    .venv/bin/python bench/batching.py [--runs 3] [--quick] [--baseline DIR] [--no-peer] [--threads 1]
 
-Default model, CPU, one torch thread, greedy unless said. Server rows run the real server
+Default model, CPU, one torch thread (--threads: more, for the server and the in-process rows alike),
+greedy unless said. Server rows run the real server
 (`python -m sidecar --model default`) over pipes; in-process rows use the Python API. Compared
 measurements alternate run by run, so a noisy moment hits both sides.
 
@@ -56,8 +57,8 @@ SHORT_PROMPTS = [ids(n, 200 + n) for n in SHORT_LENGTHS]
 class Server:
     """A server of one checkout, with a clock on every message it sends."""
 
-    def __init__(self, checkout: Path):
-        env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
+    def __init__(self, checkout: Path, threads: int):
+        env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": str(threads)}
         self.peer = Peer([sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "ERROR"],
                          env=env, stderr=subprocess.DEVNULL, cwd=checkout)
         self.sessions = 0
@@ -186,15 +187,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one run, no transformers peer")
     parser.add_argument("--baseline", type=Path, help="a checkout of another revision: its solo decode side by side")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch (about 16 s a run)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the server and of this process")
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     from sidecar import Engine
     from sidecar.default_model import materialise
 
     engine = Engine.load()
-    server = Server(HERE)
-    baseline = Server(args.baseline.resolve()) if args.baseline else None
+    server = Server(HERE, args.threads)
+    baseline = Server(args.baseline.resolve(), args.threads) if args.baseline else None
     got: dict[str, list[float]] = {}
 
     def record(name, value):
@@ -262,7 +264,8 @@ def main() -> None:
          f"{med['solo'] / med['solo_baseline']:.2f}" if baseline else "-",
          *(judged(med["solo"] / med["solo_baseline"], Target(1.05)) if baseline else NO_TARGET)],
     ]
-    print_table(f"Batched engine, default model, CPU, 1 thread, median of {runs} run(s) [min-max]",
+    threads = f"{args.threads} thread" + ("s" if args.threads > 1 else "")
+    print_table(f"Batched engine, default model, CPU, {threads}, median of {runs} run(s) [min-max]",
                 ["measure", "ours", "compared with", "ratio", "target", "verdict"], rows)
 
 

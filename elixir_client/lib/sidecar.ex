@@ -125,7 +125,7 @@ defmodule Sidecar do
   Starts the sidecar and the process that owns its Port, and returns once the model is loaded and
   the sidecar has answered `hello`. Options (validated up front; bad ones raise `ArgumentError`):
 
-  #{Enum.map_join(Options.definitions(), "\n", fn {k, d} -> "  * `#{inspect(k)}` - #{d[:doc]} (default: `#{inspect(d[:default])}`)" end)}
+  #{Enum.map_join(Options.definitions(), "\n", fn {k, d} -> "  * `#{inspect(k)}` - #{Options.doc(k)} (default: `#{inspect(d[:default])}`)" end)}
   """
   @spec start_link(keyword()) :: GenServer.on_start()
   def start_link(opts \\ []), do: opts |> Options.validate!() |> Connection.start_link()

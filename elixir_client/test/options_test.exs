@@ -37,6 +37,17 @@ defmodule Sidecar.OptionsTest do
     end
   end
 
+  test "every flag an option becomes is one the sidecar's command line knows, and its doc names it" do
+    opts = Sidecar.Test.Helpers.sidecar_opts()
+    {help, 0} = System.cmd(opts[:python], ["-m", "sidecar", "--help"], cd: opts[:cd], stderr_to_stdout: true)
+
+    for {key, definition} <- Sidecar.Options.definitions(), definition[:flag] != nil do
+      flag = with {:when_false, name} <- definition[:flag], do: name
+      assert help =~ ~r/\s#{Regex.escape(flag)}[\s,\]]/, "#{flag} (option #{inspect(key)}) is not in --help"
+      assert Sidecar.Options.doc(key) =~ flag
+    end
+  end
+
   test "child_spec uses the name as id" do
     assert %{id: MyApp.Sidecar, start: {Sidecar, :start_link, [[name: MyApp.Sidecar]]}} =
              Sidecar.child_spec(name: MyApp.Sidecar)

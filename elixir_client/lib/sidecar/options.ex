@@ -15,26 +15,29 @@ defmodule Sidecar.Options do
     ],
     device: [
       doc:
-        ~s{where models run unless `load_model/2` names a device: `"cpu"`, `"cuda"`, `"cuda:N"` or `"mps"` } <>
-          ~s{(`--device`); `nil` leaves it to the sidecar (CPU); a device this machine lacks fails the start},
-      default: nil
+        ~s{where models run unless `load_model/2` names a device: `"cpu"`, `"cuda"`, `"cuda:N"` or `"mps"`; } <>
+          ~s{`nil` leaves it to the sidecar (CPU); a device this machine lacks fails the start},
+      default: nil,
+      flag: "--device"
     ],
     dtype: [
-      doc:
-        ~s{dtype of the `model:` loaded at start: `"f32"`, `"f16"` or `"bf16"` (`--dtype`); `nil`: as saved},
-      default: nil
+      doc: ~s{dtype of the `model:` loaded at start: `"f32"`, `"f16"` or `"bf16"`; `nil`: as saved},
+      default: nil,
+      flag: "--dtype"
     ],
     session_dir: [
       doc:
         "a directory (relative to `:cd`, created if missing) where `save_session/4` writes sessions and " <>
-          "`restore_session/3` reads them (`--session-dir`); `nil`: both answer `:forbidden`",
-      default: nil
+          "`restore_session/3` reads them; `nil`: both answer `:forbidden`",
+      default: nil,
+      flag: "--session-dir"
     ],
     share_prefixes: [
       doc:
         "whether a session continues a prefix another session's cache holds (a shared system prompt) " <>
-          "instead of computing it again; `false` passes `--no-share-prefixes`",
-      default: true
+          "instead of computing it again",
+      default: true,
+      flag: {:when_false, "--no-share-prefixes"}
     ],
     args: [doc: "extra command-line arguments for `python -m sidecar`", default: []],
     env: [doc: "extra environment variables, as `[{name, value}]` strings", default: []],
@@ -55,6 +58,18 @@ defmodule Sidecar.Options do
 
   @doc false
   def definitions, do: @definitions
+
+  @doc false
+  # An option's documentation line, with the command-line flag it becomes.
+  def doc(key) do
+    definition = @definitions[key]
+
+    case definition[:flag] do
+      nil -> definition[:doc]
+      {:when_false, flag} -> "#{definition[:doc]} (`false` passes `#{flag}`)"
+      flag -> "#{definition[:doc]} (`#{flag}`)"
+    end
+  end
 
   @doc "Validates start options; raises `ArgumentError` naming the offending option."
   @spec validate!(keyword()) :: keyword()
@@ -100,7 +115,7 @@ defmodule Sidecar.Options do
     do:
       raise(
         ArgumentError,
-        "invalid value #{inspect(v)} for Sidecar option #{inspect(key)}: #{@definitions[key][:doc]}"
+        "invalid value #{inspect(v)} for Sidecar option #{inspect(key)}: #{doc(key)}"
       )
 
   @doc false
@@ -111,12 +126,18 @@ defmodule Sidecar.Options do
   def path_or_nil?(v), do: is_nil(v) or is_binary(v)
 
   @doc false
-  # The command-line flags of the start options that become flags of `python -m sidecar`.
+  # The command-line flags of the start options that become flags of `python -m sidecar` (their `flag:`).
   @spec flags(keyword()) :: [String.t()]
   def flags(opts) do
-    Enum.flat_map([device: "--device", dtype: "--dtype", session_dir: "--session-dir"], fn {key, flag} ->
-      if opts[key] == nil, do: [], else: [flag, to_string(opts[key])]
-    end) ++ if(opts[:share_prefixes] == false, do: ["--no-share-prefixes"], else: [])
+    Enum.flat_map(@definitions, fn {key, definition} ->
+      case {definition[:flag], opts[key]} do
+        {nil, _} -> []
+        {{:when_false, flag}, false} -> [flag]
+        {{:when_false, _}, _} -> []
+        {_, nil} -> []
+        {flag, value} -> [flag, to_string(value)]
+      end
+    end)
   end
 
   defp each!(key, list, ok?) do
@@ -124,7 +145,7 @@ defmodule Sidecar.Options do
       do:
         raise(
           ArgumentError,
-          "invalid value #{inspect(list)} for Sidecar option #{inspect(key)}: #{@definitions[key][:doc]}"
+          "invalid value #{inspect(list)} for Sidecar option #{inspect(key)}: #{doc(key)}"
         )
 
     :ok
