@@ -80,6 +80,7 @@ class Run:
         self.saved = None  # the session's checkpoint, taken when admitted
         self.own = 0  # input tokens the session's own cache holds (`Session.reusable`), found with `source`
         self.source = None  # another cache holding more of the input than the session's (`sharing.find`)
+        self.lean = False  # planned to need the least memory (`needed_bytes`)
         self.fresh: list[int] = []  # prompt tokens still to prefill
         self.work = None  # the KVCache the rows decode in (the session's own for one row)
         self.rows: list[_Row] = []  # the sequences still decoding, in the order of `work`'s rows
@@ -97,15 +98,23 @@ class Run:
     @property
     def shares_prefix(self) -> bool:
         """Whether its rows read the prompt from the session's cache rather than from copies of their own."""
-        return self.width > 1 and len(self.request.input_ids) * (self.width - 1) >= SHARE_PREFIX_TOKENS
+        return self.width > 1 and (self.lean or len(self.request.input_ids) * (self.width - 1) >= SHARE_PREFIX_TOKENS)
 
-    def needed_bytes(self) -> int:
+    def needed_bytes(self, lean: bool = False) -> int:
         """Bytes of KV memory to add to the store before it can run to its end; decides, first, where the
-        input's cached prefix comes from (the session's own cache, or another one: `source`)."""
+        input's cached prefix comes from (the session's own cache, or another one: `source`).
+
+        `lean` plans what fits a tight budget, when the faster plan does not: rows share the prompt
+        instead of copying it (input + rows x max_new_tokens, as the protocol promises), and no other
+        session's cache is continued, since keeping it may take more than computing the prefix again
+        would once that cache is evicted."""
         cache, request, session = self.session.cache, self.request, self.session
+        self.lean = lean
         self.own = own = session.reusable(request.input_ids)
         # a shift reuses the session's own window: it does not look elsewhere
-        self.source = None if request.shift_keep is not None else sharing.find(session, request.input_ids[:-1], own)
+        self.source = None
+        if request.shift_keep is None and not lean:
+            self.source = sharing.find(session, request.input_ids[:-1], own)
         offset = self.source.tokens if self.source is not None else min(cache.offset, own)  # where its own tokens start
         if request.shift_keep is not None:  # a shift may move tokens out of a prefix it continues
             offset = min(offset, request.shift_keep)

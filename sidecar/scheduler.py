@@ -2,8 +2,9 @@
 
 Each tick it
 1. admits waiting runs in arrival order while the KV store can hold what each needs to its end
-   (evicting idle caches first); a run that cannot fit waits while others run, and is refused with
-   `cache_budget_exceeded` when nothing runs that could free memory;
+   (evicting idle caches first; planned leaner when the faster plan does not fit: `Run.needed_bytes`);
+   a run that cannot fit waits while others run, and is refused with `cache_budget_exceeded` when
+   nothing runs that could free memory;
 2. builds one batch: a token for every decoding row, then prefill chunks under the per-tick token
    budget (`prefill_chunk`), shortest remaining prompt first, so a short request gets its first
    token while a long prompt is still being prefilled;
@@ -83,7 +84,11 @@ class Scheduler:
                 run.finish("cancelled")
                 continue
             needed = run.needed_bytes()
-            if not store.make_room(needed, keep=run.held):
+            fits = store.make_room(needed, keep=run.held)
+            if not fits and (run.source is not None or (run.width > 1 and not run.shares_prefix)):
+                needed = run.needed_bytes(lean=True)
+                fits = store.make_room(needed, keep=run.held)
+            if not fits:
                 if self.running:
                     return  # running generations will free memory: wait for them
                 self.waiting.popleft()

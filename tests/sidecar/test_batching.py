@@ -271,6 +271,36 @@ def test_a_generation_that_cannot_fit_alone_is_refused_and_changes_nothing(defau
         assert again.token_ids == first.token_ids and again.stats.reused_tokens == 19
 
 
+@pytest.mark.parametrize("options", [dict(strategy="beam", num_beams=4), dict(strategy="sample", num_samples=4, seed=1)])
+def test_rows_that_fit_only_sharing_the_prompt_share_it(default_dir, options):
+    """Short prompts are copied to each row (faster), but a budget of input + rows x max_new_tokens, what
+    the protocol promises, is enough: the rows then share the prompt, with the same results."""
+    per_token = Engine.load(default_dir).store.bytes_per_token
+    roomy = Engine.load(default_dir)
+    tight = Engine.load(default_dir, cache_budget_bytes=(50 + 4 * 20) * per_token)
+    prompt = tokens(50, seed=70)
+    with roomy.session() as session:
+        expected = session.generate(token_ids=prompt, max_new_tokens=20, eos_token_ids=[], **options)
+    with tight.session() as session:
+        got = session.generate(token_ids=prompt, max_new_tokens=20, eos_token_ids=[], **options)
+    assert [s.token_ids for s in got.sequences] == [s.token_ids for s in expected.sequences]
+    assert tight.store.peak_bytes <= tight.cache_budget_bytes
+
+
+def test_a_generation_that_fits_alone_is_not_refused_for_a_prefix_another_session_holds(default_dir):
+    """Continuing an idle session's cache would keep all of it; computing the shared part again lets it
+    be evicted, and the generation fits (it was refused: cache_budget_exceeded)."""
+    per_token = Engine.load(default_dir).store.bytes_per_token
+    engine = Engine.load(default_dir, cache_budget_bytes=200 * per_token)
+    prompt = tokens(90, seed=71)
+    with engine.session() as a, engine.session() as b:
+        a.generate(token_ids=prompt[:50], max_new_tokens=149, eos_token_ids=[])
+        assert a.cached == 198
+        result = b.generate(token_ids=prompt, max_new_tokens=4, eos_token_ids=[])
+        assert result.token_ids == reference_greedy(engine, prompt, 4) and result.stats.shared_tokens == 0
+        assert a.cached == 0 and engine.store.peak_bytes <= engine.cache_budget_bytes
+
+
 # ---- clumsy callers -----------------------------------------------------------------------------------
 
 def test_a_beam_search_cancelled_part_way_returns_its_best_running_beams(engine):
