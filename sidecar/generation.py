@@ -105,9 +105,10 @@ class Run:
         input's cached prefix comes from (the session's own cache, or another one: `source`).
 
         `lean` plans what fits a tight budget, when the faster plan does not: rows share the prompt
-        instead of copying it (input + rows x max_new_tokens, as the protocol promises), and no other
+        instead of copying it (input + rows x max_new_tokens, as the protocol promises); no other
         session's cache is continued, since keeping it may take more than computing the prefix again
-        would once that cache is evicted."""
+        would once that cache is evicted; and what the call crops from the session's cache is let go
+        at once instead of kept for a failure to put back."""
         cache, request, session = self.session.cache, self.request, self.session
         self.lean = lean
         self.own = own = session.reusable(request.input_ids)
@@ -120,11 +121,17 @@ class Run:
             offset = min(offset, request.shift_keep)
         prompt, total = len(request.input_ids) - offset, len(request.input_ids) + request.max_new_tokens - offset
         # A call that crops the cache keeps its capacity until it ends, so that a failure can put the
-        # cropped tail back without growing past the budget.
+        # cropped tail back without growing past the budget (a lean one lets it go: `restorable`).
+        kept = cache.length if self.restorable else 0
         if self.width == 1:
-            return cache.bytes_for(1, max(total, cache.length)) - cache.nbytes
+            return cache.bytes_for(1, max(total, kept)) - cache.nbytes
         working = cache.bytes_for(self.width, request.max_new_tokens if self.shares_prefix else total + offset)
-        return cache.bytes_for(1, max(prompt, cache.length)) - cache.nbytes + working
+        return cache.bytes_for(1, max(prompt, kept)) - cache.nbytes + working
+
+    @property
+    def restorable(self) -> bool:
+        """Whether a failure puts back what the call crops from the session's cache (a shift always does)."""
+        return not self.lean or self.request.shift_keep is not None
 
     @property
     def held(self) -> tuple:
@@ -133,7 +140,7 @@ class Run:
 
     def admit(self) -> None:
         session, request = self.session, self.request
-        self.saved = session._reuse(request.input_ids, self.own, self.source, request.shift_keep)
+        self.saved = session._reuse(request.input_ids, self.own, self.source, request.shift_keep, self.restorable)
         session.engine._touch(session)  # after the reuse: the chain it now continues is used too
         self.admitted = True
         self.stats.reused_tokens = self.saved.keep
@@ -144,7 +151,7 @@ class Run:
         cache = session.cache
         cache.pinned = True
         extra = request.max_new_tokens if self.width == 1 else 0
-        cache.reserve(max(len(request.input_ids) + extra - cache.offset, self.saved.own))
+        cache.reserve(max(len(request.input_ids) + extra - cache.offset, self.saved.own if self.restorable else 0))
         if self.width > 1:  # the rows' own cache, reserved now: what admission counted is what is held
             self.work = session.engine.store.cache(self.width)
             self.work.pinned = True

@@ -85,7 +85,7 @@ class Scheduler:
                 continue
             needed = run.needed_bytes()
             fits = store.make_room(needed, keep=run.held)
-            if not fits and (run.source is not None or (run.width > 1 and not run.shares_prefix)):
+            if not fits:
                 needed = run.needed_bytes(lean=True)
                 fits = store.make_room(needed, keep=run.held)
             if not fits:

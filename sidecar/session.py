@@ -246,24 +246,25 @@ class Session:
         return min(sharing.common_prefix(self.history, input_ids, end=self.cached), len(input_ids) - 1)
 
     def _reuse(self, input_ids: list[int], own: int, source: sharing.Source | None = None,
-               shift_keep: int | None = None) -> Checkpoint:
+               shift_keep: int | None = None, restorable: bool = True) -> Checkpoint:
         """Crops the cache to the `own` tokens of `input_ids` it holds (`reusable`), makes it continue
         `source` (another cache holding more of them), or, with `shift_keep`, shifts it when that reuses
-        more; the checkpoint's `keep` is how many are reused.
+        more; the checkpoint's `keep` is how many are reused. Unless `restorable`, what a crop drops is not
+        copied aside: a failure then leaves the cache cropped (the history is put back whole).
 
         Should that fail midway (memory, the model's rotary module), the cache may be half moved: it is
         emptied instead (the history stays, so the next call recomputes), and what it held is let go."""
         cache = self.cache
         saved = Checkpoint(self.history, cache.length, cache.prefix, cache.prefix_length, cache.approximate_from)
         try:
-            return self._reuse_into(saved, input_ids, own, source, shift_keep)
+            return self._reuse_into(saved, input_ids, own, source, shift_keep, restorable)
         except BaseException:
             cache.clear()
             saved.drop()
             raise
 
     def _reuse_into(self, saved: Checkpoint, input_ids: list[int], own: int, source: sharing.Source | None,
-                    shift_keep: int | None) -> Checkpoint:
+                    shift_keep: int | None, restorable: bool) -> Checkpoint:
         cache, store = self.cache, self.engine.store
         if source is not None and source.tokens > own:
             saved.keep = saved.shared = source.tokens
@@ -293,7 +294,7 @@ class Session:
             return saved
         saved.keep = own
         saved.start = min(max(own - cache.offset, 0), cache.length)
-        if cache.length > saved.start:
+        if cache.length > saved.start and restorable:
             saved.tail = cache.tail(saved.start)
         cache.crop(own)
         return saved

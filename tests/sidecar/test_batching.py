@@ -301,6 +301,35 @@ def test_a_generation_that_fits_alone_is_not_refused_for_a_prefix_another_sessio
         assert a.cached == 0 and engine.store.peak_bytes <= engine.cache_budget_bytes
 
 
+def test_a_session_holding_a_long_cache_lets_the_cropped_part_go_when_the_budget_needs_it(default_dir):
+    """A call that crops its session's cache keeps the cropped part until it ends (a failure puts it
+    back) only where the budget has room; otherwise it lets it go, and a failure leaves the cache cropped,
+    the history whole: results never change."""
+    per_token = Engine.load(default_dir).store.bytes_per_token
+    engine = Engine.load(default_dir, cache_budget_bytes=200 * per_token)
+    prompt = tokens(50, seed=72)
+    with engine.session() as session:
+        first = session.generate(token_ids=prompt, max_new_tokens=149, eos_token_ids=[])
+        assert session.cached == 198
+        beams = session.generate(token_ids=prompt, strategy="beam", num_beams=4, max_new_tokens=20, eos_token_ids=[])
+        assert beams.stats.reused_tokens == 49 and engine.store.peak_bytes <= engine.cache_budget_bytes
+        with Engine.load(default_dir).session() as roomy:
+            assert beams.token_ids == roomy.generate(token_ids=prompt, strategy="beam", num_beams=4, max_new_tokens=20,
+                                                     eos_token_ids=[]).token_ids
+        long = prompt + first.token_ids
+        session.generate(token_ids=long, max_new_tokens=1, eos_token_ids=[])
+        history = list(session.history)
+
+        def explode(logits, context):
+            raise RuntimeError("boom")
+
+        with pytest.raises(RuntimeError):  # crops to 49 tokens, 4 rows x 60 more: lean, then fails
+            session.generate(token_ids=prompt, strategy="beam", num_beams=4, max_new_tokens=30, processors=[explode])
+        assert session.history == history and session.cached == 49
+        again = session.generate(token_ids=long, max_new_tokens=1, eos_token_ids=[])
+        assert again.token_ids == reference_greedy(engine, long, 1) and again.stats.reused_tokens == 49
+
+
 # ---- clumsy callers -----------------------------------------------------------------------------------
 
 def test_a_beam_search_cancelled_part_way_returns_its_best_running_beams(engine):
