@@ -82,7 +82,11 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
     if found is not None:
         return found
     if failed is not None and not _retried(failed, timeout_s):
-        raise InvalidOption(str(failed[0]))
+        error, tried = failed
+        if isinstance(error, CompileTimedOut) and timeout_s != tried:  # name this call's limit, not the other's
+            raise CompileTimedOut(f"compiling the constraint takes longer than compile_timeout_s = {timeout_s:g} s: "
+                                  f"a compile of it ran {tried:g} s without ending (limit compile_timeout_s)")
+        raise InvalidOption(str(error))
     try:
         automaton = _build(source, vocabulary, timeout_s, cancelled or _never)
     except InvalidOption as error:

@@ -377,6 +377,10 @@ def test_a_compile_stopped_through_its_hook_kills_its_child_and_is_not_remembere
     with pytest.raises(structured_compile.CompileTimedOut, match="compile_timeout_s = 0.5 s"):
         structured_compile.compile_regex(source, vocab, 0.5)
     assert len(calls) == 2 and multiprocessing.active_children() == []
+    # a shorter timeout is answered from that failure, naming its own limit
+    with pytest.raises(structured_compile.CompileTimedOut, match="compile_timeout_s = 0.25 s: a compile of it ran 0.5 s"):
+        structured_compile.compile_regex(source, vocab, 0.25)
+    assert len(calls) == 2
     # a timeout is no failure for a longer timeout: binding with one still takes a compile
     assert structured_compile.is_compiled(source, vocab, 0.5) and not structured_compile.is_compiled(source, vocab, 1)
 
