@@ -251,13 +251,20 @@ def test_keys_a_shift_moved_are_never_shared(engine):
     assert result.token_ids == run(cold, prompt).token_ids
 
 
-def test_a_session_continuing_a_shared_prefix_shifts_only_its_own_tokens(engine):
+def windowed(engine):
+    """A sharing engine, one that shares nothing, and a session of the first continuing the system prompt
+    another session left, then holding 30 tokens and an 80-token window of its own."""
     sharing = Engine(engine.model, engine.tokenizer)
     cold = Engine(engine.model, engine.tokenizer, share_prefixes=False)
     warm(sharing)
     session = sharing.session()
     window = tokens(80, seed=71)
     session.generate(token_ids=SYSTEM + tokens(30, seed=72) + window, max_new_tokens=1, eos_token_ids=[])
+    return sharing, cold, session, window
+
+
+def test_a_session_continuing_a_shared_prefix_shifts_only_its_own_tokens(engine):
+    sharing, cold, session, window = windowed(engine)
     assert session.cache.offset == len(SYSTEM)
     entry = session.cache.prefix
     kept = [k.clone() for k in entry.keys]
@@ -506,12 +513,7 @@ def test_a_reuse_failing_midway_empties_the_cache_and_leaks_no_reference(engine,
     moved: it is emptied and every link it held let go; the history stays and the next call equals a cold run."""
     from sidecar import kv, shift
 
-    sharing = Engine(engine.model, engine.tokenizer)
-    cold = Engine(engine.model, engine.tokenizer, share_prefixes=False)
-    warm(sharing)
-    session = sharing.session()
-    window = tokens(80, seed=71)
-    session.generate(token_ids=SYSTEM + tokens(30, seed=72) + window, max_new_tokens=1, eos_token_ids=[])
+    sharing, cold, session, window = windowed(engine)
     entry, history = session.cache.prefix, list(session.history)
     refs = entry.refs
     if where == "shifting":
