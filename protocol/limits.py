@@ -47,7 +47,7 @@ class Limits:
         4096, "UTF-8 bytes of all stop strings of one generate together",
         bounds=(("generate", "stop"),), measure="bytes")
     max_sequences: int = _limit(
-        64, "num_beams or num_samples of one generate: rows decoded together",
+        64, "num_beams (4 when a beam search leaves it out) or num_samples of one generate: rows decoded together",
         bounds=(("generate", "num_beams"), ("generate", "num_samples")), measure="value")
     max_processors: int = _limit(64, "processors in one generate", bounds=(("generate", "processors"),), measure="items")
     max_processor_values: int = _limit(

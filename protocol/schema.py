@@ -17,6 +17,7 @@ from .limits import Limits, check_depth, check_params
 
 PROTOCOL_VERSION = 1
 MAX_ID = 2**64 - 1
+DEFAULT_NUM_BEAMS = 4  # generate's num_beams with strategy "beam", whatever num_return_sequences is
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ OPS: dict[str, dict[str, Param]] = {
         "eos_token_ids": Param("list[uint]|null", doc="default: the model's EOS ids"),
         "stream": Param("bool", default=False, doc="emit a token event per generated token (beam search emits none)"),
         "num_samples": Param("uint", default=1, doc="with sample: sequences drawn from one prefill of the prompt"),
-        "num_beams": Param("uint|null", doc="with beam: beams kept at each step (default 4)"),
+        "num_beams": Param("uint|null", doc=f"with beam: beams kept at each step (default {DEFAULT_NUM_BEAMS})"),
         "num_return_sequences": Param("uint|null", doc="with beam: the best finished beams returned (default 1)"),
         "length_penalty": Param("number|null", doc="with beam: scores are divided by length ** this (default 1.0)"),
         "early_stopping": Param("bool|str|null", doc='with beam: true, false or "never", as in transformers (default false)'),
@@ -135,6 +136,13 @@ OPS: dict[str, dict[str, Param]] = {
     },
     "stats": {},
     "shutdown": {},
+}
+
+# Parameters whose default depends on the others: left out (or nil) they stay None in the request, since
+# an option given where it does not apply is refused (num_beams without beam), but the limits measure the
+# default they stand for (section 7: a parameter left out is measured with its default).
+MEASURED_DEFAULTS = {
+    ("generate", "num_beams"): lambda params: DEFAULT_NUM_BEAMS if params["strategy"] == "beam" else None,
 }
 
 
@@ -195,7 +203,9 @@ def parse_request(message, limits: Limits = DEFAULT_LIMITS) -> Request:
             if param.required:
                 raise ProtocolError(INVALID_PARAMS, f"{op}: missing required parameter {key!r}", rid, param=key)
             params[key] = list(param.default) if isinstance(param.default, list) else param.default
-    check_params(op, params, limits, rid)  # defaults included: a limit bounds what the request will do
+    measured = {key: MEASURED_DEFAULTS[op, key](params) if value is None and (op, key) in MEASURED_DEFAULTS else value
+                for key, value in params.items()}
+    check_params(op, measured, limits, rid)  # defaults included: a limit bounds what the request will do
     for key, value in params.items():
         kind = schema[key].kind.removesuffix("|null")
         if kind in CONTAINERS and value is not None and not CHECKS[kind](value):
