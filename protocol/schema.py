@@ -42,6 +42,7 @@ def _is_uint(v) -> bool:
 # Lists are checked in two passes: the container first (so that a size limit can bite before the
 # elements are looked at), then the elements.
 CONTAINERS = {"list[uint]": list, "list[str]": list, "list[map]": list}
+ELEMENTS = {"list[uint]": _is_uint, "list[str]": lambda v: isinstance(v, str), "list[map]": lambda v: isinstance(v, dict)}
 CHECKS = {
     "str": lambda v: isinstance(v, str),
     "int": _is_int,
@@ -50,9 +51,8 @@ CHECKS = {
     "bool": lambda v: isinstance(v, bool),
     "bool|str": lambda v: isinstance(v, (bool, str)),
     "map": lambda v: isinstance(v, dict),
-    "list[uint]": lambda v: isinstance(v, list) and all(_is_uint(x) for x in v),
-    "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    "list[map]": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+    **{kind: (lambda element: lambda v: isinstance(v, list) and all(map(element, v)))(element)
+       for kind, element in ELEMENTS.items()},
 }
 
 SESSION = Param("str", required=True, doc="the session name")
@@ -237,6 +237,14 @@ def _check_fields(op: str, name: str, fields: dict[str, Param], value: dict, rid
 
 
 def _mistyped(op: str, key: str, param: Param, value, rid: int) -> ProtocolError:
+    """The error for a value of the wrong type; for a list of the right container, `index` names its first
+    element of the wrong type."""
+    kind = param.kind.removesuffix("|null")
+    if kind in CONTAINERS and isinstance(value, CONTAINERS[kind]):
+        element = ELEMENTS[kind]
+        index = next(i for i, item in enumerate(value) if not element(item))
+        return ProtocolError(INVALID_PARAMS, f"{op}: parameter {key!r} must be {param.kind}; its element {index} is "
+                             f"{_show(value[index])}", rid, param=key, index=index)
     return ProtocolError(INVALID_PARAMS, f"{op}: parameter {key!r} must be {param.kind}, got {_show(value)}", rid, param=key)
 
 

@@ -76,3 +76,22 @@ def test_a_beam_search_that_leaves_num_beams_out_is_measured_with_its_default(be
         assert request.params["num_beams"] == fits.get("num_beams")
     assert parse_request({"id": 1, "op": "generate", "session": "s", "prompt": "a", "strategy": "beam"},
                          Limits(max_sequences=4)).params["num_beams"] is None
+
+
+@pytest.mark.parametrize("message, param, index", [
+    ({"prompt": "a", "processors": [{"name": "top_k", "options": {"k": 1}}, "regex"]}, "processors", 1),
+    ({"prompt": "a", "processors": [[], {"name": "top_k", "options": {"k": 1}}]}, "processors", 0),
+    ({"token_ids": [1, 2, -3, "x"]}, "token_ids", 2),
+    ({"prompt": "a", "stop": ["x", b"y"]}, "stop", 1),
+    ({"messages": [{"role": "user", "content": "a"}, None]}, "messages", 1),
+    ({"continue": {"append_token_ids": [5, 1.0]}}, "continue.append_token_ids", 1),
+])
+def test_a_list_element_of_the_wrong_type_is_named_by_its_index(message, param, index):
+    problem = refused(message)
+    assert (problem.code, problem.details) == ("invalid_params", {"param": param, "index": index})
+    assert f"element {index}" in problem.message
+
+
+def test_a_list_of_the_wrong_container_has_no_index():
+    problem = refused({"token_ids": "abc"})
+    assert (problem.code, problem.details) == ("invalid_params", {"param": "token_ids"})

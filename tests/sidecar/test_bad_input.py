@@ -458,6 +458,8 @@ PROTOCOL_ROWS = [
      "invalid_params", "param"),
     ("processor options not a map", gen(prompt="a", processors=[{"name": "top_k", "options": [5]}]), "invalid_params", "param"),
     ("non-str option keys", gen(prompt="a", processors=[{"name": "top_k", "options": {1: 5}}]), "invalid_params", "param"),
+    ("processor entry not a map", exactly("main", gen(prompt="a", processors=[processor("top_k", k=5), "regex"]),
+                                          code="invalid_params", param="processors", index=1), "invalid_params", "index"),
     ("map with a list as a key", raw(b"\x81\x91\x01\x01"), "invalid_msgpack", None),
     ("invalid UTF-8 in a str", raw(BAD_UTF8), "invalid_msgpack", None),
     ("lone surrogate encoded in a str", raw(ENCODED_SURROGATE), "invalid_msgpack", None),
