@@ -32,7 +32,8 @@ class Limits:
         64 * 1024 * 1024, "frame bytes of the requests in flight together (their decoded form takes several times that)")
     max_depth: int = _limit(32, "nesting depth of maps and lists in one request")
     max_prompt_bytes: int = _limit(
-        1024 * 1024, "UTF-8 bytes of a generate prompt, messages or continue, or a tokenize text, checked before tokenizing",
+        1024 * 1024, "UTF-8 bytes of a generate prompt, messages or continue (all their strings, map keys included), "
+        "or a tokenize text, checked before tokenizing",
         bounds=(("generate", "prompt"), ("generate", "messages"), ("generate", "continue"), ("tokenize", "text")),
         measure="bytes")
     max_input_tokens: int = _limit(

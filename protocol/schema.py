@@ -91,11 +91,12 @@ OPS: dict[str, dict[str, Param]] = {
     },
     "save_session": {
         "session": SESSION,
-        "name": Param("str", required=True, doc="the saved session's name: letters, digits, '.', '_', '-' (never a path)"),
+        "name": Param("str", required=True, doc="the saved session's name: 1 to 128 letters, digits, '.', '_' or '-', "
+                      "starting with a letter or digit (never a path)"),
     },
     "restore_session": {
         "model": MODEL,
-        "name": Param("str", required=True, doc="the saved session's name"),
+        "name": Param("str", required=True, doc="the saved session's name, as save_session takes it"),
         "session": Param("str|null", doc="the restored session's name; default: chosen by the server"),
     },
     "generate": {

@@ -95,3 +95,15 @@ def test_a_list_element_of_the_wrong_type_is_named_by_its_index(message, param, 
 def test_a_list_of_the_wrong_container_has_no_index():
     problem = refused({"token_ids": "abc"})
     assert (problem.code, problem.details) == ("invalid_params", {"param": "token_ids"})
+
+
+@pytest.mark.parametrize("message, size", [
+    ({"continue": {"append": "a" * 100}}, 106),  # "append" is 6 bytes
+    ({"continue": {"sequence": 1, "append": "é" * 50}}, 8 + 6 + 100),
+    ({"messages": [{"role": "user", "content": "a" * 90}]}, 4 + 4 + 7 + 90),
+])
+def test_max_prompt_bytes_counts_every_string_of_messages_and_continue_map_keys_included(message, size):
+    problem = refused(message, Limits(max_prompt_bytes=size - 1))
+    assert (problem.code, problem.details) == ("limit_exceeded", {"limit": "max_prompt_bytes", "max": size - 1,
+                                                                  "value": size, "param": next(iter(message))})
+    parse_request({"id": 1, "op": "generate", "session": "s", **message}, Limits(max_prompt_bytes=size))
