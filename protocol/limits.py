@@ -32,7 +32,8 @@ class Limits:
         64 * 1024 * 1024, "frame bytes of the requests in flight together (their decoded form takes several times that)")
     max_depth: int = _limit(32, "nesting depth of maps and lists in one request")
     max_prompt_bytes: int = _limit(
-        1024 * 1024, "UTF-8 bytes of a generate prompt, messages or continue, or a tokenize text, checked before tokenizing",
+        1024 * 1024, "UTF-8 bytes of a generate prompt, messages or continue (all their strings, map keys included), "
+        "or a tokenize text, checked before tokenizing",
         bounds=(("generate", "prompt"), ("generate", "messages"), ("generate", "continue"), ("tokenize", "text")),
         measure="bytes")
     max_input_tokens: int = _limit(
@@ -47,7 +48,7 @@ class Limits:
         4096, "UTF-8 bytes of all stop strings of one generate together",
         bounds=(("generate", "stop"),), measure="bytes")
     max_sequences: int = _limit(
-        64, "num_beams or num_samples of one generate: rows decoded together",
+        64, "num_beams (4 when a beam search leaves it out) or num_samples of one generate: rows decoded together",
         bounds=(("generate", "num_beams"), ("generate", "num_samples")), measure="value")
     max_processors: int = _limit(64, "processors in one generate", bounds=(("generate", "processors"),), measure="items")
     max_processor_values: int = _limit(

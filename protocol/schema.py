@@ -17,6 +17,7 @@ from .limits import Limits, check_depth, check_params
 
 PROTOCOL_VERSION = 1
 MAX_ID = 2**64 - 1
+DEFAULT_NUM_BEAMS = 4  # generate's num_beams with strategy "beam", whatever num_return_sequences is
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ def _is_uint(v) -> bool:
 # Lists are checked in two passes: the container first (so that a size limit can bite before the
 # elements are looked at), then the elements.
 CONTAINERS = {"list[uint]": list, "list[str]": list, "list[map]": list}
+ELEMENTS = {"list[uint]": _is_uint, "list[str]": lambda v: isinstance(v, str), "list[map]": lambda v: isinstance(v, dict)}
 CHECKS = {
     "str": lambda v: isinstance(v, str),
     "int": _is_int,
@@ -49,9 +51,8 @@ CHECKS = {
     "bool": lambda v: isinstance(v, bool),
     "bool|str": lambda v: isinstance(v, (bool, str)),
     "map": lambda v: isinstance(v, dict),
-    "list[uint]": lambda v: isinstance(v, list) and all(_is_uint(x) for x in v),
-    "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-    "list[map]": lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+    **{kind: (lambda element: lambda v: isinstance(v, list) and all(map(element, v)))(element)
+       for kind, element in ELEMENTS.items()},
 }
 
 SESSION = Param("str", required=True, doc="the session name")
@@ -90,11 +91,12 @@ OPS: dict[str, dict[str, Param]] = {
     },
     "save_session": {
         "session": SESSION,
-        "name": Param("str", required=True, doc="the saved session's name: letters, digits, '.', '_', '-' (never a path)"),
+        "name": Param("str", required=True, doc="the saved session's name: 1 to 128 letters, digits, '.', '_' or '-', "
+                      "starting with a letter or digit (never a path)"),
     },
     "restore_session": {
         "model": MODEL,
-        "name": Param("str", required=True, doc="the saved session's name"),
+        "name": Param("str", required=True, doc="the saved session's name, as save_session takes it"),
         "session": Param("str|null", doc="the restored session's name; default: chosen by the server"),
     },
     "generate": {
@@ -113,7 +115,7 @@ OPS: dict[str, dict[str, Param]] = {
         "eos_token_ids": Param("list[uint]|null", doc="default: the model's EOS ids"),
         "stream": Param("bool", default=False, doc="emit a token event per generated token (beam search emits none)"),
         "num_samples": Param("uint", default=1, doc="with sample: sequences drawn from one prefill of the prompt"),
-        "num_beams": Param("uint|null", doc="with beam: beams kept at each step (default 4)"),
+        "num_beams": Param("uint|null", doc=f"with beam: beams kept at each step (default {DEFAULT_NUM_BEAMS})"),
         "num_return_sequences": Param("uint|null", doc="with beam: the best finished beams returned (default 1)"),
         "length_penalty": Param("number|null", doc="with beam: scores are divided by length ** this (default 1.0)"),
         "early_stopping": Param("bool|str|null", doc='with beam: true, false or "never", as in transformers (default false)'),
@@ -135,6 +137,13 @@ OPS: dict[str, dict[str, Param]] = {
     },
     "stats": {},
     "shutdown": {},
+}
+
+# Parameters whose default depends on the others: left out (or nil) they stay None in the request, since
+# an option given where it does not apply is refused (num_beams without beam), but the limits measure the
+# default they stand for (section 7: a parameter left out is measured with its default).
+MEASURED_DEFAULTS = {
+    ("generate", "num_beams"): lambda params: DEFAULT_NUM_BEAMS if params["strategy"] == "beam" else None,
 }
 
 
@@ -195,7 +204,9 @@ def parse_request(message, limits: Limits = DEFAULT_LIMITS) -> Request:
             if param.required:
                 raise ProtocolError(INVALID_PARAMS, f"{op}: missing required parameter {key!r}", rid, param=key)
             params[key] = list(param.default) if isinstance(param.default, list) else param.default
-    check_params(op, params, limits, rid)  # defaults included: a limit bounds what the request will do
+    measured = {key: MEASURED_DEFAULTS[op, key](params) if value is None and (op, key) in MEASURED_DEFAULTS else value
+                for key, value in params.items()}
+    check_params(op, measured, limits, rid)  # defaults included: a limit bounds what the request will do
     for key, value in params.items():
         kind = schema[key].kind.removesuffix("|null")
         if kind in CONTAINERS and value is not None and not CHECKS[kind](value):
@@ -227,6 +238,14 @@ def _check_fields(op: str, name: str, fields: dict[str, Param], value: dict, rid
 
 
 def _mistyped(op: str, key: str, param: Param, value, rid: int) -> ProtocolError:
+    """The error for a value of the wrong type; for a list of the right container, `index` names its first
+    element of the wrong type."""
+    kind = param.kind.removesuffix("|null")
+    if kind in CONTAINERS and isinstance(value, CONTAINERS[kind]):
+        element = ELEMENTS[kind]
+        index = next(i for i, item in enumerate(value) if not element(item))
+        return ProtocolError(INVALID_PARAMS, f"{op}: parameter {key!r} must be {param.kind}; its element {index} is "
+                             f"{_show(value[index])}", rid, param=key, index=index)
     return ProtocolError(INVALID_PARAMS, f"{op}: parameter {key!r} must be {param.kind}, got {_show(value)}", rid, param=key)
 
 

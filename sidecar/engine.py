@@ -14,6 +14,7 @@ import torch
 
 import processors as proc
 from processors.structured import Vocabulary
+from protocol.schema import DEFAULT_NUM_BEAMS
 
 from . import attention, chat, models, persist, sequences, shift
 from .errors import (
@@ -32,7 +33,7 @@ from .session import REUSES, STRATEGIES, Request, Session
 
 DEFAULT_CACHE_BUDGET = 2 * 1024**3
 DEFAULT_PREFILL_CHUNK = 512
-DEFAULT_BEAMS = 4
+DEFAULT_BEAMS = DEFAULT_NUM_BEAMS  # the protocol's default, which the server's limits measure too
 DEFAULT_MAX_ROWS = 64
 
 

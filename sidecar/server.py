@@ -538,9 +538,9 @@ class Server:
         if self.session_dir is None:
             raise ProtocolError(codes.FORBIDDEN, "saving and restoring sessions is off: start the sidecar with "
                                 "--session-dir DIR", rid)
-        if not SAVED_NAME.fullmatch(name):
-            raise ProtocolError(codes.INVALID_PARAMS, "a saved session's name is 1 to 128 letters, digits, '.', '_' "
-                                "or '-', starting with a letter or digit", rid, param="name")
+        if not SAVED_NAME.fullmatch(name):  # a str of the wrong value, not of the wrong type: invalid_argument
+            raise InvalidArgument("a saved session's name is 1 to 128 letters, digits, '.', '_' or '-', starting with "
+                                  "a letter or digit", option="name")
         return self.session_dir / (name + SAVED_SUFFIX)
 
     def op_close_session(self, params, rid):

@@ -196,7 +196,7 @@ defmodule Sidecar do
   letters, digits, `.`, `_` or `-`, starting with a letter or digit; never a path), replacing what
   was saved under that name. It runs in the session's queue, after the generations sent before it.
   Returns `"name"`, `"history_tokens"`, `"cached_tokens"` and `"bytes"` (the file's size). A bad name
-  is `:invalid_params`; a sidecar started without `:session_dir` answers `:forbidden`. `timeout`
+  is `:invalid_argument` (`"option" => "name"`); a sidecar started without `:session_dir` answers `:forbidden`. `timeout`
   defaults to the connection's `:call_timeout`.
   """
   @spec save_session(conn(), session(), String.t(), timeout() | nil) :: {:ok, map()} | {:error, Error.t()}

@@ -89,10 +89,10 @@ defmodule Sidecar.PersistTest do
     assert {:ok, %{"sessions" => ^open}} = Sidecar.stats(conn)
 
     for name <- ["../x", "", ".hidden", String.duplicate("a", 129)] do
-      assert {:error, %Error{reason: :invalid_params, details: %{"param" => "name"}}} =
+      assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "name"}}} =
                Sidecar.save_session(conn, session, name)
 
-      assert {:error, %Error{reason: :invalid_params, details: %{"param" => "name"}}} =
+      assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "name"}}} =
                Sidecar.restore_session(conn, name)
     end
 

@@ -64,7 +64,8 @@ def _schema(name, value) -> str:
             raise InvalidOption(f"option {name!r} is not valid JSON: {str(error)[:200]}") from None
     if not isinstance(value, (dict, bool)):
         raise InvalidOption(f"option {name!r} must be a JSON schema (an object), got {checks._shown(value)}")
-    try:  # a map from msgpack may hold what JSON cannot (bytes, NaN, non-string keys)
+    _check_keys(name, value)  # json.dumps would turn a key 1 into "1", silently (and next to a "1" of its own)
+    try:  # a map from msgpack may hold what JSON cannot (bytes, NaN)
         text = json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise InvalidOption(f"option {name!r} is not JSON: {error}") from None
@@ -78,6 +79,36 @@ def _schema(name, value) -> str:
         raise InvalidOption(f"option {name!r} nests too deeply to be checked") from None
     _check_property_names(name, value)
     return _pattern(name, text)
+
+
+def _check_keys(name: str, schema) -> None:
+    """Refuses a map anywhere in the schema with a key that is not a string (msgpack allows them, JSON does
+    not), naming where it is as a JSON pointer. Paths are built only for the key refused: a node holds its
+    parent's link, not a copy of its path."""
+    stack = [(schema, None)]
+    while stack:
+        node, link = stack.pop()
+        if isinstance(node, dict):
+            for key, child in node.items():
+                if not isinstance(key, str):
+                    where = f"in the map at {_pointer(link)}" if link is not None else "at the top of the schema"
+                    raise InvalidOption(f"option {name!r}: JSON object keys must be strings, got {checks._shown(key)} "
+                                        f"({type(key).__name__}) {where}")
+                if isinstance(child, (dict, list)):
+                    stack.append((child, (link, key)))
+        elif isinstance(node, list):
+            stack.extend((child, (link, index)) for index, child in enumerate(node) if isinstance(child, (dict, list)))
+
+
+def _pointer(link) -> str:
+    """The JSON pointer (RFC 6901) of a node from its chain of (parent link, key), each key cut to 40 characters."""
+    parts = []
+    while link is not None:
+        link, key = link
+        text = str(key)
+        parts.append((text if len(text) <= 40 else text[:37] + "...").replace("~", "~0").replace("/", "~1"))
+    path = "/" + "/".join(reversed(parts))
+    return path if len(path) <= 200 else "..." + path[-197:]
 
 
 def _check_property_names(name: str, schema) -> None:

@@ -285,6 +285,12 @@ def test_grammar_texts_are_balanced_through_reorders(vocab, tokenizer):
     (JsonSchema, {"schema": {"const": b"bytes"}}, "is not JSON"),
     (JsonSchema, {"schema": {"const": float("nan")}}, "is not JSON"),
     (JsonSchema, {"schema": {"properties": {'a"b': {"type": "boolean"}}}}, "property name"),
+    # msgpack maps may have keys of any type; JSON objects only strings (json.dumps would make 1 into "1")
+    (JsonSchema, {"schema": {"type": "object", "properties": {1: {}}}}, "JSON object keys must be strings, got 1 .int. in the map at /properties$"),
+    (JsonSchema, {"schema": {"type": "object", "properties": {"1": {}, 1: {}}}}, "keys must be strings"),
+    (JsonSchema, {"schema": {"type": "object", None: {}}}, "keys must be strings, got None .NoneType. at the top of the schema"),
+    (JsonSchema, {"schema": {"anyOf": [{"const": "x"}, {"const": {"a/b": {2.5: 1}}}]}}, "in the map at /anyOf/1/const/a~1b$"),
+    (JsonSchema, {"schema": {"properties": {b"k": {}}}}, "keys must be strings, got b'k' .bytes."),
     (JsonSchema, {"schema": "[" * 50_000 + "]" * 50_000}, "not valid JSON|nests too deeply"),
     (Dfa, {"initial_state": 0, "transitions": [[0, 1, 1]], "accepting_states": [2**63]}, "accepting_states"),
     (Grammar, {"grammar": "start: undefined_rule"}, "not a valid Lark grammar"),
@@ -322,7 +328,7 @@ def test_what_only_compiling_can_tell_is_refused_when_bound_and_remembered(vocab
             configure(JsonSchema, schema=nested, compile_timeout_s=20).bind(vocab, [EOS])
     assert len(children) == 1
     with pytest.raises(P.InvalidOption, match="cannot be compiled"):
-        configure(JsonSchema, schema={1: "a", "b": 2}).bind(vocab, [EOS])
+        configure(JsonSchema, schema={"1": "a", "b": 2}).bind(vocab, [EOS])
 
 
 def test_anchors_mean_what_fullmatch_means_already(vocab, tokenizer):

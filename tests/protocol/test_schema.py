@@ -1,7 +1,8 @@
 import pytest
 
-from protocol import ProtocolError, parse_request
+from protocol import Limits, ProtocolError, parse_request
 from protocol.matching import mismatch
+from protocol.schema import DEFAULT_NUM_BEAMS
 
 
 @pytest.mark.parametrize("message, code, rid", [
@@ -53,3 +54,56 @@ def test_matcher_rejects_what_differs(pattern, value):
 
 def test_matcher_accepts_extra_keys():
     assert mismatch({"id": 1, "result": {"$type": "map"}}, {"id": 1, "ok": True, "result": {}}) is None
+
+
+def refused(message, limits=None):
+    with pytest.raises(ProtocolError) as caught:
+        parse_request({"id": 1, "op": "generate", "session": "s", **message}, *([limits] if limits else []))
+    return caught.value
+
+
+@pytest.mark.parametrize("beams", [{}, {"num_beams": None}])
+def test_a_beam_search_that_leaves_num_beams_out_is_measured_with_its_default(beams):
+    """Section 7: a parameter left out is measured with its default; num_beams's is 4 under beam, whatever
+    num_return_sequences asks (the request still carries None: num_beams given without beam is refused)."""
+    limits = Limits(max_sequences=2)
+    problem = refused({"prompt": "a", "strategy": "beam", "num_return_sequences": 2, **beams}, limits)
+    assert (problem.code, problem.details) == ("limit_exceeded", {"limit": "max_sequences", "max": 2, "value": 4,
+                                                                  "param": "num_beams"})
+    assert DEFAULT_NUM_BEAMS == 4  # as PROTOCOL.md says (the engine's DEFAULT_BEAMS is this one)
+    for fits in ({"strategy": "beam", "num_beams": 2}, {}, {"strategy": "sample"}, {"strategy": "greedy", **beams}):
+        request = parse_request({"id": 1, "op": "generate", "session": "s", "prompt": "a", **fits}, limits)
+        assert request.params["num_beams"] == fits.get("num_beams")
+    assert parse_request({"id": 1, "op": "generate", "session": "s", "prompt": "a", "strategy": "beam"},
+                         Limits(max_sequences=4)).params["num_beams"] is None
+
+
+@pytest.mark.parametrize("message, param, index", [
+    ({"prompt": "a", "processors": [{"name": "top_k", "options": {"k": 1}}, "regex"]}, "processors", 1),
+    ({"prompt": "a", "processors": [[], {"name": "top_k", "options": {"k": 1}}]}, "processors", 0),
+    ({"token_ids": [1, 2, -3, "x"]}, "token_ids", 2),
+    ({"prompt": "a", "stop": ["x", b"y"]}, "stop", 1),
+    ({"messages": [{"role": "user", "content": "a"}, None]}, "messages", 1),
+    ({"continue": {"append_token_ids": [5, 1.0]}}, "continue.append_token_ids", 1),
+])
+def test_a_list_element_of_the_wrong_type_is_named_by_its_index(message, param, index):
+    problem = refused(message)
+    assert (problem.code, problem.details) == ("invalid_params", {"param": param, "index": index})
+    assert f"element {index}" in problem.message
+
+
+def test_a_list_of_the_wrong_container_has_no_index():
+    problem = refused({"token_ids": "abc"})
+    assert (problem.code, problem.details) == ("invalid_params", {"param": "token_ids"})
+
+
+@pytest.mark.parametrize("message, size", [
+    ({"continue": {"append": "a" * 100}}, 106),  # "append" is 6 bytes
+    ({"continue": {"sequence": 1, "append": "é" * 50}}, 8 + 6 + 100),
+    ({"messages": [{"role": "user", "content": "a" * 90}]}, 4 + 4 + 7 + 90),
+])
+def test_max_prompt_bytes_counts_every_string_of_messages_and_continue_map_keys_included(message, size):
+    problem = refused(message, Limits(max_prompt_bytes=size - 1))
+    assert (problem.code, problem.details) == ("limit_exceeded", {"limit": "max_prompt_bytes", "max": size - 1,
+                                                                  "value": size, "param": next(iter(message))})
+    parse_request({"id": 1, "op": "generate", "session": "s", **message}, Limits(max_prompt_bytes=size))

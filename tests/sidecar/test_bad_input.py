@@ -216,7 +216,8 @@ def test_python_api(engine, primed_history, kind, given, code):
 # ---- the protocol -----------------------------------------------------------------------------------------
 
 SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "WARNING"]
-SMALL = ["--max-sessions", "3", "--max-models", "1", "--max-frame-bytes", "65536", "--max-in-flight", "3"]
+SMALL = ["--max-sessions", "3", "--max-models", "1", "--max-frame-bytes", "65536", "--max-in-flight", "3",
+         "--max-sequences", "2"]
 MIB = 1024 * 1024
 
 
@@ -389,6 +390,25 @@ def missing_in_root(s):
     return send(s["main"], load(str(s["root"] / "nope")))
 
 
+def exactly(server, message, saying="", **error):
+    """A scenario whose error must carry these details with these values, and a message containing `saying`."""
+    def scenario(s):
+        reply = send(s[server], message)
+        assert reply["ok"] is False and {k: reply["error"].get(k) for k in error} == error, reply
+        assert saying in reply["error"]["message"], reply
+        return reply
+    return scenario
+
+
+def default_beams_over_max_sequences(s):
+    """num_beams left out of a beam search counts as its default, 4, against max_sequences = 2: refused
+    when parsed (before the session is even looked up), whatever num_return_sequences is."""
+    for beams in ({}, {"num_beams": None}):
+        reply = exactly("small", gen(prompt="a", strategy="beam", num_return_sequences=2, max_new_tokens=2, **beams),
+                        code="limit_exceeded", limit="max_sequences", param="num_beams", max=2, value=4)(s)
+    return reply
+
+
 BAD_UTF8 = b"\x82\xa2id\x01\xa2op\xa4p\xffng"  # {"id": 1, "op": <str with an invalid UTF-8 byte>}
 ENCODED_SURROGATE = b"\x82\xa2id\x01\xa2op\xa3\xed\xb3\xbf"  # a lone surrogate encoded as if UTF-8
 
@@ -438,6 +458,8 @@ PROTOCOL_ROWS = [
      "invalid_params", "param"),
     ("processor options not a map", gen(prompt="a", processors=[{"name": "top_k", "options": [5]}]), "invalid_params", "param"),
     ("non-str option keys", gen(prompt="a", processors=[{"name": "top_k", "options": {1: 5}}]), "invalid_params", "param"),
+    ("processor entry not a map", exactly("main", gen(prompt="a", processors=[processor("top_k", k=5), "regex"]),
+                                          code="invalid_params", param="processors", index=1), "invalid_params", "index"),
     ("map with a list as a key", raw(b"\x81\x91\x01\x01"), "invalid_msgpack", None),
     ("invalid UTF-8 in a str", raw(BAD_UTF8), "invalid_msgpack", None),
     ("lone surrogate encoded in a str", raw(ENCODED_SURROGATE), "invalid_msgpack", None),
@@ -473,6 +495,7 @@ PROTOCOL_ROWS = [
     ("beam with num_samples", gen(prompt="a", strategy="beam", num_samples=3), "invalid_argument", "option"),
     ("num_beams over max_sequences", gen(prompt="a", strategy="beam", num_beams=65), "limit_exceeded", "limit"),
     ("num_samples over max_sequences", gen(prompt="a", strategy="sample", num_samples=10**6), "limit_exceeded", "limit"),
+    ("num_beams left out, its default over max_sequences", default_beams_over_max_sequences, "limit_exceeded", "limit"),
     ("length_penalty as a string", gen(prompt="a", strategy="beam", length_penalty="1"), "invalid_params", "param"),
     ("early_stopping 'sometimes'", gen(prompt="a", strategy="beam", early_stopping="sometimes"), "invalid_argument", "option"),
     ("unknown processor", gen(prompt="a", processors=[processor("beam_search")]), "invalid_processor", "index"),
@@ -503,6 +526,11 @@ PROTOCOL_ROWS = [
     ("json schema that is not JSON", gen(prompt="a", processors=[processor("json_schema", schema="{oops")]),
      "invalid_processor", "index"),
     ("json schema of an unknown type", gen(prompt="a", processors=[processor("json_schema", schema={"type": "nope"})]),
+     "invalid_processor", "index"),
+    ("json schema with a key that is not a string",
+     exactly("main", gen(prompt="a", processors=[processor("top_k", k=5),
+                                                 processor("json_schema", schema={"type": "object", "properties": {1: {}}})]),
+             code="invalid_processor", index=1, saying="JSON object keys must be strings, got 1 (int) in the map at /properties"),
      "invalid_processor", "index"),
     ("grammar without its rule", gen(prompt="a", processors=[processor("grammar", grammar="start: missing")]),
      "invalid_processor", "index"),

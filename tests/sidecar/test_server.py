@@ -430,9 +430,15 @@ def test_fork_save_and_restore_sessions_by_name(default_dir, tmp_path):
         assert in_fork["stats"]["reused_tokens"] == fork["cached_tokens"]
         assert peer.call("restore_session", name="chat-1", session="a")["error"]["code"] == "session_exists"
         assert peer.call("restore_session", name="nope")["error"]["code"] == "invalid_session_file"
-        for bad in ("../a", "a/b", "", ".hidden", "x" * 200):
-            reply = peer.call("save_session", session="a", name=bad)
-            assert reply["error"]["code"] in ("invalid_params", "limit_exceeded"), (bad, reply)
+        # a name is 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit: a str of another
+        # value is invalid_argument (the shape is right, the value is not), as PROTOCOL.md's guide to codes says
+        for bad in ("../a", "a/b", "", ".hidden", "-a", "a b", "é", "x" * 129, "x" * 4096):
+            for op, params in (("save_session", {"session": "a"}), ("restore_session", {})):
+                error = peer.call(op, name=bad, **params)["error"]
+                assert (error["code"], error.get("option")) == ("invalid_argument", "name"), (op, bad, error)
+        assert peer.call("save_session", session="a", name="x" * 4097)["error"]["limit"] == "max_name_bytes"
+        for good in ("x" * 128, "A.b_c-9", "0"):
+            assert peer.call("save_session", session="a", name=good)["ok"], good
     with Peer(server, stderr=subprocess.DEVNULL) as peer:  # another process
         restored = peer.call("restore_session", name="chat-1", session="c")["result"]
         assert restored["history_tokens"] == len(prompt) + 5
