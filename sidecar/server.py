@@ -111,7 +111,8 @@ class Server:
         self.model_roots = tuple(Path(root).resolve() for root in model_roots)
         self.allowed_paths: set[Path] = set()
         self.trust_remote_code = trust_remote_code
-        self.engine_options = engine_options or {}
+        # the rows a generation may decode are the protocol's limit (the engine's own default is lower)
+        self.engine_options = {"max_rows": limits.max_sequences, **(engine_options or {})}
         self.session_dir = Path(session_dir).resolve() if session_dir is not None else None
         self.compiles: queue.Queue = queue.Queue()  # Compiles not yet started, taken by COMPILERS threads
         self.compiling: dict[tuple, Compile] = {}  # key -> the compile that requests for that key join

@@ -603,3 +603,15 @@ def test_continue_names_a_sequence_of_the_last_result(peer, engine):
     with engine.session() as reference:
         assert again["token_ids"] == reference.generate(cut, max_new_tokens=3, eos_token_ids=[]).token_ids
     assert again["stats"]["reused_tokens"] == len(cut) - 1
+
+
+def test_max_sequences_bounds_the_rows_of_a_generation_above_the_engines_default(default_dir):
+    """The rows a generation may decode are the server's max_sequences, also above the engine's default of 64."""
+    with Peer(SERVER + ["--max-sequences", "70"], stderr=subprocess.DEVNULL) as peer:
+        peer.call("open_session", session="a")
+        reply = peer.call("generate", session="a", token_ids=[5, 6, 7], strategy="sample", num_samples=65, seed=1,
+                          max_new_tokens=1, eos_token_ids=[])
+        assert len(reply["result"]["sequences"]) == 65
+        error = peer.call("generate", session="a", token_ids=[5, 6, 7], strategy="sample", num_samples=71,
+                          max_new_tokens=1)["error"]
+        assert (error["code"], error["limit"], error["value"]) == ("limit_exceeded", "max_sequences", 71)
