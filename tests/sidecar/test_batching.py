@@ -228,6 +228,27 @@ def test_after_beam_search_the_session_holds_the_best_sequence_and_caches_the_pr
 
 # ---- n samples --------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("options, count, score", [
+    (dict(strategy="sample", num_samples=4, seed=1), 4, None),
+    (dict(strategy="beam", num_beams=4, num_return_sequences=3), 3, 0.0),
+], ids=["4 samples", "3 of 4 beams"])
+def test_max_new_tokens_0_returns_every_sequence_empty_and_each_continues(engine, options, count, score):
+    """The spec: `sequences` lists every sample, or the best num_return_sequences beams; with nothing to
+    generate they are all empty (an empty beam scores 0.0, the sum of no log-probs), and `continue` may
+    name any of them."""
+    prompt = tokens(12, seed=30)
+    with engine.session() as session:
+        result = session.generate(token_ids=prompt, max_new_tokens=0, **options)
+        assert [(s.text, s.token_ids, s.finish_reason, s.score) for s in result.sequences] == [("", [], "length", score)] * count
+        assert (result.text, result.token_ids, result.finish_reason) == ("", [], "length")
+        assert result.stats.generated_tokens == 0 and result.stats.prefill_tokens == len(prompt)
+        assert session.history == prompt and session.cached == len(prompt)
+        last = session.continuation(sequence=count - 1, append_token_ids=[5])
+        assert list(last.ids) == prompt + [5]
+        follow = session.generate(last, max_new_tokens=3, eos_token_ids=[])
+        assert follow.stats.reused_tokens == len(prompt) and follow.token_ids == reference_greedy(engine, prompt + [5], 3)
+
+
 @pytest.mark.parametrize("length", [12, 400], ids=["prompt copied to each row", "prompt shared by the rows"])
 def test_n_samples_equal_transformers_sampling_with_the_same_seed(engine, length):
     prompt = tokens(length, seed=12)

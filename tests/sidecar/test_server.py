@@ -560,6 +560,23 @@ def test_huge_length_penalties_reply_with_a_result(peer):
             assert [len(s["token_ids"]) for s in reply["result"]["sequences"]] == [4, 4] and scores == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("options, count", [
+    (dict(strategy="sample", num_samples=4, seed=1), 4),
+    (dict(strategy="beam", num_beams=4, num_return_sequences=3), 3),
+], ids=["4 samples", "3 of 4 beams"])
+def test_max_new_tokens_0_lists_every_sequence_and_continue_names_the_last(peer, engine, options, count):
+    peer.call("open_session", session="z")
+    result = peer.call("generate", session="z", prompt="hi", max_new_tokens=0, **options)["result"]
+    empty = {"text": "", "token_ids": [], "finish_reason": "length", **({"score": 0.0} if options["strategy"] == "beam" else {})}
+    assert result["sequences"] == [empty] * count and result["finish_reason"] == "length"
+    reply = peer.call("generate", session="z", max_new_tokens=2, eos_token_ids=[], **{"continue": {"sequence": count - 1}})
+    assert "result" in reply, reply
+    ids = engine.tokenizer.encode("hi")
+    with engine.session() as reference:
+        assert reply["result"]["token_ids"] == reference.generate(token_ids=ids, max_new_tokens=2, eos_token_ids=[]).token_ids
+    assert reply["result"]["stats"]["reused_tokens"] == len(ids) - 1  # the prompt, all but the last token fed again
+
+
 def test_continue_names_a_sequence_of_the_last_result(peer, engine):
     """`continue` is read when the request reaches the head of its session's queue: pipelined behind a
     generate, it continues that one's result. Bad values are typed errors and change nothing."""
