@@ -14,13 +14,46 @@ follow) and the token it appends. The rules are transformers' own, so sequences 
 - `early_stopping`: True stops once `num_beams` hypotheses are finished; False stops when the best
   running beam, scored at its current length, cannot beat the worst finished one; "never" scores it at
   the longest possible length when `length_penalty` > 0.
+
+`length ** length_penalty` is computed as transformers computes it (a Python int raised to a float),
+except that a power too large for a float, which Python raises OverflowError for (transformers
+itself fails there, e.g. `length_penalty` 1000.0 from the third token), is taken as inf: a score
+divided by it is 0 with the score's sign, the limit of the formula, as 250.0 already gives through
+float32. A reported score is always finite (`finite`).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 DEAD = -1.0e9
+
+
+def length_power(length: int, length_penalty: float) -> float:
+    """`length ** length_penalty`, the divisor of a hypothesis' summed log-probs; inf where the power
+    overflows a float (the value transformers' formula tends to), bit-identical to it elsewhere."""
+    try:
+        return length ** length_penalty
+    except OverflowError:
+        return math.inf
+
+
+def finite(score: float) -> float:
+    """A score a reply can carry: where transformers' formula is not finite (a sum of log-probs of 0 or
+    above divided by a power that underflowed to 0), DEAD with its sign, and NaN (0 / 0) as 0, its limit."""
+    if math.isnan(score):
+        return 0.0
+    return score if math.isfinite(score) else math.copysign(-DEAD, score)
+
+
+def normalised(score: float, length: int, length_penalty: float) -> float:
+    """A running beam's `score / length ** length_penalty` as a Python float, as `finite` makes it: a
+    power that underflows to 0 (a hugely negative `length_penalty`) would make it -inf (Python raises
+    ZeroDivisionError for it), -1e9 here, the floor below which no hypothesis enters the finished set."""
+    power = length_power(length, length_penalty)
+    return finite(score / power if power else score * math.inf)
 
 
 class BeamSearch:
@@ -73,7 +106,7 @@ class BeamSearch:
 
     def _finish_hypotheses(self, candidates, top_scores, ends, length: int) -> None:
         just_finished = ends & self.top_beams
-        scores = top_scores / (length ** self.length_penalty)
+        scores = top_scores / length_power(length, self.length_penalty)
         if bool(self.is_finished.all()) and self.early_stopping is True:
             scores = scores + DEAD
         if not self.improvable:
@@ -94,19 +127,19 @@ class BeamSearch:
             best_length = self.max_new_tokens
         else:
             best_length = self.step_count
-        best_running = self.running_scores[0] / (best_length ** self.length_penalty)
+        best_running = self.running_scores[0] / length_power(best_length, self.length_penalty)
         # Slots not yet finished count as DEAD, so any open slot keeps the search going.
         worst = torch.where(self.is_finished, self.finished_scores.min(), torch.tensor(DEAD, device=best_running.device))
         self.improvable = bool((best_running > worst).any())
 
     def results(self, count: int) -> list[tuple[list[int], float]]:
         """The best `count` finished hypotheses, best first: (generated tokens, score)."""
-        return [(self.finished[i, : int(self.finished_lengths[i])].tolist(), float(self.finished_scores[i]))
+        return [(self.finished[i, : int(self.finished_lengths[i])].tolist(), finite(float(self.finished_scores[i])))
                 for i in range(count)]
 
     def running_results(self, count: int) -> list[tuple[list[int], float]]:
         """The best `count` running beams as they stand (a search cancelled part-way), best first, scored
         like finished ones at their current length."""
         length = max(self.step_count, 1)
-        return [(self.running[i, : self.step_count].tolist(), float(self.running_scores[i]) / length ** self.length_penalty)
+        return [(self.running[i, : self.step_count].tolist(), normalised(float(self.running_scores[i]), length, self.length_penalty))
                 for i in range(count)]

@@ -308,8 +308,16 @@ class Run:
         if self.beams is not None:
             self.finish_beams(cancelled=True)
             return
-        sequences = [row.sequence() for row in self.all_rows] or [Sequence("", [], reason)]
-        self._settle(sequences, reason)
+        self._settle([row.sequence() for row in self.all_rows] or self._empty_sequences(reason), reason)
+
+    def _empty_sequences(self, reason: str) -> list[Sequence]:
+        """A run that ends before its first token (`max_new_tokens` 0, or cancelled before decoding) has as
+        many sequences as one that generated: every sample, or the best `num_return_sequences` beams, all
+        empty. An empty beam is scored 0.0, the sum of no log-probabilities (transformers' generate refuses
+        max_new_tokens 0, so there is no score of its own to follow)."""
+        if self.request.strategy == "beam":
+            return [Sequence("", [], reason, 0.0) for _ in range(self.request.num_return_sequences)]
+        return [Sequence("", [], reason) for _ in range(self.width)]
 
     def _settle(self, sequences: list[Sequence], reason: str) -> None:
         session = self.session

@@ -95,13 +95,15 @@ class TokenAutomaton:
         return self.bound[key]
 
     def with_end_tokens(self, eos_token_ids: torch.Tensor) -> "BoundMasks":
-        """The masks with the end-of-sequence tokens allowed exactly where a state may end."""
+        """The masks with the end-of-sequence tokens allowed exactly where a state may end, and in any
+        state left with no token once they are taken out (a user's automaton whose only transitions from
+        a state are on end-of-sequence tokens: it can go nowhere else, so it ends, never an all -inf row)."""
         # a mask row shared by ending and non-ending states is split in two
         pairs = torch.stack([self.mask_of, self.ends.long()], dim=1)
         distinct, inverse = torch.unique(pairs, dim=0, return_inverse=True)
         forbidden = self.forbidden.index_select(0, distinct[:, 0])
         forbidden[:, eos_token_ids] = True
-        ending = distinct[:, 1].bool()
+        ending = distinct[:, 1].bool() | forbidden.all(dim=1)
         forbidden[ending.nonzero().squeeze(1).unsqueeze(1), eos_token_ids.unsqueeze(0)] = False
         bias = torch.zeros(forbidden.shape, dtype=torch.float32).masked_fill_(forbidden, float("-inf"))
         return BoundMasks(inverse, bias)

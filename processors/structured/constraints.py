@@ -256,7 +256,7 @@ class Dfa(Constraint):
     """A user's own token-level automaton, as the DFA processor built on Bumblebee's stateful processors
     takes it: `(state, token_id, next_state)` triples from `initial_state`. Tokens without a transition
     from the current state are forbidden; end-of-sequence is allowed in `accepting_states` and in states
-    with no transition at all."""
+    with no transition but on end-of-sequence tokens (one on them allows nothing by itself: the text ends)."""
 
     name: ClassVar[str] = "dfa"
     initial_state: int = option("the state before the first generated token", check=checks.int_at_least(0))

@@ -253,6 +253,19 @@ def test_a_state_with_no_move_left_gets_eos_only(vocab):
     assert torch.equal((logits > NEG_INF).nonzero()[:, 1], torch.tensor([EOS, EOS]))
 
 
+@pytest.mark.parametrize("transitions", [[[0, EOS, 0]], [[0, EOS, 1], [1, 5, 1]]], ids=["loop on eos", "on to a state"])
+def test_a_dfa_state_whose_only_moves_are_on_eos_gets_eos_only(vocab, transitions):
+    """Its transitions on end-of-sequence tokens are no text moves: with none left it can go nowhere, and
+    it ends; a state that also moves on a text token does not end (not accepting)."""
+    chain = Chain([configure(Dfa, initial_state=0, transitions=transitions)]).bind(vocab, [EOS])
+    context = Context(torch.zeros(2, 4, dtype=torch.long), 1, 1, 1024)
+    _, logits = chain.process(chain.init(context), torch.randn(2, 1024), context)
+    assert torch.equal((logits > NEG_INF).nonzero()[:, 1], torch.tensor([EOS, EOS]))
+    moving = Chain([configure(Dfa, initial_state=0, transitions=[[0, EOS, 1], [0, 7, 1]])]).bind(vocab, [EOS])
+    _, logits = moving.process(moving.init(context), torch.randn(2, 1024), context)
+    assert torch.equal((logits > NEG_INF).nonzero()[:, 1], torch.tensor([7, 7]))
+
+
 def balanced(text: str) -> bool:
     depth = 0
     for c in text:

@@ -6,6 +6,7 @@ import torch
 
 import processors as P
 from sidecar import Engine
+from sidecar.beams import BeamSearch
 from sidecar.errors import CacheBudgetExceeded
 
 from .conftest import tokens
@@ -129,6 +130,7 @@ BEAM_CASES = [
     dict(num_beams=3, max_new_tokens=8, num_return_sequences=3, length_penalty=0.5),
     dict(num_beams=4, max_new_tokens=9, early_stopping=True, num_return_sequences=2),
     dict(num_beams=2, max_new_tokens=7, early_stopping="never", length_penalty=2.0),
+    dict(num_beams=3, max_new_tokens=5, num_return_sequences=2, length_penalty=-1e308),  # length ** it underflows to 0
 ]
 PROCESSORS = {
     "none": ([], {}),
@@ -156,6 +158,36 @@ def test_beam_search_equals_transformers(any_engine, case, chain):
     assert all(set(ids[len(got):]) <= {0, eos} for ids, got in zip(expected_ids, got_ids))
     assert torch.allclose(torch.tensor([s.score for s in result.sequences]), theirs_out.sequences_scores, atol=1e-4)
     assert result.token_ids == got_ids[0] and result.text == result.sequences[0].text
+
+
+@pytest.mark.parametrize("length_penalty", [1000.0, 1e308])
+@pytest.mark.parametrize("early_stopping", [False, "never"])
+def test_a_length_penalty_whose_power_overflows_scores_as_its_limit(engine, length_penalty, early_stopping):
+    """`length ** 1000.0` overflows a float from length 3 (Python raises, and so does transformers'
+    generate); ours takes it as inf, so a score divided by it is -0.0, the limit. 250.0 already gives that
+    through float32 (2 ** 250 is inf there, so is every power of a longer length), and transformers runs
+    it: the same search."""
+    prompt = tokens(9, seed=7, high=engine.vocab_size)
+    case = dict(num_beams=3, max_new_tokens=6, num_return_sequences=3, early_stopping=early_stopping)
+    theirs = engine.model.generate(torch.tensor([prompt]), do_sample=False, output_scores=True, return_dict_in_generate=True,
+                                   pad_token_id=0, eos_token_id=2, length_penalty=250.0, **case)
+    with engine.session() as session:
+        result = session.generate(token_ids=prompt, strategy="beam", eos_token_ids=[2], length_penalty=length_penalty, **case)
+    got = [s.token_ids for s in result.sequences]
+    assert [row[len(prompt):].tolist()[: len(g)] for row, g in zip(theirs.sequences, got)] == got
+    assert [s.score for s in result.sequences] == theirs.sequences_scores.tolist()
+
+
+def test_running_beams_scored_with_an_underflowing_length_penalty_are_finite():
+    """length ** -1e308 is 0 from length 2: a running beam's score would be -inf (Python raises
+    ZeroDivisionError), which a reply cannot carry; it is -1e9, the floor of the finished set. (The engine
+    stops such a search at its second step, so a cancel does not reach it today; the bookkeeping alone does.)"""
+    search = BeamSearch(3, 20, [], -1e308, False, "cpu")
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        search.step(torch.randn(3, 50, generator=generator).log_softmax(-1))
+    found = search.running_results(3)
+    assert [len(ids) for ids, _ in found] == [2, 2, 2] and [score for _, score in found] == [-1e9, -1e9, -1e9]
 
 
 def test_beam_search_over_a_shared_long_prompt_equals_transformers(any_engine):
@@ -195,6 +227,27 @@ def test_after_beam_search_the_session_holds_the_best_sequence_and_caches_the_pr
 
 
 # ---- n samples --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("options, count, score", [
+    (dict(strategy="sample", num_samples=4, seed=1), 4, None),
+    (dict(strategy="beam", num_beams=4, num_return_sequences=3), 3, 0.0),
+], ids=["4 samples", "3 of 4 beams"])
+def test_max_new_tokens_0_returns_every_sequence_empty_and_each_continues(engine, options, count, score):
+    """The spec: `sequences` lists every sample, or the best num_return_sequences beams; with nothing to
+    generate they are all empty (an empty beam scores 0.0, the sum of no log-probs), and `continue` may
+    name any of them."""
+    prompt = tokens(12, seed=30)
+    with engine.session() as session:
+        result = session.generate(token_ids=prompt, max_new_tokens=0, **options)
+        assert [(s.text, s.token_ids, s.finish_reason, s.score) for s in result.sequences] == [("", [], "length", score)] * count
+        assert (result.text, result.token_ids, result.finish_reason) == ("", [], "length")
+        assert result.stats.generated_tokens == 0 and result.stats.prefill_tokens == len(prompt)
+        assert session.history == prompt and session.cached == len(prompt)
+        last = session.continuation(sequence=count - 1, append_token_ids=[5])
+        assert list(last.ids) == prompt + [5]
+        follow = session.generate(last, max_new_tokens=3, eos_token_ids=[])
+        assert follow.stats.reused_tokens == len(prompt) and follow.token_ids == reference_greedy(engine, prompt + [5], 3)
+
 
 @pytest.mark.parametrize("length", [12, 400], ids=["prompt copied to each row", "prompt shared by the rows"])
 def test_n_samples_equal_transformers_sampling_with_the_same_seed(engine, length):

@@ -552,6 +552,37 @@ def test_session_limits_and_requests_overtaken_while_compiling_or_closing(defaul
         assert stats["in_flight"] == 0 and stats["sessions"] == 1
 
 
+def test_huge_length_penalties_reply_with_a_result(peer):
+    """length ** 1000.0 overflows a float (transformers raises there); it is taken as inf, the scores are
+    their limit, -0.0, and every reply carries finite scores (a peer may refuse non-finite floats)."""
+    peer.call("open_session", session="lp")
+    for length_penalty in (1000.0, 1e308, -1e308):
+        reply = peer.call("generate", session="lp", prompt="The quick brown fox", strategy="beam", num_beams=3,
+                          num_return_sequences=2, length_penalty=length_penalty, max_new_tokens=4, eos_token_ids=[])
+        assert "result" in reply, (length_penalty, reply)
+        scores = [s["score"] for s in reply["result"]["sequences"]]
+        assert len(scores) == 2 and all(-1e9 <= score <= 0.0 for score in scores), (length_penalty, scores)
+        if length_penalty > 0:
+            assert [len(s["token_ids"]) for s in reply["result"]["sequences"]] == [4, 4] and scores == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("options, count", [
+    (dict(strategy="sample", num_samples=4, seed=1), 4),
+    (dict(strategy="beam", num_beams=4, num_return_sequences=3), 3),
+], ids=["4 samples", "3 of 4 beams"])
+def test_max_new_tokens_0_lists_every_sequence_and_continue_names_the_last(peer, engine, options, count):
+    peer.call("open_session", session="z")
+    result = peer.call("generate", session="z", prompt="hi", max_new_tokens=0, **options)["result"]
+    empty = {"text": "", "token_ids": [], "finish_reason": "length", **({"score": 0.0} if options["strategy"] == "beam" else {})}
+    assert result["sequences"] == [empty] * count and result["finish_reason"] == "length"
+    reply = peer.call("generate", session="z", max_new_tokens=2, eos_token_ids=[], **{"continue": {"sequence": count - 1}})
+    assert "result" in reply, reply
+    ids = engine.tokenizer.encode("hi")
+    with engine.session() as reference:
+        assert reply["result"]["token_ids"] == reference.generate(token_ids=ids, max_new_tokens=2, eos_token_ids=[]).token_ids
+    assert reply["result"]["stats"]["reused_tokens"] == len(ids) - 1  # the prompt, all but the last token fed again
+
+
 def test_continue_names_a_sequence_of_the_last_result(peer, engine):
     """`continue` is read when the request reaches the head of its session's queue: pipelined behind a
     generate, it continues that one's result. Bad values are typed errors and change nothing."""

@@ -185,3 +185,16 @@ def test_a_sample_row_left_with_nothing_is_invalid_logits_not_a_crash(engine):
                                  processors=[configure(Choice, options=["ab"]),
                                              configure(MinNewTokens, min_new_tokens=5, eos_token_ids=[2])])
             assert session.history == []
+
+
+@pytest.mark.parametrize("transitions", [[[0, 2, 0]], [[0, 2, 1], [1, 5, 1]]], ids=["loop on eos", "on to a state"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_dfa_state_that_moves_only_on_eos_ends_the_text(engine, transitions, rows):
+    """No accepting state, and the initial state's only transitions are on the EOS token: it can go nowhere
+    else, so it gets EOS (never an all -inf row, which would be invalid_logits)."""
+    from processors import Dfa
+
+    with engine.session() as session:
+        result = session.generate("hi", max_new_tokens=4, eos_token_ids=[2], strategy="sample", num_samples=rows, seed=1,
+                                  processors=[configure(Dfa, initial_state=0, transitions=transitions)])
+        assert [(s.token_ids, s.finish_reason) for s in result.sequences] == [([2], "eos")] * rows

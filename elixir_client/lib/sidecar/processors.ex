@@ -27,7 +27,8 @@ defmodule Sidecar.Processors do
     * `DFA` - your own automaton over token ids, as Bumblebee's stateful processors take one:
       `initial_state:`, `transitions:` as `{state, token_id, next_state}` tuples (or 3-element lists),
       `accepting_states:` (default `[]`). A token with no transition from the current state is
-      forbidden; EOS is allowed in accepting states and in states with no transitions
+      forbidden; EOS is allowed in accepting states and in states with no transitions but on EOS
+      tokens
 
   `Regex`, `Choice` and `JSONSchema` take `compile_timeout_s:` (default `10.0`, at most `300`), the
   longest the sidecar may spend compiling them against the model's vocabulary; they are compiled
