@@ -210,30 +210,35 @@ class Server:
     def _advance(self, name: str) -> None:
         """Starts whatever is at the head of a session's queue, unless a generation is running there.
 
-        A request that fails to start is answered and retired here, so it can never block its queue.
+        A request that fails to start is answered and retired here, so it can never block its queue. A fork
+        that ran lets what was sent to its session go on: those sessions are advanced in turn, not by
+        recursion (a client may pipeline a chain of a thousand forks, each of the one before).
         """
-        jobs = self.queues.get(name)
-        if name in self.forking:
-            return  # the fork that creates this session has not run yet
-        while jobs and jobs[0].generation is None:
-            job = jobs[0]
-            try:
-                if job.request.op == "generate":
-                    if not job.compiled and self._compile_first(name, job):
-                        return  # the session waits for its constraints; the other sessions go on
-                    self._start_generation(job)
-                    return
-                reply = ok(job.request.id, getattr(self, f"op_{job.request.op}")(job.request.params, job.request.id))
-            except (ProtocolError, SidecarError) as problem:
-                reply = problem_reply(job.request.id, problem)
-            except (BrokenPipeError, Hangup, Shutdown):  # the client is gone: not this request's failure
-                raise
-            except Exception as bug:
-                reply = internal_reply(job.request.id, bug)
-            self._retire(job, reply)
-            if job.request.op == "fork_session" and job.request.params["new"] in self.queues:
-                self._advance(job.request.params["new"])  # what was sent to the fork while it waited
-            jobs = self.queues.get(name)  # close_session removes the queue
+        names = [name]
+        while names:
+            name = names.pop()
+            jobs = self.queues.get(name)
+            if name in self.forking:
+                continue  # the fork that creates this session has not run yet
+            while jobs and jobs[0].generation is None:
+                job = jobs[0]
+                try:
+                    if job.request.op == "generate":
+                        if not job.compiled and self._compile_first(name, job):
+                            break  # the session waits for its constraints; the other sessions go on
+                        self._start_generation(job)
+                        break
+                    reply = ok(job.request.id, getattr(self, f"op_{job.request.op}")(job.request.params, job.request.id))
+                except (ProtocolError, SidecarError) as problem:
+                    reply = problem_reply(job.request.id, problem)
+                except (BrokenPipeError, Hangup, Shutdown):  # the client is gone: not this request's failure
+                    raise
+                except Exception as bug:
+                    reply = internal_reply(job.request.id, bug)
+                self._retire(job, reply)
+                if job.request.op == "fork_session" and job.request.params["new"] in self.queues:
+                    names.append(job.request.params["new"])  # what was sent to the fork while it waited
+                jobs = self.queues.get(name)  # close_session removes the queue
 
     def _compile_first(self, name: str, job: Job) -> bool:
         """Starts compiling a generation's constraints that no earlier call compiled, on other threads, so
@@ -496,13 +501,22 @@ class Server:
         self.queues[name] = deque()
 
     def _unreserve(self, fork: Job, answer: bool) -> None:
-        """The fork ended without creating its session: what waited for it is `unknown_session`."""
-        name = fork.request.params["new"]
-        del self.forking[name]
-        for job in self.queues.pop(name):
-            self._retire(job, problem_reply(job.request.id, ProtocolError(
-                codes.UNKNOWN_SESSION, f"session {name!r} was never created: the fork_session (request "
-                f"{fork.request.id}) that was to create it failed", job.request.id, session=name)) if answer else None)
+        """The fork ended without creating its session: what waited for it is `unknown_session`, and so is
+        what waited for the forks among those, and so on; answered deepest first (the requests an op ends
+        before its own reply), without recursion (a chain of forks may be a thousand long)."""
+        ended, forks = [], [fork]
+        while forks:
+            fork = forks.pop()
+            name = fork.request.params["new"]
+            del self.forking[name]
+            jobs = self.queues.pop(name)
+            ended.append((fork, name, jobs))
+            forks += [job for job in jobs if self.forking.get(job.request.params.get("new")) is job]
+        for fork, name, jobs in reversed(ended):
+            for job in jobs:
+                self._retire(job, problem_reply(job.request.id, ProtocolError(
+                    codes.UNKNOWN_SESSION, f"session {name!r} was never created: the fork_session (request "
+                    f"{fork.request.id}) that was to create it failed", job.request.id, session=name)) if answer else None)
 
     def op_fork_session(self, params, rid):
         model, session = self._session(params["session"], rid)

@@ -646,3 +646,32 @@ def test_max_sequences_bounds_the_rows_of_a_generation_above_the_engines_default
         error = peer.call("generate", session="a", token_ids=[5, 6, 7], strategy="sample", num_samples=71,
                           max_new_tokens=1)["error"]
         assert (error["code"], error["limit"], error["value"]) == ("limit_exceeded", "max_sequences", 71)
+
+
+@pytest.mark.parametrize("ends", ["run", "fail"])
+def test_a_chain_of_a_thousand_pipelined_forks_is_answered_whole(default_dir, ends):
+    """Each fork of a chain waits for the one before, behind a generate of the first source: when they
+    run (or the first fails, its source closed), the chain unwinds without recursion; the server lives on,
+    every request is answered and nothing stays reserved."""
+    chain = 1010  # over Python's recursion limit
+    with Peer(SERVER, stderr=subprocess.DEVNULL) as peer:
+        peer.call("open_session", session="a")
+        first = peer.next_id()
+        generate(peer, first, session="a", token_ids=list(range(5, 40)), max_new_tokens=16, eos_token_ids=[])
+        if ends == "fail":
+            peer.send({"id": peer.next_id(), "op": "close_session", "session": "a"})
+        forks, source = [], "a"
+        for i in range(chain):
+            forks.append(peer.next_id())
+            peer.send({"id": forks[-1], "op": "fork_session", "session": source, "new": f"f{i}"})
+            source = f"f{i}"
+        assert peer.reply_for(first)[1]["ok"]
+        codes = [peer.reply_for(rid)[1].get("error", {}).get("code", "ok") for rid in forks]
+        stats = peer.call("stats")["result"]
+        if ends == "run":
+            assert codes == ["ok"] * chain and stats["sessions"] == chain + 1
+        else:
+            assert codes == ["session_closed"] + ["unknown_session"] * (chain - 1) and stats["sessions"] == 0
+            assert [peer.replied.index(rid) for rid in forks] == sorted((peer.replied.index(rid) for rid in forks), reverse=True)
+        assert stats["in_flight"] == 0
+        assert peer.call("open_session", session=f"f{chain - 1}")["ok"] == (ends == "fail")
