@@ -80,7 +80,7 @@ class Run:
         self.saved = None  # the session's checkpoint, taken when admitted
         self.own = 0  # input tokens the session's own cache holds (`Session.reusable`), found with `source`
         self.source = None  # another cache holding more of the input than the session's (`sharing.find`)
-        self.lean = False  # planned to need the least memory (`needed_bytes`)
+        self.lean = 0  # how lean its plan is (`needed_bytes`)
         self.fresh: list[int] = []  # prompt tokens still to prefill
         self.work = None  # the KVCache the rows decode in (the session's own for one row)
         self.rows: list[_Row] = []  # the sequences still decoding, in the order of `work`'s rows
@@ -100,18 +100,20 @@ class Run:
         """Whether its rows read the prompt from the session's cache rather than from copies of their own."""
         return self.width > 1 and (self.lean or len(self.request.input_ids) * (self.width - 1) >= SHARE_PREFIX_TOKENS)
 
-    def needed_bytes(self, lean: bool = False) -> int:
+    def needed_bytes(self, lean: int = 0) -> int:
         """Bytes of KV memory to add to the store before it can run to its end; decides, first, where the
         input's cached prefix comes from (the session's own cache, or another one: `source`).
 
-        `lean` plans what fits a tight budget, when the faster plan does not: rows share the prompt
+        `lean` (1) plans what fits a tight budget, when the faster plan does not: rows share the prompt
         instead of copying it (input + rows x max_new_tokens, as the protocol promises); no other
         session's cache is continued, since keeping it may take more than computing the prefix again
         would once that cache is evicted; and what the call crops from the session's cache is let go
-        at once instead of kept for a failure to put back."""
+        at once instead of kept for a failure to put back. Leaner still (2), the session reuses nothing,
+        so that its cache and the shared prefix it continues may be evicted too: a prefix it continues
+        stays whole while continued, however little of it the call reuses."""
         cache, request, session = self.session.cache, self.request, self.session
         self.lean = lean
-        self.own = own = session.reusable(request.input_ids)
+        self.own = own = 0 if self.from_scratch else session.reusable(request.input_ids)
         # a shift reuses the session's own window: it does not look elsewhere
         self.source = None
         if request.shift_keep is None and not lean:
@@ -123,10 +125,18 @@ class Run:
         # A call that crops the cache keeps its capacity until it ends, so that a failure can put the
         # cropped tail back without growing past the budget (a lean one lets it go: `restorable`).
         kept = cache.length if self.restorable else 0
+        # what its buffers hold now is counted as used; reusing nothing, it may lose them to eviction
+        # instead, and then needs all it holds anew
+        has = 0 if self.from_scratch else cache.nbytes
         if self.width == 1:
-            return cache.bytes_for(1, max(total, kept)) - cache.nbytes
+            return cache.bytes_for(1, max(total, kept)) - has
         working = cache.bytes_for(self.width, request.max_new_tokens if self.shares_prefix else total + offset)
-        return cache.bytes_for(1, max(prompt, kept)) - cache.nbytes + working
+        return cache.bytes_for(1, max(prompt, kept)) - has + working
+
+    @property
+    def from_scratch(self) -> bool:
+        """Whether it plans to reuse nothing of the session's cache (a shift always reuses its window)."""
+        return self.lean == 2 and self.request.shift_keep is None
 
     @property
     def restorable(self) -> bool:
@@ -136,6 +146,8 @@ class Run:
     @property
     def held(self) -> tuple:
         """The caches admission must not evict to make room for it: its own, and the one it will continue."""
+        if self.from_scratch:
+            return ()
         return (self.session.cache,) if self.source is None else (self.session.cache, self.source.cache)
 
     def admit(self) -> None:

@@ -85,8 +85,10 @@ class Scheduler:
                 continue
             needed = run.needed_bytes()
             fits = store.make_room(needed, keep=run.held)
-            if not fits:
-                needed = run.needed_bytes(lean=True)
+            for lean in (1, 2):  # leaner plans, when the faster one does not fit (`Run.needed_bytes`)
+                if fits:
+                    break
+                needed = run.needed_bytes(lean)
                 fits = store.make_room(needed, keep=run.held)
             if not fits:
                 if self.running:

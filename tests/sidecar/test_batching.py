@@ -383,6 +383,21 @@ def test_a_session_holding_a_long_cache_lets_the_cropped_part_go_when_the_budget
         assert again.token_ids == reference_greedy(engine, long, 1) and again.stats.reused_tokens == 49
 
 
+def test_a_session_continuing_a_shared_prefix_computes_from_scratch_when_only_that_fits(default_dir):
+    """A prefix a session continues stays whole while continued: when the budget fits the call only
+    without it, the session reuses nothing and the prefix may be evicted (it was refused)."""
+    per_token = Engine.load(default_dir).store.bytes_per_token
+    engine = Engine.load(default_dir, cache_budget_bytes=200 * per_token)
+    prompt, other = tokens(50, seed=73), tokens(20, seed=74)
+    with engine.session() as session:
+        session.generate(token_ids=prompt, max_new_tokens=149, eos_token_ids=[])
+        session.fork().close()  # its cache is now a shared entry that it alone continues
+        assert session.cache.prefix is not None and session.cached == 198
+        result = session.generate(token_ids=other, max_new_tokens=20, eos_token_ids=[])
+        assert result.token_ids == reference_greedy(engine, other, 20) and result.stats.reused_tokens == 0
+        assert engine.store.peak_bytes <= engine.cache_budget_bytes
+
+
 # ---- clumsy callers -----------------------------------------------------------------------------------
 
 def test_a_beam_search_cancelled_part_way_returns_its_best_running_beams(engine):
