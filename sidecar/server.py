@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import processors as proc
+from processors.structured import compile as structured_compile
 from processors.structured.compile import CompileCancelled
 from processors.structured.constraints import RegularConstraint
 from protocol import (
@@ -79,6 +80,7 @@ class Compile:
     waiting: dict = field(default_factory=dict)  # request id -> Job
     stop: threading.Event = field(default_factory=threading.Event)
     problem: proc.ProcessorError | None = None
+    automaton: object = None  # what it compiled, held until its generations bind it
     done: bool = False
 
 
@@ -272,7 +274,7 @@ class Server:
             try:
                 if task.stop.is_set():  # every request that wanted it left before it started
                     raise CompileCancelled("the compile was cancelled before it started")
-                task.constraint.automaton(task.vocabulary, task.stop.is_set)
+                task.automaton = task.constraint.automaton(task.vocabulary, task.stop.is_set)
             except proc.ProcessorError as problem:  # CompileCancelled too: nobody waits to read it
                 task.problem = problem
             except Exception as bug:  # a defect of ours: the generations will meet it again when they start
@@ -300,6 +302,10 @@ class Server:
                 job.problem = InvalidProcessor(f"processors[{index}] ({task.constraint.name}): {task.problem}",
                                                index=index)
                 break
+        else:  # about to bind them: back in the compile cache, whatever compiled since evicted
+            for _, task in job.compiles:
+                if task.automaton is not None:  # None: a defect of ours, which binding meets again
+                    structured_compile.keep(task.constraint.source(), task.vocabulary, task.automaton)
         self._release(job)
         job.compiled = True
         return True

@@ -117,6 +117,15 @@ def _build(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, ca
     return TokenAutomaton.from_transitions(initial, sources, tokens, targets, accepting, vocabulary.size)
 
 
+def keep(source: tuple[str, str], vocabulary: Vocabulary, automaton: TokenAutomaton) -> None:
+    """Puts a compiled automaton back in the cache as its most recently used, for a caller about to bind
+    it: compiled on another thread, it may have been evicted since by others compiled after it."""
+    key = (source, vocabulary.fingerprint)
+    with _cache_lock:
+        _cache[key] = automaton
+        _cache.move_to_end(key)
+
+
 def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float | None = None) -> bool:
     """Whether binding `source` to `vocabulary` (with `timeout_s`) takes no compiling: compiled, or known
     to fail (a timeout is not known to fail with a longer timeout: `compile_regex` tries again)."""

@@ -419,6 +419,21 @@ def test_compiled_constraints_are_shared_per_vocabulary(vocab, tokenizer):
     assert other.automaton is not first.automaton
 
 
+def test_an_automaton_kept_back_in_the_cache_binds_without_compiling(vocab, monkeypatch):
+    """What the server does with an automaton a compile thread made, before its generation binds it:
+    whatever the cache evicted meanwhile, binding finds it and compiles nothing."""
+    from collections import OrderedDict
+
+    from processors.structured import compile as structured_compile
+
+    config = configure(Regex, pattern="[0-9]{5}")
+    compiled = config.automaton(vocab)
+    monkeypatch.setattr(structured_compile, "_cache", OrderedDict())  # everything evicted
+    monkeypatch.setattr(structured_compile, "_in_child", lambda *a: pytest.fail("compiled again"))
+    structured_compile.keep(config.source(), vocab, compiled)
+    assert config.bind(vocab, [EOS]).automaton is compiled
+
+
 class SharedCounter(P.LogitsProcessor):
     """Bumblebee PR #425's example shape: one value for every row, kept as tensor([x])."""
 
