@@ -200,9 +200,12 @@ class KVStore:
 
     def could_fit(self, extra_bytes: int, keep: tuple["KVCache", ...] = ()) -> bool:
         """Whether `extra_bytes` more fit once every idle cache (but `keep`) is evicted; evicts nothing."""
+        return self.unevictable_bytes(keep) + extra_bytes <= self.budget_bytes
+
+    def unevictable_bytes(self, keep: tuple["KVCache", ...] = ()) -> int:
+        """The bytes still held once every idle cache but `keep` is evicted."""
         held = self._held(keep)
-        idle = sum(c.nbytes for c in self._caches.values() if id(c) not in held)
-        return self.used_bytes - idle + extra_bytes <= self.budget_bytes
+        return self.used_bytes - sum(c.nbytes for c in self._caches.values() if id(c) not in held)
 
     def _held(self, keep) -> set[int]:
         """The ids of caches that cannot be evicted: pinned or kept ones, and every cache their chains read

@@ -94,10 +94,11 @@ class Scheduler:
                 if self.running:
                     return  # running generations will free memory: wait for them
                 self.waiting.popleft()
+                value = needed + store.unevictable_bytes(run.held)  # its leanest plan, idle caches evicted
                 run.fail(CacheBudgetExceeded(
-                    f"this generation needs {needed + store.used_bytes} bytes of KV cache, more than the "
-                    f"budget of {store.budget_bytes} (cache_budget_bytes) even with every idle cache evicted",
-                    limit="cache_budget_bytes", max=store.budget_bytes, value=needed + store.used_bytes))
+                    f"this generation needs {value} bytes of KV cache with every idle cache evicted, more than "
+                    f"the budget of {store.budget_bytes} (cache_budget_bytes)",
+                    limit="cache_budget_bytes", max=store.budget_bytes, value=value))
                 continue
             self.waiting.popleft()
             try:

@@ -398,6 +398,18 @@ def test_a_session_continuing_a_shared_prefix_computes_from_scratch_when_only_th
         assert engine.store.peak_bytes <= engine.cache_budget_bytes
 
 
+def test_a_refusal_reports_what_the_generation_needs_with_the_idle_caches_evicted(default_dir):
+    """`value` is the generation's own need (its leanest plan) plus what cannot be evicted, not what other
+    sessions' idle caches happen to hold."""
+    per_token = Engine.load(default_dir).store.bytes_per_token
+    engine = Engine.load(default_dir, cache_budget_bytes=40 * per_token)
+    with engine.session() as idle, engine.session() as session:
+        idle.generate(token_ids=tokens(20, seed=75), max_new_tokens=4, eos_token_ids=[])
+        with pytest.raises(CacheBudgetExceeded) as caught:
+            session.generate(token_ids=tokens(30, seed=76), max_new_tokens=20, eos_token_ids=[])
+        assert caught.value.details["value"] == 50 * per_token and idle.cached == 23
+
+
 # ---- clumsy callers -----------------------------------------------------------------------------------
 
 def test_a_beam_search_cancelled_part_way_returns_its_best_running_beams(engine):
