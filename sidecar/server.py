@@ -196,7 +196,7 @@ class Server:
             if self.queued_bytes + size > self.limits.max_queued_bytes:
                 raise self.limits.exceeded("max_queued_bytes", self.queued_bytes + size, request.id)
             name = request.params["session"]
-            if name not in self.sessions and name not in self.forking:
+            if not self._taken(name):
                 raise ProtocolError(codes.UNKNOWN_SESSION, f"no open session {name!r}", request.id, session=name)
             job = Job(request, size)
             if request.op == "fork_session" and request.params["new"] is not None:
@@ -219,9 +219,9 @@ class Server:
         names = [name]
         while names:
             name = names.pop()
-            jobs = self.queues.get(name)
             if name in self.forking:
                 continue  # the fork that creates this session has not run yet
+            jobs = self.queues.get(name)
             while jobs and jobs[0].generation is None:
                 job = jobs[0]
                 try:
@@ -285,8 +285,7 @@ class Server:
     def _compiled(self, task: Compile) -> None:
         """On the main thread, a compile is over: the generations it held that need nothing else go on."""
         task.done = True
-        if self.compiling.get(task.key) is task:
-            del self.compiling[task.key]
+        self._forget(task)
         for job in list(task.waiting.values()):
             if job.request.id in self.in_flight and self._settled(job):
                 self._advance(job.request.params["session"])  # it waits at the head of that session's queue
@@ -316,9 +315,13 @@ class Server:
         for _, task in job.compiles:
             if task.waiting.pop(job.request.id, None) is not None and not task.waiting and not task.done:
                 task.stop.set()
-                if self.compiling.get(task.key) is task:
-                    del self.compiling[task.key]  # a later request for the key starts a compile of its own
+                self._forget(task)  # a later request for the key starts a compile of its own
         job.compiles = []
+
+    def _forget(self, task: Compile) -> None:
+        """Takes a compile out of the table that requests for its key join (it may have been replaced)."""
+        if self.compiling.get(task.key) is task:
+            del self.compiling[task.key]
 
     def _start_generation(self, job: Job) -> None:
         if job.problem is not None:
@@ -373,8 +376,7 @@ class Server:
         waited for the session it was to create)."""
         if self.in_flight.pop(job.request.id, None) is not None:
             self.queued_bytes -= job.size
-        if job.compiles:
-            self._release(job)
+        self._release(job)
         if self.forking.get(job.request.params.get("new")) is job:
             self._unreserve(job, answer=reply is not None)
         if job in self.active:
@@ -489,10 +491,11 @@ class Server:
 
     def _claim_session_name(self, name: str | None, rid: int) -> str:
         """A name for a new session: the one asked for if it is free, else a fresh one; within max_sessions."""
-        if name is not None and (name in self.sessions or name in self.forking):
+        if name is not None and self._taken(name):
             raise ProtocolError(codes.SESSION_EXISTS, f"a session named {name!r} is already open", rid, session=name)
-        if len(self.sessions) + len(self.forking) >= self.limits.max_sessions:
-            raise self.limits.exceeded("max_sessions", len(self.sessions) + len(self.forking) + 1, rid)
+        count = len(self.sessions) + len(self.forking)  # a pending fork's name counts
+        if count >= self.limits.max_sessions:
+            raise self.limits.exceeded("max_sessions", count + 1, rid)
         return self._fresh_session_name() if name is None else name
 
     def _add_session(self, name: str, model: str, session) -> None:
@@ -614,11 +617,16 @@ class Server:
                     f"session {name!r} was closed before this request ran", session=name)))
         session.close()
 
+    def _taken(self, name: str) -> bool:
+        """Whether a session of that name is open, or a fork that creates it is on its way."""
+        return name in self.sessions or name in self.forking
+
     def _fresh_session_name(self) -> str:
         while True:
             self._names += 1
-            if f"s{self._names}" not in self.sessions and f"s{self._names}" not in self.forking:
-                return f"s{self._names}"
+            name = f"s{self._names}"
+            if not self._taken(name):
+                return name
 
 
 def build_processors(specs: list[dict], rid: int) -> list:

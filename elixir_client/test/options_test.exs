@@ -41,7 +41,12 @@ defmodule Sidecar.OptionsTest do
     opts = Sidecar.Test.Helpers.sidecar_opts()
     {help, 0} = System.cmd(opts[:python], ["-m", "sidecar", "--help"], cd: opts[:cd], stderr_to_stdout: true)
 
-    for {key, definition} <- Sidecar.Options.definitions(), definition[:flag] != nil do
+    flagged =
+      for {key, definition} <- Sidecar.Options.definitions(), definition[:flag] != nil, do: {key, definition}
+
+    assert length(flagged) == 4
+
+    for {key, definition} <- flagged do
       flag = with {:when_false, name} <- definition[:flag], do: name
       assert help =~ ~r/\s#{Regex.escape(flag)}[\s,\]]/, "#{flag} (option #{inspect(key)}) is not in --help"
       assert Sidecar.Options.doc(key) =~ flag

@@ -95,11 +95,17 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
             while len(_failures) > MAX_FAILURES:
                 _failures.popitem(last=False)
         raise
+    _store(key, automaton)
+    return automaton
+
+
+def _store(key: tuple, automaton: TokenAutomaton) -> None:
+    """Caches an automaton as the most recently used, within `CACHE_BYTES` (the least recently used go)."""
     with _cache_lock:
         _cache[key] = automaton
+        _cache.move_to_end(key)
         while sum(a.nbytes for a in _cache.values()) > CACHE_BYTES and len(_cache) > 1:
             _cache.popitem(last=False)
-    return automaton
 
 
 def _never() -> bool:
@@ -120,10 +126,7 @@ def _build(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, ca
 def keep(source: tuple[str, str], vocabulary: Vocabulary, automaton: TokenAutomaton) -> None:
     """Puts a compiled automaton back in the cache as its most recently used, for a caller about to bind
     it: compiled on another thread, it may have been evicted since by others compiled after it."""
-    key = (source, vocabulary.fingerprint)
-    with _cache_lock:
-        _cache[key] = automaton
-        _cache.move_to_end(key)
+    _store((source, vocabulary.fingerprint), automaton)
 
 
 def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float | None = None) -> bool:
@@ -205,7 +208,7 @@ def _live_transitions(index: Index, sentinel: int):
     return initial, sources, tokens, targets, sorted(accepting)
 
 
-def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled=_never):
+def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled):
     """Runs `_compile_child` in a forked child and returns what it sent; waits `timeout_s` at most, in
     polls of `POLL_S` between which it asks `cancelled`, and kills the child whatever ends the wait."""
     if cancelled():

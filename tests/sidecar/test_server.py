@@ -402,9 +402,11 @@ def test_a_compile_two_requests_wait_for_runs_on_when_one_is_cancelled(peer):
     first, second = peer.next_id(), peer.next_id()
     generate(peer, first, session="c1", prompt="x", max_new_tokens=24, processors=shared)
     generate(peer, second, session="c2", prompt="x", max_new_tokens=24, processors=shared)
+    compiling = wait_until(lambda: server_children(peer.process.pid))  # the one compile has started
     assert peer.call("cancel", target=first)["result"]["cancelled"]
     cancelled = peer.reply_for(first)[1]["error"]
     assert cancelled["code"] == "cancelled" and "before it started" in cancelled["message"]  # while compiling
+    assert server_children(peer.process.pid) <= compiling  # the same child compiles on (or has ended), no other
     reply = peer.reply_for(second)[1]
     assert reply["ok"] and reply["result"]["token_ids"] and re.fullmatch("[ab]*", reply["result"]["text"])
     assert peer.replied.index(first) < peer.replied.index(second)

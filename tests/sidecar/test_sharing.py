@@ -255,7 +255,7 @@ def windowed(engine):
     """A sharing engine, one that shares nothing, and a session of the first continuing the system prompt
     another session left, then holding 30 tokens and an 80-token window of its own."""
     sharing = Engine(engine.model, engine.tokenizer)
-    cold = Engine(engine.model, engine.tokenizer, share_prefixes=False)
+    cold = unshared(engine)
     warm(sharing)
     session = sharing.session()
     window = tokens(80, seed=71)
@@ -314,7 +314,7 @@ def test_a_shift_moves_tokens_out_of_the_shared_prefix_as_it_would_its_own(engin
 def test_a_second_shift_keeping_more_does_not_make_the_first_ones_keys_exact(engine):
     """A shift with keep 0 then one with keep 60: the keys after position 0 stay approximate, unshared."""
     sharing = Engine(engine.model, engine.tokenizer)
-    cold = Engine(engine.model, engine.tokenizer, share_prefixes=False)
+    cold = unshared(engine)
     text = tokens(200, seed=95)
     slider = sharing.session()
     slider.generate(token_ids=text, max_new_tokens=1, eos_token_ids=[])
