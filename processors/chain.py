@@ -27,8 +27,13 @@ class Chain:
             else:
                 raise InvalidOption(f"a chain holds processors or callables f(logits, context), got {p!r}")
         self.processors: tuple[LogitsProcessor, ...] = tuple(items)
+        named = [p.max_token_id() for p in items]
+        for index, (processor, top) in enumerate(zip(items, named)):
+            if not isinstance(top, int) or isinstance(top, bool):
+                raise InvalidOption(f"processors[{index}] ({processor.name}): max_token_id() must return an int, "
+                                    f"got {type(top).__name__}", index=index)
         # the largest token id any processor names (-1 for none): checked against the vocabulary
-        self.max_token_id = max((p.max_token_id() for p in items), default=-1)
+        self.max_token_id = max(named, default=-1)
 
     def __len__(self) -> int:
         return len(self.processors)
@@ -66,14 +71,26 @@ class Chain:
         """Runs one step. Inputs are checked first and never modified, so a rejected step changes nothing."""
         check_step(logits, context, self.max_token_id)
         new_states = []
-        for processor, state in zip(self.processors, states):
-            state, logits = processor.process(state, logits, context)
+        for position, (processor, state) in enumerate(zip(self.processors, states)):
+            returned = processor.process(state, logits, context)
+            if not (isinstance(returned, tuple) and len(returned) == 2):
+                raise InvalidInput(f"processors[{position}] ({processor.name}): process must return a pair (state, "
+                                   f"logits), got {_kind(returned)}", index=position)
+            state, logits = returned
             new_states.append(state)
         return tuple(new_states), logits
 
     def reorder(self, states: tuple, index: torch.Tensor) -> tuple:
         """Selects or reorders batch rows of every state (beam search, dropping finished rows)."""
-        return tuple(p.reorder(s, index) for p, s in zip(self.processors, states))
+        reordered = []
+        for position, (processor, state) in enumerate(zip(self.processors, states)):
+            try:
+                reordered.append(processor.reorder(state, index))
+            except (TypeError, IndexError, RuntimeError) as error:  # a state that changed shape since `init`
+                raise InvalidInput(f"processors[{position}] ({processor.name}): its state cannot follow the rows "
+                                   f"({str(error)[:200]}); a state keeps the shape `init` gave it, per-row tensors "
+                                   f"leading with the rows", index=position) from error
+        return tuple(reordered)
 
 
 def check_state(state, rows: int, owner: str, path: str = "state") -> None:
@@ -124,3 +141,11 @@ def check_step(logits: torch.Tensor, context: Context, max_token_id: int) -> Non
         raise InvalidInput(f"logits have {vocab} columns but context.vocab_size is {context.vocab_size}")
     if max_token_id >= vocab:
         raise InvalidInput(f"a processor names token id {max_token_id}, outside the vocabulary of {vocab}")
+
+
+def _kind(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    if isinstance(value, tuple):
+        return f"a tuple of {len(value)}"
+    return f"a {type(value).__name__}"

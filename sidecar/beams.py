@@ -7,7 +7,8 @@ follow) and the token it appends. The rules are transformers' own, so sequences 
 
 - the running beams start as copies of the prompt, all but the first with score -1e9, so the first
   step expands one beam;
-- each step keeps the best `max(2, 1 + number of EOS ids) * num_beams` continuations; those ending in
+- each step keeps the best `max(2, 1 + number of EOS ids) * num_beams` continuations (all there are, when
+  the EOS ids are most of a tiny vocabulary, where transformers' `topk` fails); those ending in
   EOS (or reaching `max_new_tokens`) are finished hypotheses scored `sum of log-probs / length **
   length_penalty` (length counts generated tokens), and only those among the top `num_beams` may enter
   the finished set; the best `num_beams` others keep running;
@@ -58,13 +59,13 @@ def normalised(score: float, length: int, length_penalty: float) -> float:
 
 class BeamSearch:
     def __init__(self, num_beams: int, max_new_tokens: int, eos_token_ids, length_penalty: float,
-                 early_stopping, device):
+                 early_stopping, vocab_size: int, device):
         self.num_beams = num_beams
         self.max_new_tokens = max_new_tokens
         self.length_penalty = length_penalty
         self.early_stopping = early_stopping
         self.eos = torch.tensor(sorted(eos_token_ids), dtype=torch.long, device=device)
-        self.keep = max(2, 1 + len(eos_token_ids)) * num_beams
+        self.keep = min(max(2, 1 + len(eos_token_ids)) * num_beams, num_beams * vocab_size)
         self.top_beams = torch.arange(self.keep, device=device) < num_beams
         self.step_count = 0  # tokens generated so far by every running beam
         self.running = torch.zeros(num_beams, max_new_tokens, dtype=torch.long, device=device)

@@ -8,7 +8,10 @@ turns (the previous answer included) tokenize to what the session holds.
 
 from __future__ import annotations
 
+from jinja2 import TemplateSyntaxError
+
 from .errors import InvalidArgument, NoChatTemplate
+from .text import check_unicode
 
 DEFAULT = "default"  # the name a tokenizer's single (unnamed) template goes by
 
@@ -30,11 +33,7 @@ def check_messages(messages) -> list[dict]:
                 or not isinstance(message.get("content"), str):
             raise InvalidArgument(f"messages[{i}] must be a map with a string role and a string content",
                                   option="messages", index=i)
-        try:
-            message["content"].encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise InvalidArgument(f"messages[{i}].content is not valid Unicode text: a lone surrogate at index "
-                                  f"{error.start}", option="messages", index=i) from error
+        check_unicode(message["content"], "messages", f"messages[{i}].content", index=i)
     return list(messages)
 
 
@@ -59,6 +58,10 @@ def render(tokenizer, messages, *, chat_template=None, add_generation_prompt=Non
     names = template_names(tokenizer)
     if chat_template is not None and not isinstance(chat_template, str):
         raise InvalidArgument("chat_template must be a template name or a template", option="chat_template")
+    if chat_template is not None and chat_template not in names and not _is_template(chat_template):
+        raise InvalidArgument(f"chat_template {chat_template[:60]!r} is neither a template name of this model "
+                              f"(known: {', '.join(names) or 'none'}) nor a template (no {{{{ }}}} or {{% %}} in it)",
+                              option="chat_template")
     if chat_template is None and not names:
         raise NoChatTemplate("the model's tokenizer has no chat template: give one with chat_template "
                              "(from Python, the template's text; to a server, --chat-template at start)")
@@ -68,7 +71,14 @@ def render(tokenizer, messages, *, chat_template=None, add_generation_prompt=Non
         ids = tokenizer.apply_chat_template(
             messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tokenize=True, return_dict=False)
+    except TemplateSyntaxError as error:  # the template itself, whatever the messages
+        raise InvalidArgument(f"chat_template is not a valid template: {str(error)[:300]}", option="chat_template") from error
     except Exception as error:  # jinja2's TemplateError (raise_exception in a template), ValueError, ...
         raise InvalidArgument(f"the chat template refused the messages: {type(error).__name__}: {str(error)[:300]}",
                               option="messages") from error
     return list(ids)
+
+
+def _is_template(text: str) -> bool:
+    """Whether a chat_template holds Jinja markup: text without any is a mistyped name, not a template."""
+    return "{{" in text or "{%" in text

@@ -4,6 +4,7 @@ runs every generation of the model together."""
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import math
 from collections import OrderedDict
@@ -29,6 +30,7 @@ from .errors import (
 from .kv import KVStore
 from .scheduler import Scheduler
 from .sequences import Continuable
+from .text import check_unicode
 from .session import REUSES, STRATEGIES, Request, Session
 
 DEFAULT_CACHE_BUDGET = 2 * 1024**3
@@ -54,16 +56,18 @@ class Engine:
     def __init__(self, model, tokenizer, *, path: Path | None = None,
                  cache_budget_bytes: int = DEFAULT_CACHE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  max_rows: int = DEFAULT_MAX_ROWS, share_prefixes: bool = True):
-        if not isinstance(prefill_chunk, Integral) or prefill_chunk < 1:
+        if not _is_int(prefill_chunk) or prefill_chunk < 1:
             raise InvalidArgument(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}", option="prefill_chunk")
-        if not isinstance(cache_budget_bytes, Integral) or cache_budget_bytes < 0:
+        if not _is_int(cache_budget_bytes) or cache_budget_bytes < 0:
             raise InvalidArgument(f"cache_budget_bytes must be an integer >= 0, got {cache_budget_bytes!r}", option="cache_budget_bytes")
+        if not _is_int(max_rows) or max_rows < 1:
+            raise InvalidArgument(f"max_rows must be an integer >= 1, got {max_rows!r}", option="max_rows")
         self.model = model
         self.tokenizer = tokenizer
         self.path = path
         self.cache_budget_bytes = int(cache_budget_bytes)
         self.prefill_chunk = int(prefill_chunk)
-        self.max_rows = max_rows  # num_beams and num_samples at most
+        self.max_rows = int(max_rows)  # num_beams and num_samples at most
         self.share_prefixes = bool(share_prefixes)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_context = getattr(model.config, "max_position_embeddings", None)
@@ -137,8 +141,11 @@ class Engine:
                  continue_final_message=False, max_new_tokens=16, strategy="greedy", seed=None,
                  processors=(), stop=(), eos_token_ids=None, num_samples=1, num_beams=None,
                  num_return_sequences=None, length_penalty=None, early_stopping=None, reuse="prefix",
-                 keep=None) -> Request:
+                 keep=None, **unknown) -> Request:
         """Checks a generate call completely, before anything changes; returns it in normal form."""
+        if unknown:
+            name = next(iter(unknown))
+            raise InvalidArgument(f"generate has no option {name!r}; valid: {', '.join(generate_options())}", option=name)
         if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
             raise InvalidArgument("give exactly one of prompt, token_ids and messages", option="prompt")
         if messages is None and (chat_template is not None or add_generation_prompt is not None or continue_final_message):
@@ -153,11 +160,7 @@ class Engine:
         elif prompt is not None:
             if not isinstance(prompt, str):
                 raise InvalidArgument(f"prompt must be a string, got {type(prompt).__name__}", option="prompt")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as error:
-                raise InvalidArgument(f"prompt is not valid Unicode text: a lone surrogate at index {error.start}",
-                                      option="prompt") from error
+            check_unicode(prompt, "prompt")
             input_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             if not isinstance(token_ids, (list, tuple)) or not all(_is_int(t) for t in token_ids):
@@ -182,6 +185,8 @@ class Engine:
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
             raise InvalidArgument("stop must be a list of non-empty strings", option="stop")
+        for i, text in enumerate(stop):
+            check_unicode(text, "stop", f"stop[{i}]", index=i)
         if eos_token_ids is None:
             eos = self.default_eos_token_ids
         else:
@@ -209,6 +214,7 @@ class Engine:
         if rows.get("num_beams") == 1:  # one beam is greedy search, as in transformers
             strategy, rows = "greedy", {}
         shift_keep = self._check_reuse(reuse, keep)
+        seed = None if seed is None else int(seed)  # numpy's integers too: torch's generator takes only int
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows,
                        shift_keep=shift_keep)
 
@@ -292,6 +298,14 @@ class Engine:
     def _forget(self, session: Session) -> None:
         self._sessions.pop(session.id, None)
 
+
+
+@functools.cache
+def generate_options() -> tuple[str, ...]:
+    """The options of a generate call, as `Engine.validate` declares them."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return tuple(name for name, p in inspect.signature(Engine.validate).parameters.items()
+                 if p.kind in kinds and name != "self")
 
 
 def _is_int(value) -> bool:

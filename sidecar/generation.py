@@ -29,6 +29,7 @@ from . import sharing
 from .attention import Segment
 from .beams import BeamSearch
 from .decode import check_logits, pick
+from .errors import InvalidProcessor
 from .session import Result, Sequence, Stats, TokenEvent
 from .text import Detokenizer, StopMatcher
 
@@ -186,7 +187,14 @@ class Run:
         return [Feed(self, Segment(self.work, 0, self.work.length, 1, rows), self.next_tokens, rows)]
 
     def accept(self, fed: list[Feed], logits: torch.Tensor | None) -> None:
-        """Takes the rows of logits for what was fed (None when nothing asked for logits)."""
+        """Takes the rows of logits for what was fed (None when nothing asked for logits). A processor's
+        typed failure (a contract broken, a grammar's parser giving up) is raised as `InvalidProcessor`."""
+        try:
+            self._accept(fed, logits)
+        except proc.ProcessorError as error:
+            raise InvalidProcessor(str(error), index=error.index) from error
+
+    def _accept(self, fed: list[Feed], logits: torch.Tensor | None) -> None:
         if self.fresh:
             n = fed[0].segment.length
             self.session.cache.length += n
@@ -223,7 +231,7 @@ class Run:
             self.generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
         if request.strategy == "beam":
             self.beams = BeamSearch(width, request.max_new_tokens, request.eos_token_ids, request.length_penalty,
-                                    request.early_stopping, logits.device)
+                                    request.early_stopping, logits.shape[-1], logits.device)
         self.rows = self.all_rows = [_Row(i, engine.tokenizer, request.stop) for i in range(width)]
 
     def _choose(self, logits: torch.Tensor) -> None:
@@ -382,6 +390,7 @@ class Generation:
         self.session = session
         self.request = request
         self._run = Run(session, request)
+        self._raised = False
         session.engine.scheduler.submit(self._run)
 
     @property
@@ -403,9 +412,9 @@ class Generation:
         run, scheduler = self._run, self.session.engine.scheduler
         while not run.events:
             if run.done:
-                if run.error is not None:
-                    error, run.error = run.error, None
-                    raise error
+                if run.error is not None and not self._raised:  # raised once, like a generator; `error` keeps it
+                    self._raised = True
+                    raise run.error
                 raise StopIteration
             scheduler.tick()
         return run.events.popleft()
@@ -422,6 +431,8 @@ class Generation:
         Called during a tick (from a processor), it only marks the run: the tick finishes first.
         """
         self.session.engine.scheduler.cancel(self._run)
+
+    close = cancel  # as a generator's: `contextlib.closing(session.stream(...))` ends it on the way out
 
     def __del__(self):
         run = getattr(self, "_run", None)

@@ -21,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from . import sharing
-from .errors import CacheBudgetExceeded, InvalidSessionFile, SaveFailed, SessionBusy, SessionClosed
+from .errors import CacheBudgetExceeded, InvalidArgument, InvalidSessionFile, SaveFailed, SessionBusy, SessionClosed
 
 FORMAT = "beam-sidecar-session/2"  # 2: "exact", the tokens whose keys a shift has not moved
 
@@ -51,7 +51,13 @@ def save(session, path) -> None:
     metadata = {"format": FORMAT, "model": engine.fingerprint, "dtype": str(engine.store.dtype),
                 "history": session.history, "cached": cache.end, "exact": cache.exact}
     metadata["digest"] = _digest(metadata, tensors)
-    path = Path(path)
+    path = _file_path(path)
+    try:
+        path = path.resolve()  # a symbolic link is written through, not replaced by a file
+        if path.exists() and not path.is_file():  # a device or a directory is never replaced
+            raise SaveFailed(f"cannot write the session to {path.name}: it exists and is not a regular file")
+    except OSError as error:  # a name too long, a loop of links
+        raise SaveFailed(f"cannot write the session to {path.name[:60]}: {error.strerror or error}") from None
     partial = path.with_name(path.name + ".partial")
     try:
         save_file(tensors, str(partial), metadata={"session": json.dumps(metadata)})
@@ -61,6 +67,16 @@ def save(session, path) -> None:
         raise SaveFailed(f"cannot write the session to {path.name}: {getattr(error, 'strerror', None) or error}") from None
 
 
+def _file_path(path) -> Path:
+    """`path` as a `Path`, refused with `InvalidArgument` unless it is a non-empty text path without NUL
+    (which the OS would refuse with errors of other kinds, deep inside the write)."""
+    text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text or "\0" in text:
+        raise InvalidArgument(f"path must be a non-empty file path (a str or a pathlib.Path, without NUL), "
+                              f"got {str(path)[:60]!r}", option="path")
+    return Path(text)
+
+
 def restore(engine, path):
     """A new session of `engine` holding what `path` saved. Raises `InvalidSessionFile` naming the problem,
     `CacheBudgetExceeded` when its cache does not fit; either way nothing changes.
@@ -68,10 +84,14 @@ def restore(engine, path):
     The header is checked first (format, model, dtype, history, the tensors' names, shapes and dtypes)
     and the budget next, so a file that lies about its size is refused before its tensors are read.
     """
-    path = Path(path)
-    if not path.exists():
+    path = _file_path(path)
+    try:
+        exists, regular = path.exists(), path.is_file()
+    except OSError as error:  # a name too long, a loop of links
+        raise InvalidSessionFile(f"cannot read the saved session {path.name[:60]}: {error.strerror or error}") from None
+    if not exists:
         raise InvalidSessionFile(f"no saved session {path.name}")
-    if not path.is_file():  # a directory, a FIFO or a device under a session's name would block or mislead
+    if not regular:  # a directory, a FIFO or a device under a session's name would block or mislead
         raise InvalidSessionFile(f"the saved session {path.name} is not a regular file")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as file:

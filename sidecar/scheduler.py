@@ -22,7 +22,7 @@ import torch
 
 from .attention import Plan
 from .decode import forward
-from .errors import CacheBudgetExceeded
+from .errors import CacheBudgetExceeded, InvalidProcessor
 from .generation import Feed, Run
 
 
@@ -49,7 +49,16 @@ class Scheduler:
                 run.finish("cancelled")
             self._forget_done()
 
+    def check_outside_tick(self) -> None:
+        """Refuses to start or advance a generation from inside a step (a processor calling its own engine):
+        the step under way would be run again from the middle, its own runs included."""
+        if self.ticking:
+            raise InvalidProcessor("a processor called its engine (generate, or the next token of a stream) in the "
+                                   "middle of a step, which cannot run one step inside another; call it after the "
+                                   "generation, or on another engine")
+
     def tick(self) -> None:
+        self.check_outside_tick()
         self.ticking = True
         try:
             with torch.inference_mode():

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from numbers import Integral
 
 from .errors import InvalidArgument, SampleMismatch, TokenizerMismatch
+from .text import check_unicode
 
 # `cut` bisects over token counts, since the text grows with them, but for one exception: a character
 # spelled by several tokens (at most 4 bytes) decodes as one or more U+FFFD until its last token, and its
@@ -69,7 +70,9 @@ class Tokens(Continuable):
     def __add__(self, more) -> "Tokens":
         """Appends the tokens of a text (tokenized alone, with no special tokens: at the join they may
         differ from the tokens of the whole text), or a list of token ids."""
-        return self._extend(more, "append")
+        if isinstance(more, str):
+            return self._append_text(more, "append")
+        return self._append_ids(more, "append")
 
     def cut(self, chars: int) -> "Tokens":
         """The ids of the first `chars` characters of `text`, rounded down to a token boundary: the most
@@ -85,12 +88,16 @@ class Tokens(Continuable):
                                   f"(the sequence's tokens), got {_show(k)}", option=option)
         return Tokens(self.ids[:k], self.tokenizer)
 
-    def _extend(self, more, option: str) -> "Tokens":
-        if isinstance(more, str):
-            return Tokens(self.ids + tuple(self.tokenizer.encode(more, add_special_tokens=False)), self.tokenizer)
-        if isinstance(more, (list, tuple)) and all(_is_int(t) for t in more):
-            return Tokens(self.ids + tuple(int(t) for t in more), self.tokenizer)
-        raise InvalidArgument(f"a sequence is extended by a string or a list of token ids, got {_show(more)}",
+    def _append_text(self, text, option: str) -> "Tokens":
+        if not isinstance(text, str):
+            raise InvalidArgument(f"{option} must be a string, got {_show(text)}", option=option)
+        check_unicode(text, option)
+        return Tokens(self.ids + tuple(self.tokenizer.encode(text, add_special_tokens=False)), self.tokenizer)
+
+    def _append_ids(self, ids, option: str) -> "Tokens":
+        if isinstance(ids, (list, tuple)) and all(_is_int(t) for t in ids):
+            return Tokens(self.ids + tuple(int(t) for t in ids), self.tokenizer)
+        raise InvalidArgument(f"{option}: a sequence is extended by a string or a list of token ids, got {_show(ids)}",
                               option=option)
 
     def _cut(self, chars, option: str) -> "Tokens":
@@ -122,7 +129,10 @@ def input_ids(engine, value: Continuable) -> list[int]:
     if tokens.tokenizer is not engine.tokenizer:
         raise TokenizerMismatch("the sequence was made by another engine, whose token ids may mean other text here; "
                                 "to reuse its ids anyway, pass token_ids=list(sequence.tokens.ids)")
-    return list(tokens.ids)
+    # a `Tokens` made by hand, or from a result edited since, may hold anything
+    if not isinstance(tokens.ids, (list, tuple)) or not all(_is_int(t) for t in tokens.ids):
+        raise InvalidArgument(f"the sequence's token ids must be integers, got {_show(tokens.ids)}", option="prompt")
+    return [int(t) for t in tokens.ids]
 
 
 def continuation(last, sequence=0, tokens=None, chars=None, append=None, append_token_ids=None) -> Tokens:
@@ -144,9 +154,9 @@ def continuation(last, sequence=0, tokens=None, chars=None, append=None, append_
     if chars is not None:
         result = result._cut(chars, "continue.chars")
     if append is not None:
-        result = result._extend(append, "continue.append")
+        result = result._append_text(append, "continue.append")
     if append_token_ids is not None:
-        result = result._extend(append_token_ids, "continue.append_token_ids")
+        result = result._append_ids(append_token_ids, "continue.append_token_ids")
     return result
 
 

@@ -220,6 +220,7 @@ class Session:
             raise SessionClosed(f"session {self.id} is closed")
         if self.busy:
             raise SessionBusy(f"session {self.id} is already generating; finish or cancel that generation first")
+        self.engine.scheduler.check_outside_tick()
         request = self.engine.validate(prompt, **options)
         generation = Generation(self, request)
         self._running = weakref.ref(generation)

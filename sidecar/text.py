@@ -8,11 +8,24 @@ pieces never contain text that a later stop would remove.
 
 from __future__ import annotations
 
+from .errors import InvalidArgument
+
 REPLACEMENT = "\ufffd"
 # Tokens held back at most. A character is at most 4 bytes, so only invalid bytes (or tokens that
 # decode to nothing) hold text longer; past this they go out as they decode (U+FFFD), which keeps
 # each step's re-decoding short instead of growing with every held token.
 MAX_HELD = 32
+
+
+def check_unicode(text: str, option: str, what: str | None = None, **detail) -> str:
+    """`text`, refused with `InvalidArgument` naming `option` when it holds a lone surrogate: a Python
+    string may, but no UTF-8 can spell it, and the tokenizer would fail on it deep inside."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidArgument(f"{what or option} is not valid Unicode text: a lone surrogate at index {error.start}",
+                              option=option, **detail) from error
+    return text
 
 
 class Detokenizer:

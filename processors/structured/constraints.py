@@ -38,7 +38,16 @@ def _pattern(name, value) -> str:
     if len(value) > MAX_PATTERN_CHARS:
         raise InvalidOption(f"option {name!r} has {len(value)} characters, more than the limit of {MAX_PATTERN_CHARS} "
                             f"(limit max_pattern_chars)")
+    _check_unicode(name, value)
     return value
+
+
+def _check_unicode(name: str, text: str) -> None:
+    """A Python string may hold a lone surrogate, which no UTF-8 text (nor any compiler of it) can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise InvalidOption(f"option {name!r} is not valid Unicode text: a lone surrogate at index {error.start}") from None
 
 
 @checks._with_schema({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
@@ -49,6 +58,8 @@ def _choices(name, value) -> tuple[str, ...]:
     if len(value) > MAX_CHOICES or sum(map(len, value)) > MAX_PATTERN_CHARS:
         raise InvalidOption(f"option {name!r} is too large: at most {MAX_CHOICES} options of {MAX_PATTERN_CHARS} "
                             f"characters in all (limits max_choices, max_pattern_chars)")
+    for index, text in enumerate(value):
+        _check_unicode(f"{name}[{index}]", text)
     return tuple(value)
 
 
@@ -62,7 +73,7 @@ def _schema(name, value) -> str:
             value = json.loads(value)
         except (ValueError, RecursionError) as error:
             raise InvalidOption(f"option {name!r} is not valid JSON: {str(error)[:200]}") from None
-    if not isinstance(value, (dict, bool)):
+    if not isinstance(value, dict):  # a boolean schema (true: any JSON at all, false: none) has no automaton
         raise InvalidOption(f"option {name!r} must be a JSON schema (an object), got {checks._shown(value)}")
     _check_keys(name, value)  # json.dumps would turn a key 1 into "1", silently (and next to a "1" of its own)
     try:  # a map from msgpack may hold what JSON cannot (bytes, NaN)

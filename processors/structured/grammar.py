@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..contract import LogitsProcessor, option
-from ..errors import InvalidOption
+from ..errors import InvalidInput, InvalidOption
 from .constraints import NEG_INF, Constraint, _pattern, _validate_lark
 
 _BIT = torch.arange(32, dtype=torch.int32)
@@ -36,9 +36,16 @@ class Grammar(Constraint):
             raise InvalidOption(f"option 'grammar' is not a valid Lark grammar: {problem}")
 
     def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True):
+        import llguidance.torch as llg
+
         eos = self.end_tokens(eos_token_ids)
-        return GrammarProcessor(self, vocabulary.llguidance_tokenizer(),
-                                torch.tensor(eos, dtype=torch.long, device=device))
+        tokenizer = vocabulary.llguidance_tokenizer()
+        # a grammar whose language the vocabulary cannot begin is refused now, as a regex's is when it compiles
+        matcher = _matcher(tokenizer, self.grammar)
+        llg.fill_next_token_bitmask(matcher, llg.allocate_token_bitmask(1, tokenizer.vocab_size), 0)
+        if matcher.is_error():
+            raise InvalidOption(f"the vocabulary cannot write any text that the grammar accepts ({_reason(matcher)})")
+        return GrammarProcessor(self, tokenizer, torch.tensor(eos, dtype=torch.long, device=device))
 
 
 @dataclass(frozen=True)
@@ -55,9 +62,8 @@ class GrammarProcessor(LogitsProcessor):
         import llguidance
 
         rows = context.sequence.shape[0]
-        text = llguidance.LLMatcher.grammar_from_lark(self.constraint.grammar)
         pool = torch.tensor(0)
-        pool.matchers = [llguidance.LLMatcher(self.tokenizer, text) for _ in range(rows)]
+        pool.matchers = [_matcher(self.tokenizer, self.constraint.grammar) for _ in range(rows)]
         return {"slot": torch.arange(rows, device=context.sequence.device), "pool": pool}
 
     def process(self, state, logits, context):
@@ -74,7 +80,7 @@ class GrammarProcessor(LogitsProcessor):
                 rows.append(matcher.deep_copy() if slot in taken else matcher)
                 taken.add(slot)
             for matcher, token in zip(rows, last):
-                if not matcher.is_stopped() and not matcher.is_error():
+                if not matcher.is_stopped():
                     matcher.consume_token(token)
             pool.matchers = matchers = rows
             state = {"slot": torch.arange(len(rows), device=logits.device), "pool": pool}
@@ -84,11 +90,26 @@ class GrammarProcessor(LogitsProcessor):
         bitmask = llg.allocate_token_bitmask(len(matchers), self.tokenizer.vocab_size)
         for row, matcher in enumerate(matchers):
             llg.fill_next_token_bitmask(matcher, bitmask, row)
+            if matcher.is_error():  # its parser gave up (a limit of llguidance's): no text it allows is known
+                raise InvalidInput(f"grammar: the parser of row {row} stopped after {context.length - context.input_length} "
+                                   f"tokens: {_reason(matcher)}")
         allowed = ((bitmask.unsqueeze(-1) >> _BIT) & 1).bool().view(len(matchers), -1)[:, :width].to(logits.device)
-        ends = torch.tensor([m.is_accepting() or m.is_error() or m.is_stopped() for m in matchers], device=logits.device)
+        ends = torch.tensor([m.is_accepting() or m.is_stopped() for m in matchers], device=logits.device)
         allowed[:, self.eos_token_ids] = ends.unsqueeze(1)
         logits = logits.masked_fill(~allowed, NEG_INF)
         stuck = logits.amax(dim=1) == NEG_INF
         if bool(stuck.any()):
             logits[stuck.nonzero()[:, :1], self.eos_token_ids] = 0.0
         return state, logits
+
+
+def _matcher(tokenizer, grammar: str):
+    """An llguidance matcher of a Lark grammar, quiet: what goes wrong is raised, not printed."""
+    import llguidance
+
+    return llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+
+
+def _reason(matcher) -> str:
+    """The first line of a failed matcher's error (the rest is a dump of its parser's state)."""
+    return matcher.get_error().strip().split("\n")[0][:200]

@@ -19,6 +19,12 @@ def engine(default_dir):
 
 
 @pytest.fixture(scope="session")
+def per_token(engine):
+    """Bytes one token of the default model's cache takes (a budget in tokens is this times the tokens)."""
+    return engine.store.bytes_per_token
+
+
+@pytest.fixture(scope="session")
 def gpt2_dir(default_dir, tmp_path_factory):
     """A GPT-2-style model (absolute positions) with the shipped tokenizer, saved as a local directory."""
     path = tmp_path_factory.mktemp("gpt2")

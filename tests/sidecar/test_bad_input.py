@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 from collections import namedtuple
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from protocol.peer import Peer
 from protocol.schema import request_id_of
 from sidecar import Engine
 from sidecar.errors import SidecarError
+from sidecar.sequences import Tokens
 
 from .conftest import tokens
 
@@ -58,6 +61,59 @@ def start_a_stream(session):
     stream = session.stream(token_ids=PRIMER, max_new_tokens=50, eos_token_ids=[])
     next(stream)
     return stream
+
+
+def edited_result(session):
+    session.last.sequences[0].token_ids[0] = 2.5  # results are plain data: a caller may change them
+    return session.generate(session.last)
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+# 5,000 alternatives: llguidance's parser gives up past 2,000 items in a row, at the first token
+WIDE_GRAMMAR = P.configure(P.Grammar, grammar="start: " + " | ".join(f'"w{i}"' for i in range(5000)))
+
+
+def save_over_a_fifo(session):
+    """A device or a FIFO under the name is refused, never replaced by a file (a FIFO: harmless to try)."""
+    import tempfile
+
+    path = os.path.join(tempfile.mkdtemp(), "fifo")
+    os.mkfifo(path)
+    try:
+        session.save(path)
+    finally:
+        import stat
+
+        assert stat.S_ISFIFO(os.stat(path).st_mode), "the FIFO was replaced"
+
+
+@dataclass(frozen=True)
+class LogitsOnly(P.LogitsProcessor):
+    """Breaks the contract: `process` returns the logits alone, not (state, logits)."""
+
+    name: ClassVar[str] = "logits_only"
+
+    def init(self, context):
+        return torch.zeros(context.sequence.shape[0])
+
+    def process(self, state, logits, context):
+        return logits
+
+
+def calls_generate_from_a_processor(session):
+    """A processor running another session of its own engine mid-step: refused (the other session stays
+    as it was), and the call it ran in fails with that error, put back."""
+    other = session.engine.session()
+
+    def reenter(logits, context):
+        other.generate("nested", max_new_tokens=2)
+        return logits
+
+    try:
+        session.generate(token_ids=DIVERGING, processors=[reenter])
+    finally:
+        assert other.history == [] and other.cached == 0 and not other.busy
+        other.close()
 
 
 # ---- the Python API ---------------------------------------------------------------------------------------
@@ -163,6 +219,33 @@ API_ROWS = [
     ("a device this machine lacks", lambda s: Engine.load(device="cuda:7"), "unknown_device"),
     ("sequence bias outside float32's range", lambda s: P.from_name("sequence_bias", {"sequence_bias": [[[5], 1e300]]}),
      "invalid_option"),
+    # found by an outside test of the Python API
+    ("a hand-made sequence of float ids", lambda s: s.generate(Tokens((1.5, 2.5), s.engine.tokenizer)), "invalid_argument"),
+    ("a result's ids edited to a float", edited_result, "invalid_argument"),
+    ("unknown generate option", {"prompt": "a", "foo": 1}, "invalid_argument"),
+    ("stop with a lone surrogate", {"prompt": "a", "stop": ["\ud800"]}, "invalid_argument"),
+    ("a lone surrogate appended", lambda s: s.generate(s.last + "\ud800"), "invalid_argument"),
+    ("continue.append_token_ids a string", lambda s: s.continuation(append_token_ids="12"), "invalid_argument"),
+    ("continue.append not a string", lambda s: s.continuation(append=[12]), "invalid_argument"),
+    ("a mistyped chat_template name", {"messages": CHAT, "chat_template": "defualt"}, "invalid_argument"),
+    ("an empty chat_template", {"messages": CHAT, "chat_template": ""}, "invalid_argument"),
+    ("a chat_template with a syntax error", {"messages": CHAT, "chat_template": "{% for %}"}, "invalid_argument"),
+    ("regex with a lone surrogate", lambda s: P.configure(P.Regex, pattern="a\ud800"), "invalid_option"),
+    ("choice with a lone surrogate", lambda s: P.configure(P.Choice, options=["a", "\ud800"]), "invalid_option"),
+    ("a boolean JSON schema", lambda s: P.configure(P.JsonSchema, schema=True), "invalid_option"),
+    ("max_rows 0", lambda s: Engine(s.engine.model, s.engine.tokenizer, max_rows=0), "invalid_argument"),
+    ("max_rows a str", lambda s: Engine(s.engine.model, s.engine.tokenizer, max_rows="8"), "invalid_argument"),
+    ("cache budget True", lambda s: Engine(s.engine.model, s.engine.tokenizer, cache_budget_bytes=True), "invalid_argument"),
+    ("save to None", lambda s: s.save(None), "invalid_argument"),
+    ("save to a path with NUL", lambda s: s.save("a\0b"), "invalid_argument"),
+    ("save over a FIFO", save_over_a_fifo, "save_failed"),
+    ("save under a name too long", lambda s: s.save("x" * 300), "save_failed"),
+    ("restore from 5", lambda s: s.engine.restore(5), "invalid_argument"),
+    ("a processor returning only the logits", {"token_ids": DIVERGING, "processors": [LogitsOnly()]}, "invalid_processor"),
+    ("a grammar the vocabulary cannot begin", {"prompt": "a", "processors": [P.configure(P.Grammar, grammar="start: /[^\\s\\S]/")]},
+     "invalid_processor"),
+    ("a grammar whose parser gives up", {"token_ids": DIVERGING, "processors": [WIDE_GRAMMAR]}, "invalid_processor"),
+    ("generate called from inside a processor", calls_generate_from_a_processor, "invalid_processor"),
 ]
 
 PREPARE = {"closed session": close, "busy session (stream started, not finished)": start_a_stream}

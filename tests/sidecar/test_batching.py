@@ -182,12 +182,39 @@ def test_running_beams_scored_with_an_underflowing_length_penalty_are_finite():
     """length ** -1e308 is 0 from length 2: a running beam's score would be -inf (Python raises
     ZeroDivisionError), which a reply cannot carry; it is -1e9, the floor of the finished set. (The engine
     stops such a search at its second step, so a cancel does not reach it today; the bookkeeping alone does.)"""
-    search = BeamSearch(3, 20, [], -1e308, False, "cpu")
+    search = BeamSearch(3, 20, [], -1e308, False, 50, "cpu")
     generator = torch.Generator().manual_seed(0)
     for _ in range(2):
         search.step(torch.randn(3, 50, generator=generator).log_softmax(-1))
     found = search.running_results(3)
     assert [len(ids) for ids, _ in found] == [2, 2, 2] and [score for _, score in found] == [-1e9, -1e9, -1e9]
+
+
+def test_beam_search_where_every_token_ends_keeps_all_there_is(engine):
+    """With every token an end token, 2 x num_beams continuations would be asked of a top-k over fewer
+    (transformers' own search fails there): each beam ends at its first token, the best first, as the
+    log-probs of that first step rank them."""
+    prompt = tokens(10, seed=31)
+    with engine.session() as session:
+        result = session.generate(token_ids=prompt, strategy="beam", num_beams=3, num_return_sequences=3, max_new_tokens=3,
+                                  eos_token_ids=list(range(engine.vocab_size)))
+    with torch.inference_mode():
+        first = engine.model(torch.tensor([prompt])).logits[0, -1].float().log_softmax(-1)
+    best = first.topk(3)
+    assert [s.token_ids for s in result.sequences] == [[t] for t in best.indices.tolist()]
+    assert [s.score for s in result.sequences] == pytest.approx(best.values.tolist(), abs=1e-5)
+    assert all(s.finish_reason == "eos" for s in result.sequences)
+
+
+def test_a_numpy_integer_seed_is_the_same_seed(engine):
+    import numpy as np
+
+    prompt = tokens(10, seed=32)
+    with engine.session() as session:
+        ours = session.generate(token_ids=prompt, strategy="sample", seed=np.int64(5), max_new_tokens=6, eos_token_ids=[])
+    with engine.session() as session:
+        plain = session.generate(token_ids=prompt, strategy="sample", seed=5, max_new_tokens=6, eos_token_ids=[])
+    assert ours.token_ids == plain.token_ids
 
 
 def test_beam_search_over_a_shared_long_prompt_equals_transformers(any_engine):
@@ -296,8 +323,7 @@ def test_samples_end_on_their_own_and_the_rest_go_on(engine):
 
 # ---- the memory budget ------------------------------------------------------------------------------
 
-def test_the_budget_holds_while_ten_generations_run(default_dir):
-    per_token = Engine.load(default_dir).store.bytes_per_token
+def test_the_budget_holds_while_ten_generations_run(default_dir, per_token):
     budget = 3 * 60 * per_token  # room for three of the ten at a time
     engine = Engine.load(default_dir, cache_budget_bytes=budget)
     sessions = [engine.session() for _ in range(10)]
@@ -310,8 +336,7 @@ def test_the_budget_holds_while_ten_generations_run(default_dir):
     assert engine.stats()["evictions"] > 0
 
 
-def test_a_generation_that_cannot_fit_alone_is_refused_and_changes_nothing(default_dir):
-    per_token = Engine.load(default_dir).store.bytes_per_token
+def test_a_generation_that_cannot_fit_alone_is_refused_and_changes_nothing(default_dir, per_token):
     engine = Engine.load(default_dir, cache_budget_bytes=40 * per_token)
     with engine.session() as session:
         first = session.generate(token_ids=tokens(20, seed=1), max_new_tokens=4, eos_token_ids=[])
@@ -325,10 +350,9 @@ def test_a_generation_that_cannot_fit_alone_is_refused_and_changes_nothing(defau
 
 
 @pytest.mark.parametrize("options", [dict(strategy="beam", num_beams=4), dict(strategy="sample", num_samples=4, seed=1)])
-def test_rows_that_fit_only_sharing_the_prompt_share_it(default_dir, options):
+def test_rows_that_fit_only_sharing_the_prompt_share_it(default_dir, per_token, options):
     """Short prompts are copied to each row (faster), but a budget of input + rows x max_new_tokens, what
     the protocol promises, is enough: the rows then share the prompt, with the same results."""
-    per_token = Engine.load(default_dir).store.bytes_per_token
     roomy = Engine.load(default_dir)
     tight = Engine.load(default_dir, cache_budget_bytes=(50 + 4 * 20) * per_token)
     prompt = tokens(50, seed=70)
@@ -340,10 +364,9 @@ def test_rows_that_fit_only_sharing_the_prompt_share_it(default_dir, options):
     assert tight.store.peak_bytes <= tight.cache_budget_bytes
 
 
-def test_a_generation_that_fits_alone_is_not_refused_for_a_prefix_another_session_holds(default_dir):
+def test_a_generation_that_fits_alone_is_not_refused_for_a_prefix_another_session_holds(default_dir, per_token):
     """Continuing an idle session's cache would keep all of it; computing the shared part again lets it
     be evicted, and the generation fits (it was refused: cache_budget_exceeded)."""
-    per_token = Engine.load(default_dir).store.bytes_per_token
     engine = Engine.load(default_dir, cache_budget_bytes=200 * per_token)
     prompt = tokens(90, seed=71)
     with engine.session() as a, engine.session() as b:
@@ -354,11 +377,10 @@ def test_a_generation_that_fits_alone_is_not_refused_for_a_prefix_another_sessio
         assert a.cached == 0 and engine.store.peak_bytes <= engine.cache_budget_bytes
 
 
-def test_a_session_holding_a_long_cache_lets_the_cropped_part_go_when_the_budget_needs_it(default_dir):
+def test_a_session_holding_a_long_cache_lets_the_cropped_part_go_when_the_budget_needs_it(default_dir, per_token):
     """A call that crops its session's cache keeps the cropped part until it ends (a failure puts it
     back) only where the budget has room; otherwise it lets it go, and a failure leaves the cache cropped,
     the history whole: results never change."""
-    per_token = Engine.load(default_dir).store.bytes_per_token
     engine = Engine.load(default_dir, cache_budget_bytes=200 * per_token)
     prompt = tokens(50, seed=72)
     with engine.session() as session:
@@ -383,10 +405,9 @@ def test_a_session_holding_a_long_cache_lets_the_cropped_part_go_when_the_budget
         assert again.token_ids == reference_greedy(engine, long, 1) and again.stats.reused_tokens == 49
 
 
-def test_a_session_continuing_a_shared_prefix_computes_from_scratch_when_only_that_fits(default_dir):
+def test_a_session_continuing_a_shared_prefix_computes_from_scratch_when_only_that_fits(default_dir, per_token):
     """A prefix a session continues stays whole while continued: when the budget fits the call only
     without it, the session reuses nothing and the prefix may be evicted (it was refused)."""
-    per_token = Engine.load(default_dir).store.bytes_per_token
     engine = Engine.load(default_dir, cache_budget_bytes=200 * per_token)
     prompt, other = tokens(50, seed=73), tokens(20, seed=74)
     with engine.session() as session:
@@ -398,10 +419,9 @@ def test_a_session_continuing_a_shared_prefix_computes_from_scratch_when_only_th
         assert engine.store.peak_bytes <= engine.cache_budget_bytes
 
 
-def test_a_refusal_reports_what_the_generation_needs_with_the_idle_caches_evicted(default_dir):
+def test_a_refusal_reports_what_the_generation_needs_with_the_idle_caches_evicted(default_dir, per_token):
     """`value` is the generation's own need (its leanest plan) plus what cannot be evicted, not what other
     sessions' idle caches happen to hold."""
-    per_token = Engine.load(default_dir).store.bytes_per_token
     engine = Engine.load(default_dir, cache_budget_bytes=40 * per_token)
     with engine.session() as idle, engine.session() as session:
         idle.generate(token_ids=tokens(20, seed=75), max_new_tokens=4, eos_token_ids=[])
@@ -429,8 +449,7 @@ def test_a_beam_search_cancelled_part_way_returns_its_best_running_beams(engine)
         assert full.token_ids == result.token_ids
 
 
-def test_a_generation_waiting_for_memory_can_be_cancelled_and_ran_nothing(default_dir):
-    per_token = Engine.load(default_dir).store.bytes_per_token
+def test_a_generation_waiting_for_memory_can_be_cancelled_and_ran_nothing(default_dir, per_token):
     engine = Engine.load(default_dir, cache_budget_bytes=40 * per_token)
     with engine.session() as first, engine.session() as second:
         running = first.stream(token_ids=tokens(10, seed=1), max_new_tokens=20, eos_token_ids=[])
@@ -494,8 +513,7 @@ def test_one_beam_is_greedy_search_as_in_transformers(engine):
         assert result.token_ids == reference_greedy(engine, prompt, 8) and session.history == prompt + result.token_ids
 
 
-def test_two_beam_searches_admitted_together_stay_within_the_budget(default_dir):
-    per_token = Engine.load(default_dir).store.bytes_per_token
+def test_two_beam_searches_admitted_together_stay_within_the_budget(default_dir, per_token):
     one = (40 + 4 * (40 + 40)) * per_token  # the prompt, and four beams copying it (too short to share)
     engine = Engine.load(default_dir, cache_budget_bytes=int(one * 1.5))
     with engine.session() as a, engine.session() as b:

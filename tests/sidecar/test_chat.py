@@ -93,7 +93,7 @@ def test_a_model_without_a_template_needs_one(plain_engine):
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ({"messages": [{"role": "user", "content": "a\udcff"}]}, "messages"),
     ({"messages": CONVERSATION, "add_generation_prompt": True, "continue_final_message": True}, "add_generation_prompt"),
-    ({"messages": CONVERSATION, "chat_template": "{% if true %}"}, "messages"),
+    ({"messages": CONVERSATION, "chat_template": "{% if true %}"}, "chat_template"),  # the template itself is wrong
     ({"messages": CONVERSATION, "chat_template": "{{ raise_exception('roles must alternate') }}"}, "messages"),
     ({"messages": CONVERSATION, "chat_template": 5}, "chat_template"),
     ({"prompt": "x", "messages": CONVERSATION}, "prompt"),

@@ -118,9 +118,8 @@ def test_chunked_prefill_counts_one_forward_per_chunk(default_dir):
     assert chunked.token_ids == whole.token_ids
 
 
-def test_eviction_changes_nothing_but_reuse(default_dir):
-    bytes_per_token = Engine.load(default_dir).store.bytes_per_token
-    engine = Engine.load(default_dir, cache_budget_bytes=26 * bytes_per_token)  # one generation's cache at a time
+def test_eviction_changes_nothing_but_reuse(default_dir, per_token):
+    engine = Engine.load(default_dir, cache_budget_bytes=26 * per_token)  # one generation's cache at a time
     prompt = tokens(20, seed=9)
     first, other = engine.session(), engine.session()
     before = first.generate(token_ids=prompt, max_new_tokens=6)

@@ -1,7 +1,10 @@
 """Streaming, incremental detokenization, stop strings and EOS."""
 
+import contextlib
+
 import pytest
 
+from sidecar.errors import InvalidLogits
 from sidecar.text import Detokenizer, StopMatcher
 
 from .conftest import tokens
@@ -79,3 +82,24 @@ def test_cancel_keeps_the_tokens_so_far(engine):
         assert generation.result.token_ids == [e.token_id for e in events]
         follow = session.generate(token_ids=tokens(8, seed=23) + generation.result.token_ids, max_new_tokens=2)
         assert follow.stats.reused_tokens == 8 + 4 - 1
+
+
+def test_a_stream_closes_as_a_generator_does(engine):
+    """`contextlib.closing` ends a stream on the way out, as it would a generator: cancelled, tokens kept."""
+    with engine.session() as session:
+        with contextlib.closing(session.stream(token_ids=tokens(8, seed=24), max_new_tokens=50, eos_token_ids=[])) as stream:
+            first = next(stream)
+        assert stream.result.finish_reason == "cancelled" and stream.result.token_ids == [first.token_id]
+        assert not session.busy
+
+
+def test_a_failed_stream_raises_once_and_keeps_its_error(engine):
+    def nan_at_the_second_step(logits, context):
+        return logits + float("nan") if context.length - context.input_length >= 1 else logits
+
+    with engine.session() as session:
+        stream = session.stream(token_ids=tokens(8, seed=25), max_new_tokens=5, processors=[nan_at_the_second_step])
+        with pytest.raises(InvalidLogits):
+            list(stream)
+        assert list(stream) == []  # exhausted, as a generator that raised is
+        assert isinstance(stream.error, InvalidLogits)
