@@ -61,6 +61,8 @@ defmodule Sidecar do
 
   alias Sidecar.{Connection, Error, Generation, Options, Processors}
 
+  @hand_over_ms 30_000
+
   @type conn :: GenServer.server()
   @typedoc """
   A generation's result: the first (or best) sequence's `text`, `token_ids` and `finish_reason`,
@@ -138,8 +140,8 @@ defmodule Sidecar do
 
   @doc """
   The sidecar's `hello` answer (versions, capabilities, limits, models), its OS pid and its
-  incarnation. `reason: :not_running` while there is no connection under that name or it is still
-  starting, as while its supervisor restarts it.
+  incarnation. `reason: :not_running` while there is no connection under that name, or when one still
+  starting (as while its supervisor restarts it) has not answered within 5 s.
   """
   @spec info(conn()) :: {:ok, map()} | {:error, Error.t()}
   def info(conn) do
@@ -154,6 +156,8 @@ defmodule Sidecar do
   """
   @spec open_session(conn(), keyword()) :: {:ok, Session.t()} | {:error, Error.t()}
   def open_session(conn, opts \\ []) do
+    options!(opts, [:model, :name, :timeout], "open_session")
+
     params = %{"model" => Keyword.get(opts, :model, "default"), "session" => Keyword.get(opts, :name)}
 
     with {:ok, %{"incarnation" => incarnation}} <- info(conn),
@@ -185,6 +189,8 @@ defmodule Sidecar do
   """
   @spec fork_session(conn(), session(), keyword()) :: {:ok, session()} | {:error, Error.t()}
   def fork_session(conn, session, opts \\ []) do
+    options!(opts, [:name, :timeout], "fork_session")
+
     with {:ok, %{"session" => name}} <-
            session_call(conn, session, "fork_session", %{"new" => Keyword.get(opts, :name)}, opts[:timeout]) do
       {:ok, if(is_binary(session), do: name, else: %Session{session | name: name})}
@@ -213,6 +219,8 @@ defmodule Sidecar do
   """
   @spec restore_session(conn(), String.t(), keyword()) :: {:ok, Session.t()} | {:error, Error.t()}
   def restore_session(conn, name, opts \\ []) when is_binary(name) do
+    options!(opts, [:model, :session, :timeout], "restore_session")
+
     params = %{
       "name" => name,
       "model" => Keyword.get(opts, :model, "default"),
@@ -232,8 +240,9 @@ defmodule Sidecar do
   `{:continue, sequence: i, tokens: k, chars: n, append: text}` (see `Sidecar.Generation`). Send the
   whole conversation each turn (earlier answers as `"assistant"` messages): the session reuses its
   cache for what the previous turns already computed. Options are
-  Bumblebee's generation options and the chat options, listed in `Sidecar.Generation`; bad ones, and
-  malformed messages, raise `ArgumentError` before anything is sent. Past `:timeout` (default: the
+  Bumblebee's generation options and the chat options, listed in `Sidecar.Generation`; unknown ones, and
+  malformed messages, raise `ArgumentError` before anything is sent; values out of range come back as
+  the sidecar's typed errors, naming the parameter. Past `:timeout` (default: the
   connection's `:call_timeout`) the generation is cancelled and
   `{:error, %Sidecar.Error{reason: :timeout}}` returned.
   """
@@ -257,10 +266,13 @@ defmodule Sidecar do
 
   @doc """
   Waits for a started generation; past `timeout` (default: the connection's `:call_timeout`) it is
-  cancelled and its messages are no longer delivered.
+  cancelled and its messages are no longer delivered. Only the process that started it receives its
+  messages, so only that process can await it (another can `cancel/1` it).
   """
   @spec await(Request.t(), timeout() | nil) :: {:ok, result()} | {:error, Error.t()}
   def await(%Request{} = request, timeout \\ nil) do
+    Generation.timeout!(timeout)
+
     case receive_reply(request, deadline(timeout || request.timeout)) do
       :timeout ->
         cancel(request)
@@ -392,6 +404,8 @@ defmodule Sidecar do
   @doc "Token ids of `text` under the model's tokenizer. Options: `:model`, `:add_special_tokens`, `:timeout`."
   @spec tokenize(conn(), String.t(), keyword()) :: {:ok, [non_neg_integer()]} | {:error, Error.t()}
   def tokenize(conn, text, opts \\ []) do
+    options!(opts, [:model, :add_special_tokens, :timeout], "tokenize")
+
     params = %{
       "text" => text,
       "model" => Keyword.get(opts, :model, "default"),
@@ -406,6 +420,8 @@ defmodule Sidecar do
   @doc "The text of `token_ids`. Options: `:model`, `:skip_special_tokens`, `:timeout`."
   @spec detokenize(conn(), [non_neg_integer()], keyword()) :: {:ok, String.t()} | {:error, Error.t()}
   def detokenize(conn, token_ids, opts \\ []) do
+    options!(opts, [:model, :skip_special_tokens, :timeout], "detokenize")
+
     params = %{
       "token_ids" => token_ids,
       "model" => Keyword.get(opts, :model, "default"),
@@ -456,6 +472,19 @@ defmodule Sidecar do
     end
   end
 
+  # The options a call takes: anything else (a typo, an option of another call) raises, never ignored.
+  defp options!(opts, valid, call) do
+    unless Keyword.keyword?(opts),
+      do: raise(ArgumentError, "#{call} options must be a keyword list, got #{inspect(opts, limit: 5)}")
+
+    for {key, _} <- opts, key not in valid do
+      raise ArgumentError,
+            "unknown #{call} option #{inspect(key)}; valid options: #{Enum.map_join(valid, ", ", &inspect/1)}"
+    end
+
+    :ok
+  end
+
   defp wire_name(value) when is_atom(value) and value not in [nil, true, false], do: Atom.to_string(value)
   defp wire_name(value), do: value
 
@@ -467,7 +496,7 @@ defmodule Sidecar do
       |> Generation.params(opts, eos_token_ids)
       |> Map.merge(%{"session" => name, "stream" => stream?})
 
-    request(conn, "generate", params, incarnation)
+    request(conn, "generate", params, incarnation, opts[:timeout])
   end
 
   defp new_session(name, model, incarnation),
@@ -486,7 +515,9 @@ defmodule Sidecar do
 
   # A nil timeout is the connection's :call_timeout, which it hands out with each request it takes.
   defp call(conn, op, params, incarnation, timeout) do
-    with {:ok, request} <- request(conn, op, params, incarnation) do
+    Generation.timeout!(timeout)
+
+    with {:ok, request} <- request(conn, op, params, incarnation, timeout) do
       timeout = timeout || request.timeout
 
       case receive_reply(request, deadline(timeout)) do
@@ -519,15 +550,19 @@ defmodule Sidecar do
   end
 
   # Removing the monitor deactivates the alias the connection sends to; what it sent before is flushed.
-  defp forget(%Request{ref: ref}) do
+  # A request the connection still holds unsent (the sidecar not reading) is withdrawn: it never runs.
+  defp forget(%Request{conn: conn, ref: ref, id: id}) do
     Process.demonitor(ref, [:flush])
+    GenServer.cast(conn, {:withdraw, id})
     flush(ref)
   end
 
   defp deadline(:infinity), do: :infinity
   defp deadline(timeout), do: System.monotonic_time(:millisecond) + timeout
 
-  defp request(conn, op, params, incarnation) do
+  # Handing a request to the connection waits at most the call's timeout (without one, @hand_over_ms);
+  # the connection queues it at once, so only a connection busy with something else takes longer.
+  defp request(conn, op, params, incarnation, timeout) do
     case whereis(conn) do
       nil ->
         lost(incarnation)
@@ -536,14 +571,20 @@ defmodule Sidecar do
         # The monitor's ref is also an alias of this process, the one the connection sends the
         # request's messages to: they stop arriving once the monitor is removed (`forget/1`).
         ref = :erlang.monitor(:process, pid, alias: :demonitor)
+        wait = timeout || @hand_over_ms
 
         try do
-          case GenServer.call(pid, {:request, op, params, incarnation, ref}, 30_000) do
+          case GenServer.call(pid, {:request, op, params, incarnation, ref}, wait) do
             {:ok, id, call_timeout} -> {:ok, %Request{conn: pid, ref: ref, id: id, timeout: call_timeout}}
             {:error, error} -> Process.demonitor(ref, [:flush]) && {:error, error}
           end
         catch
-          :exit, _ -> Process.demonitor(ref, [:flush]) && lost(incarnation)
+          :exit, {:timeout, _} ->
+            Process.demonitor(ref, [:flush])
+            {:error, Error.new(:timeout, "the connection did not take the request within #{wait} ms")}
+
+          :exit, _ ->
+            Process.demonitor(ref, [:flush]) && lost(incarnation)
         end
     end
   end
@@ -551,7 +592,12 @@ defmodule Sidecar do
   defp lost(nil), do: {:error, Error.new(:not_running, "the sidecar connection is not running")}
 
   defp lost(_),
-    do: {:error, Error.new(:session_lost, "the session belonged to a sidecar that has since exited")}
+    do:
+      {:error,
+       Error.new(
+         :session_lost,
+         "the session belongs to another connection, or to a sidecar that has since exited"
+       )}
 
   defp whereis(pid) when is_pid(pid), do: if(Process.alive?(pid), do: pid)
   defp whereis(name), do: GenServer.whereis(name)

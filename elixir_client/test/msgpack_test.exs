@@ -51,7 +51,7 @@ defmodule Sidecar.MsgpackTest do
     assert Msgpack.decode(<<0x01, 0x02>>) == {:error, :trailing_bytes}
     assert Msgpack.decode(<<0xA5, "abc">>) == {:error, :truncated}
     assert Msgpack.decode(<<0xD4, 1, 2>>) == {:error, :unsupported_type}
-    assert Msgpack.encode({:a, :tuple}) == {:error, {:unsupported, {:a, :tuple}}}
+    assert {:error, {:unsupported, {:a, :tuple}, _, []}} = Msgpack.encode({:a, :tuple})
 
     :rand.seed(:exsss, {4, 5, 6})
 
@@ -59,6 +59,25 @@ defmodule Sidecar.MsgpackTest do
       garbage = for _ <- 1..:rand.uniform(12), into: <<>>, do: <<:rand.uniform(256) - 1>>
       assert match?({:ok, _}, Msgpack.decode(garbage)) or match?({:error, _}, Msgpack.decode(garbage))
     end
+  end
+
+  test "what msgpack cannot carry is refused with where it is, never sent as another value" do
+    # 2^64 once went out as one signed byte (0), 2^64 + 200 as -56
+    for n <- [1 <<< 64, (1 <<< 64) + 200, -(1 <<< 63) - 1, 1 <<< 100] do
+      assert {:error, {:unsupported, ^n, why, ["max_new_tokens"]}} =
+               Msgpack.encode(%{"max_new_tokens" => n, "id" => 1})
+
+      assert why =~ "range"
+    end
+
+    assert {:ok, _} = Msgpack.encode([(1 <<< 64) - 1, -(1 <<< 63)])
+    latin1 = "caf" <> <<0xE9>>
+
+    assert {:error, {:unsupported, ^latin1, why, ["messages", 1, "content"]}} =
+             Msgpack.encode(%{"messages" => [%{"content" => "ok"}, %{"content" => latin1}]})
+
+    assert why =~ "UTF-8"
+    assert {:ok, _} = Msgpack.encode(%Msgpack.Bin{data: latin1})
   end
 
   defp random_term(0), do: random_scalar()

@@ -5,13 +5,29 @@ defmodule Sidecar.Connection do
   # `{Sidecar, ref, {:event, map}}` messages and one `{Sidecar, ref, {:reply, result}}` sent to that
   # alias. `Sidecar` turns that into blocking calls, lazy streams and timeouts; a caller that gives up
   # deactivates its alias, so whatever is sent after that never reaches its mailbox.
+  #
+  # Frames wait in an outbox until the Port takes them without suspending this process: a sidecar
+  # that stops reading (backpressure) leaves them there, and the connection keeps answering. A
+  # request withdrawn or cancelled while still in the outbox is never sent.
 
   use GenServer
   require Logger
 
   alias Sidecar.{Error, Protocol}
 
-  defstruct [:port, :os_pid, :codec, :call_timeout, :incarnation, :hello, :relay, next_id: 1, pending: %{}]
+  defstruct [
+    :port,
+    :os_pid,
+    :codec,
+    :call_timeout,
+    :incarnation,
+    :hello,
+    :relay,
+    next_id: 1,
+    pending: %{},
+    outbox: :queue.new(),
+    retrying: false
+  ]
 
   @hello_id 0
 
@@ -23,6 +39,9 @@ defmodule Sidecar.Connection do
   # Stderr lines kept from startup for the error of a failed start: an argparse usage text or a
   # Python traceback fits.
   @startup_tail_lines 40
+
+  # How soon the outbox is tried again once the Port was busy.
+  @retry_ms 5
 
   def start_link(opts) do
     {name, opts} = Keyword.pop(opts, :name)
@@ -45,7 +64,7 @@ defmodule Sidecar.Connection do
       relay: relay
     }
 
-    send_message(state, Protocol.request(@hello_id, "hello", %{}))
+    {:ok, state} = send_message(state, Protocol.request(@hello_id, "hello", %{}))
 
     case await_hello(state, deadline(opts[:startup_timeout]), []) do
       {:ok, hello} ->
@@ -266,21 +285,14 @@ defmodule Sidecar.Connection do
   @impl true
   def handle_call({:request, op, params, incarnation, ref}, {caller, _}, state) do
     if incarnation != nil and incarnation != state.incarnation do
-      {:reply, {:error, Error.new(:session_lost, "the session belonged to a sidecar that has since exited")},
-       state}
+      {:reply,
+       {:error,
+        Error.new(
+          :session_lost,
+          "the session belongs to another connection, or to a sidecar that has since exited"
+        )}, state}
     else
-      id = state.next_id
-
-      case send_message(state, Protocol.request(id, op, params)) do
-        :ok ->
-          entry = %{ref: ref, monitor: Process.monitor(caller), op: op}
-
-          {:reply, {:ok, id, state.call_timeout},
-           %{state | next_id: id + 1, pending: Map.put(state.pending, id, entry)}}
-
-        {:error, error} ->
-          {:reply, {:error, error}, %{state | next_id: id + 1}}
-      end
+      take_request(op, params, ref, caller, state)
     end
   end
 
@@ -288,18 +300,60 @@ defmodule Sidecar.Connection do
     {:reply, Map.merge(state.hello, %{"os_pid" => state.os_pid, "incarnation" => state.incarnation}), state}
   end
 
+  defp take_request(op, params, ref, caller, state) do
+    id = state.next_id
+
+    case send_message(state, Protocol.request(id, op, params)) do
+      {:ok, state} ->
+        entry = %{ref: ref, monitor: Process.monitor(caller), op: op}
+
+        {:reply, {:ok, id, state.call_timeout},
+         %{state | next_id: id + 1, pending: Map.put(state.pending, id, entry)}}
+
+      {:error, error} ->
+        {:reply, {:error, error}, %{state | next_id: id + 1}}
+    end
+  end
+
   @impl true
   def handle_cast({:cancel, target}, state), do: {:noreply, cancel_on_server(state, target)}
 
+  # A caller that stopped waiting: its request, if still unsent, is not sent at all.
+  def handle_cast({:withdraw, id}, state) do
+    case unqueue(state, id) do
+      {:unsent, state} -> {:noreply, forget_pending(state, id)}
+      {:sent, state} -> {:noreply, state}
+    end
+  end
+
   defp cancel_on_server(state, target) do
-    id = state.next_id
-    send_message(state, Protocol.request(id, "cancel", %{"target" => target}))
-    # Nobody waits for the cancel's own reply: a placeholder entry makes it be dropped quietly.
-    %{
-      state
-      | next_id: id + 1,
-        pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: "cancel"})
-    }
+    case unqueue(state, target) do
+      {:unsent, state} ->
+        cancelled = %{"text" => "", "token_ids" => [], "finish_reason" => "cancelled"}
+        error = Error.new(:cancelled, "the generation was cancelled before it was sent", cancelled)
+        deliver(state, target, {:error_value, error})
+
+      {:sent, state} ->
+        id = state.next_id
+        {:ok, state} = send_message(state, Protocol.request(id, "cancel", %{"target" => target}))
+        # Nobody waits for the cancel's own reply: a placeholder entry makes it be dropped quietly.
+        %{
+          state
+          | next_id: id + 1,
+            pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: "cancel"})
+        }
+    end
+  end
+
+  defp forget_pending(state, id) do
+    case Map.pop(state.pending, id) do
+      {%{monitor: monitor}, pending} when monitor != nil ->
+        Process.demonitor(monitor, [:flush])
+        %{state | pending: pending}
+
+      {_, pending} ->
+        %{state | pending: pending}
+    end
   end
 
   # ---- incoming ---------------------------------------------------------------------------------
@@ -358,13 +412,15 @@ defmodule Sidecar.Connection do
     state =
       Enum.reduce(gone, state, fn
         {id, %{op: "generate"}}, acc -> cancel_on_server(acc, id)
-        _, acc -> acc
+        {id, _}, acc -> acc |> unqueue(id) |> elem(1)
       end)
 
     {:noreply, state}
   end
 
   def handle_info({:EXIT, _port, _reason}, state), do: {:noreply, state}
+
+  def handle_info(:flush_outbox, state), do: {:noreply, flush_outbox(%{state | retrying: false})}
 
   defp deliver(state, id, result) do
     case Map.pop(state.pending, id) do
@@ -382,6 +438,7 @@ defmodule Sidecar.Connection do
   end
 
   defp reply_value({:ok, result}), do: {:ok, result}
+  defp reply_value({:error_value, %Error{} = error}), do: {:error, error}
   defp reply_value({:error, error}), do: {:error, Error.from_reply(error)}
 
   @impl true
@@ -393,15 +450,71 @@ defmodule Sidecar.Connection do
   # ---- codec ------------------------------------------------------------------------------------
 
   defp send_message(state, message) do
-    case state.codec.encode(message) do
+    with {:ok, payload} <- encoded(state.codec, message),
+         :ok <- within_frame_limit(state.hello, IO.iodata_length(payload)) do
+      {:ok, flush_outbox(%{state | outbox: :queue.in({message["id"], payload}, state.outbox)})}
+    end
+  end
+
+  # Hands the Port what it takes without suspending us; the rest is tried again in @retry_ms.
+  defp flush_outbox(%{port: nil} = state), do: state
+
+  defp flush_outbox(state) do
+    case :queue.peek(state.outbox) do
+      :empty ->
+        state
+
+      {:value, {_id, payload}} ->
+        if Port.command(state.port, payload, [:nosuspend]) do
+          flush_outbox(%{state | outbox: :queue.drop(state.outbox)})
+        else
+          unless state.retrying, do: Process.send_after(self(), :flush_outbox, @retry_ms)
+          %{state | retrying: true}
+        end
+    end
+  end
+
+  # Takes request `id` out of the outbox: {:unsent, state} if it was there, {:sent, state} otherwise.
+  defp unqueue(state, id) do
+    kept = :queue.filter(fn {queued, _} -> queued != id end, state.outbox)
+
+    if :queue.len(kept) < :queue.len(state.outbox),
+      do: {:unsent, %{state | outbox: kept}},
+      else: {:sent, state}
+  end
+
+  defp encoded(codec, message) do
+    case codec.encode(message) do
       {:ok, payload} ->
-        Port.command(state.port, payload)
-        :ok
+        {:ok, payload}
+
+      {:error, {:unsupported, value, why, path}} ->
+        where = Enum.map_join(path, ".", &to_string/1)
+
+        {:error,
+         Error.new(
+           :invalid_argument,
+           "cannot send #{where}: #{why}, got #{inspect(value, limit: 5, printable_limit: 40)}",
+           %{"param" => List.first(path)}
+         )}
 
       {:error, reason} ->
         {:error, Error.new(:invalid_argument, "cannot encode the request: #{inspect(reason)}")}
     end
   end
+
+  # A frame over the sidecar's max_frame_bytes would be discarded unread, and answered with no id when
+  # a large value comes before "id" (keys go sorted): it is refused here, unsent. (No limit before hello.)
+  defp within_frame_limit(%{"limits" => %{"max_frame_bytes" => max}}, size) when size > max do
+    {:error,
+     Error.new(
+       :frame_too_large,
+       "the request is #{size} bytes, over the sidecar's max_frame_bytes = #{max}; it was not sent",
+       %{"limit" => "max_frame_bytes", "max" => max, "value" => size}
+     )}
+  end
+
+  defp within_frame_limit(_hello, _size), do: :ok
 
   defp decode(state, payload) do
     case state.codec.decode(payload) do

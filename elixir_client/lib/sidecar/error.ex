@@ -37,7 +37,10 @@ defmodule Sidecar.Error do
 
   The client's own: `:sidecar_exited` (the Python process died while the call was in flight),
   `:session_lost` (the session belonged to a sidecar that has since died), `:timeout`,
-  `:not_running` (no connection under that name, or it is still starting). `details` keeps whatever
+  `:not_running` (no connection under that name, or one still starting that did not answer in time).
+  `:invalid_argument` and `:frame_too_large` also come from the client, for a request it cannot send
+  (a value msgpack cannot carry, named by `details["param"]`; a frame over the sidecar's
+  `max_frame_bytes`). `details` keeps whatever
   else the sidecar sent.
 
   A start that fails (`Sidecar.start_link/1`) is `:sidecar_exited` or `:timeout`. Its message ends

@@ -131,10 +131,22 @@ defmodule Sidecar.Generation do
   """
   @spec params(input(), keyword(), [non_neg_integer()] | nil) :: map()
   def params(input, opts, model_eos_ids) do
+    unless Keyword.keyword?(opts),
+      do: raise(ArgumentError, "generation options must be a keyword list, got #{inspect(opts, limit: 5)}")
+
     for {key, _} <- opts, key not in @options do
       raise ArgumentError,
             "unknown generation option #{inspect(key)}; valid options: #{Enum.map_join(@options, ", ", &inspect/1)}"
     end
+
+    timeout!(opts[:timeout])
+
+    unless is_list(Keyword.get(opts, :processors, [])),
+      do:
+        raise(
+          ArgumentError,
+          ":processors must be a list of processor structs, got #{inspect(opts[:processors], limit: 5)}"
+        )
 
     eos_ids = Keyword.get(opts, :eos_token_id, model_eos_ids)
 
@@ -175,6 +187,19 @@ defmodule Sidecar.Generation do
     |> put_present("reuse", reuse!(opts[:reuse]))
     |> put_present("keep", keep!(opts[:keep]))
   end
+
+  @doc false
+  # A call's `timeout`: checked before anything is sent, so a bad one never leaves a request behind.
+  @spec timeout!(term()) :: :ok
+  def timeout!(timeout) when is_nil(timeout) or timeout == :infinity, do: :ok
+  def timeout!(timeout) when is_integer(timeout) and timeout >= 0, do: :ok
+
+  def timeout!(timeout),
+    do:
+      raise(
+        ArgumentError,
+        "a timeout is milliseconds (an integer >= 0) or :infinity, got #{inspect(timeout)}"
+      )
 
   @doc false
   # Whether a generation streams no tokens, its reply alone carrying the result.

@@ -6,6 +6,11 @@ defmodule Sidecar.Msgpack do
   binaries (as str), `%Sidecar.Msgpack.Bin{}` (as bin), other atoms (as str), lists and maps (keys in
   sorted order, so bytes are reproducible). Decoding: str -> binary, bin -> `%Sidecar.Msgpack.Bin{}`,
   float32/float64 -> float; ext types are rejected.
+
+  What msgpack cannot carry is refused, never sent as something else: an integer outside
+  [-2^63, 2^64), a binary that is not UTF-8 (a str must be; send bytes as `%Sidecar.Msgpack.Bin{}`),
+  a tuple, a pid... `encode/1` then returns `{:error, {:unsupported, value, why, path}}`, `path` the
+  keys and list indexes from the top of the term down to the value.
   """
 
   @behaviour Sidecar.Codec
@@ -17,11 +22,11 @@ defmodule Sidecar.Msgpack do
   end
 
   @impl true
-  @spec encode(term()) :: {:ok, iodata()} | {:error, {:unsupported, term()}}
+  @spec encode(term()) :: {:ok, iodata()} | {:error, {:unsupported, term(), String.t(), [term()]}}
   def encode(term) do
     {:ok, enc(term)}
   catch
-    {:unsupported, value} -> {:error, {:unsupported, value}}
+    {:unsupported, value, why} -> {:error, {:unsupported, value, why, path_to(term, value) || []}}
   end
 
   @impl true
@@ -46,13 +51,24 @@ defmodule Sidecar.Msgpack do
   defp enc(n) when is_integer(n) and n >= 0 and n < 0x10000, do: <<0xCD, n::16>>
   defp enc(n) when is_integer(n) and n >= 0 and n < 0x100000000, do: <<0xCE, n::32>>
   defp enc(n) when is_integer(n) and n >= 0 and n < 0x10000000000000000, do: <<0xCF, n::64>>
-  defp enc(n) when is_integer(n) and n >= -0x80, do: <<0xD0, n::signed-8>>
-  defp enc(n) when is_integer(n) and n >= -0x8000, do: <<0xD1, n::signed-16>>
-  defp enc(n) when is_integer(n) and n >= -0x80000000, do: <<0xD2, n::signed-32>>
-  defp enc(n) when is_integer(n) and n >= -0x8000000000000000, do: <<0xD3, n::signed-64>>
+  defp enc(n) when is_integer(n) and n < 0 and n >= -0x80, do: <<0xD0, n::signed-8>>
+  defp enc(n) when is_integer(n) and n < 0 and n >= -0x8000, do: <<0xD1, n::signed-16>>
+  defp enc(n) when is_integer(n) and n < 0 and n >= -0x80000000, do: <<0xD2, n::signed-32>>
+  defp enc(n) when is_integer(n) and n < 0 and n >= -0x8000000000000000, do: <<0xD3, n::signed-64>>
+
+  defp enc(n) when is_integer(n),
+    do: throw({:unsupported, n, "an integer outside msgpack's range [-2^63, 2^64)"})
+
   defp enc(f) when is_float(f), do: <<0xCB, f::float-64>>
   defp enc(%Bin{data: data}) when is_binary(data), do: [bin_header(byte_size(data)), data]
-  defp enc(s) when is_binary(s), do: [str_header(byte_size(s)), s]
+
+  defp enc(s) when is_binary(s) do
+    unless String.valid?(s),
+      do: throw({:unsupported, s, "a binary that is not UTF-8 text (bytes travel as %Sidecar.Msgpack.Bin{})"})
+
+    [str_header(byte_size(s)), s]
+  end
+
   defp enc(a) when is_atom(a), do: enc(Atom.to_string(a))
   defp enc(list) when is_list(list), do: [array_header(length(list)) | Enum.map(list, &enc/1)]
 
@@ -61,7 +77,24 @@ defmodule Sidecar.Msgpack do
     [map_header(map_size(map)) | Enum.map(entries, fn {k, v} -> [enc(k), enc(v)] end)]
   end
 
-  defp enc(other), do: throw({:unsupported, other})
+  defp enc(other), do: throw({:unsupported, other, "a value msgpack has no type for"})
+
+  # Where `value` sits in `term` (the first place, depth first), found only once encoding failed.
+  defp path_to(term, value) when term === value, do: []
+
+  defp path_to(map, value) when is_map(map) and not is_struct(map) do
+    Enum.find_value(Enum.sort_by(map, fn {k, _} -> sort_key(k) end), fn {k, v} ->
+      if path = path_to(v, value), do: [k | path]
+    end)
+  end
+
+  defp path_to(list, value) when is_list(list) do
+    list
+    |> Enum.with_index()
+    |> Enum.find_value(fn {v, i} -> if path = path_to(v, value), do: [i | path] end)
+  end
+
+  defp path_to(_, _), do: nil
 
   # Keys sort by their text (UTF-8 byte order is code point order, as in the Python side's sort).
   defp sort_key(key) when is_atom(key) and key not in [nil, true, false], do: Atom.to_string(key)

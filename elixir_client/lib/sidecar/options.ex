@@ -91,12 +91,23 @@ defmodule Sidecar.Options do
   defp check!(:model, v) when v in [:default, nil] or (is_binary(v) and v != ""), do: :ok
   defp check!(key, v) when key in [:device, :dtype], do: if(name_or_nil?(v), do: :ok, else: invalid!(key, v))
   defp check!(:session_dir, v) when is_nil(v) or (is_binary(v) and v != ""), do: :ok
-  defp check!(:args, v) when is_list(v), do: each!(:args, v, &is_binary/1)
+  defp check!(:args, v) when is_list(v), do: each!(:args, v, &os_string?/1)
 
   defp check!(:env, v) when is_list(v),
-    do: each!(:env, v, &match?({k, val} when is_binary(k) and is_binary(val), &1))
+    do:
+      each!(:env, v, fn
+        {k, val} -> os_string?(k) and k != "" and not String.contains?(k, "=") and os_string?(val)
+        _ -> false
+      end)
 
-  defp check!(:cd, v) when is_nil(v) or is_binary(v), do: :ok
+  defp check!(:cd, nil), do: :ok
+
+  defp check!(:cd, v) when is_binary(v) do
+    unless os_string?(v) and File.dir?(v),
+      do: raise(ArgumentError, "Sidecar option :cd must be an existing directory, got #{inspect(v)}")
+
+    :ok
+  end
 
   defp check!(:name, v) when is_nil(v) or is_atom(v) or (is_tuple(v) and elem(v, 0) in [:global, :via]),
     do: :ok
@@ -139,6 +150,10 @@ defmodule Sidecar.Options do
       end
     end)
   end
+
+  # What the OS takes as an argument, a variable or a path: a string without NUL (open_port refuses
+  # one with a bare badarg).
+  defp os_string?(v), do: is_binary(v) and not String.contains?(v, <<0>>)
 
   defp each!(key, list, ok?) do
     unless Enum.all?(list, ok?),

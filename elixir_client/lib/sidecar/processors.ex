@@ -119,7 +119,20 @@ defmodule Sidecar.Processors do
     config
   end
 
+  def configure(module, options) do
+    raise ArgumentError,
+          "configure takes a processor module (or struct) and a keyword list, got #{inspect(module)} and " <>
+            inspect(options, limit: 5)
+  end
+
   defp apply_options(module, config, options) do
+    unless Keyword.keyword?(options),
+      do:
+        raise(
+          ArgumentError,
+          "options of #{inspect(module)} must be a keyword list, got #{inspect(options, limit: 5)}"
+        )
+
     valid = config |> Map.from_struct() |> Map.keys() |> Enum.sort()
 
     Enum.reduce(options, config, fn {key, value}, acc ->
@@ -136,6 +149,13 @@ defmodule Sidecar.Processors do
   @doc "The protocol form: `%{\"name\" => ..., \"options\" => %{...}}` (options left at nil are omitted)."
   @spec to_wire(struct()) :: map()
   def to_wire(%module{} = config) do
+    unless function_exported?(module, :__processor__, 0),
+      do:
+        raise(
+          ArgumentError,
+          "#{inspect(module)} is not a Sidecar processor; known: #{inspect(Map.values(all()))}"
+        )
+
     options =
       for {key, value} <- Map.from_struct(config), value != nil, into: %{} do
         {Atom.to_string(key), wire_value(key, value)}
@@ -144,11 +164,17 @@ defmodule Sidecar.Processors do
     %{"name" => module.__processor__().name, "options" => options}
   end
 
+  def to_wire(other) do
+    raise ArgumentError,
+          "a processor is a struct of Sidecar.Processors (see Sidecar.Processors.configure/2), got " <>
+            inspect(other, limit: 5)
+  end
+
   defp wire_value(:sequence_bias, pairs),
     do:
       Enum.map(pairs, fn
         {ids, bias} -> [ids, bias]
-        [ids, bias] -> [ids, bias]
+        other -> other
       end)
 
   defp wire_value(:transitions, transitions) when is_list(transitions),

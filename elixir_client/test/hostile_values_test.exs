@@ -1,0 +1,167 @@
+defmodule Sidecar.HostileValuesTest do
+  # Values an Elixir caller can write but the wire cannot carry, found by an outside test of the client:
+  # each is refused before anything is sent, with a typed error naming it, and the connection goes on.
+  use ExUnit.Case, async: false
+
+  import Bitwise
+  import Sidecar.Test.Helpers
+  alias Sidecar.Error
+
+  @moduletag timeout: 120_000
+
+  setup_all do
+    conn = start_supervised!({Sidecar, sidecar_opts(args: ["--max-frame-bytes", "100000"])}, id: :hostile)
+    {:ok, session} = Sidecar.open_session(conn)
+    %{conn: conn, session: session}
+  end
+
+  test "an integer msgpack cannot carry is refused, not sent as another number", %{
+    conn: conn,
+    session: session
+  } do
+    # 2^64 once went out as 0: an empty generation, reported as a success
+    assert {:error, %Error{reason: :invalid_argument, details: %{"param" => "max_new_tokens"}} = error} =
+             Sidecar.generate(conn, session, "Hi", max_new_tokens: 1 <<< 64)
+
+    assert error.message =~ "range"
+
+    assert {:error, %Error{reason: :invalid_argument, details: %{"param" => "token_ids"}}} =
+             Sidecar.detokenize(conn, [(1 <<< 64) + 65])
+
+    assert {:ok, %{"history_tokens" => 0}} = Sidecar.session_info(conn, session)
+  end
+
+  test "text that is not UTF-8 is refused at once, naming where it is", %{conn: conn, session: session} do
+    latin1 = "caf" <> <<0xE9>>
+
+    for {input, opts, param} <- [
+          {latin1, [], "prompt"},
+          {"Hi", [stop: [latin1]], "stop"},
+          {[%{role: "user", content: latin1}], [], "messages"}
+        ] do
+      # once: an `invalid_msgpack` with no id, and the caller waiting out its whole timeout
+      {elapsed, result} =
+        :timer.tc(fn -> Sidecar.generate(conn, session, input, [timeout: :infinity] ++ opts) end)
+
+      assert {:error, %Error{reason: :invalid_argument, details: %{"param" => ^param}}} = result
+      assert elapsed < 1_000_000
+    end
+
+    assert {:error, %Error{reason: :invalid_argument}} = Sidecar.tokenize(conn, <<0xFF>>)
+    assert :ok = Sidecar.ping(conn)
+  end
+
+  test "a request over the sidecar's max_frame_bytes is refused unsent, whatever sorts before its id",
+       %{conn: conn, session: session} do
+    big = String.duplicate("a", 200_000)
+    # "chat_template" and "continue" sort before "id": the sidecar could not have named the request
+    for {input, opts} <- [
+          {[%{role: "user", content: "x"}], [chat_template: big]},
+          {{:continue, append: big}, []},
+          {big, []}
+        ] do
+      assert {:error,
+              %Error{reason: :frame_too_large, details: %{"limit" => "max_frame_bytes", "max" => 100_000}}} =
+               Sidecar.generate(conn, session, input, [timeout: :infinity] ++ opts)
+    end
+
+    assert :ok = Sidecar.ping(conn)
+  end
+
+  test "a bad timeout raises before anything is sent, and no reply arrives later", %{
+    conn: conn,
+    session: session
+  } do
+    for timeout <- ["x", 10.5, -1] do
+      assert_raise ArgumentError, ~r/timeout/, fn ->
+        Sidecar.generate(conn, session, "Hi", max_new_tokens: 2, timeout: timeout)
+      end
+
+      assert_raise ArgumentError, ~r/timeout/, fn -> Sidecar.ping(conn, timeout) end
+    end
+
+    refute_receive {Sidecar, _, _}, 500
+    assert {:ok, %{"history_tokens" => 0}} = Sidecar.session_info(conn, session)
+  end
+
+  test "options that are not a keyword list, or unknown to the call, raise", %{conn: conn, session: session} do
+    assert_raise ArgumentError, ~r/keyword list/, fn -> Sidecar.generate(conn, session, "Hi", [1, 2]) end
+
+    assert_raise ArgumentError, ~r/keyword list/, fn ->
+      Sidecar.generate(conn, session, "Hi", %{max_new_tokens: 2})
+    end
+
+    assert_raise ArgumentError, ~r/unknown open_session option :nmae/, fn ->
+      Sidecar.open_session(conn, nmae: "x")
+    end
+
+    assert_raise ArgumentError, ~r/unknown restore_session option :name/, fn ->
+      Sidecar.restore_session(conn, "x", name: "y")
+    end
+
+    assert_raise ArgumentError, ~r/unknown tokenize option/, fn ->
+      Sidecar.tokenize(conn, "x", add_special: false)
+    end
+
+    assert_raise ArgumentError, ~r/unknown fork_session option/, fn ->
+      Sidecar.fork_session(conn, session, nmae: "x")
+    end
+  end
+
+  test "a call made while the sidecar reads nothing gives up at its own timeout, and is never sent" do
+    conn = start_supervised!({Sidecar, sidecar_opts()}, id: :stalled)
+    {:ok, %{"os_pid" => os_pid}} = Sidecar.info(conn)
+    {:ok, first} = Sidecar.open_session(conn)
+    {:ok, second} = Sidecar.open_session(conn)
+    System.cmd("kill", ["-STOP", "#{os_pid}"])
+
+    filler =
+      try do
+        # more than a pipe holds: the connection blocks writing it until the sidecar reads again
+        filler =
+          Task.async(fn ->
+            Sidecar.generate(conn, first, String.duplicate("a ", 300_000), timeout: :infinity)
+          end)
+
+        Process.sleep(300)
+        # once: 30 s, whatever the timeout, then :session_lost, and the request sent after all
+        {elapsed, result} =
+          :timer.tc(fn -> Sidecar.generate(conn, second, "Hello", max_new_tokens: 3, timeout: 1_000) end)
+
+        assert {:error, %Error{reason: :timeout}} = result
+        assert elapsed < 5_000_000
+        filler
+      after
+        System.cmd("kill", ["-CONT", "#{os_pid}"])
+      end
+
+    Task.await(filler, 60_000)
+    assert {:ok, %{"history_tokens" => 0}} = Sidecar.session_info(conn, second)
+  end
+
+  test "processors that are not processor structs raise ArgumentError", %{conn: conn, session: session} do
+    alias Sidecar.Processors.{SequenceBias, TopK}
+
+    for processors <- [[%{name: "top_k"}], [:top_k], [%URI{}], Sidecar.Processors.configure(TopK, k: 2)] do
+      assert_raise ArgumentError, fn -> Sidecar.generate(conn, session, "Hi", processors: processors) end
+    end
+
+    assert_raise ArgumentError, ~r/keyword list/, fn -> Sidecar.Processors.configure(TopK, [1]) end
+    assert_raise ArgumentError, fn -> Sidecar.Processors.configure(TopK, %{k: 2}) end
+    # a malformed bias goes to the sidecar, which names it
+    bias = Sidecar.Processors.configure(SequenceBias, sequence_bias: [:oops])
+
+    assert {:error, %Error{reason: reason}} = Sidecar.generate(conn, session, "Hi", processors: [bias])
+    assert reason in [:invalid_processor, :invalid_params]
+  end
+
+  test "start options the OS would refuse raise before anything starts" do
+    assert_raise ArgumentError, ~r/:env/, fn ->
+      Sidecar.start_link(sidecar_opts(env: [{"A", "x" <> <<0>> <> "y"}]))
+    end
+
+    assert_raise ArgumentError, ~r/:env/, fn -> Sidecar.start_link(sidecar_opts(env: [{"A=B", "x"}])) end
+    assert_raise ArgumentError, ~r/:args/, fn -> Sidecar.start_link(sidecar_opts(args: ["a" <> <<0>>])) end
+    assert_raise ArgumentError, ~r/:cd/, fn -> Sidecar.start_link(sidecar_opts(cd: "/nonexistent/dir")) end
+  end
+end
