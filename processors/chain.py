@@ -72,8 +72,13 @@ class Chain:
         check_step(logits, context, self.max_token_id)
         new_states = []
         for position, (processor, state) in enumerate(zip(self.processors, states)):
-            returned = processor.process(state, logits, context)
-            if not (isinstance(returned, tuple) and len(returned) == 2):
+            try:
+                returned = processor.process(state, logits, context)
+            except ProcessorError as error:  # say which processor, if it did not
+                if error.index is None:
+                    error.index = position
+                raise
+            if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
                 raise InvalidInput(f"processors[{position}] ({processor.name}): process must return a pair (state, "
                                    f"logits), got {_kind(returned)}", index=position)
             state, logits = returned
@@ -86,7 +91,7 @@ class Chain:
         for position, (processor, state) in enumerate(zip(self.processors, states)):
             try:
                 reordered.append(processor.reorder(state, index))
-            except (TypeError, IndexError, RuntimeError) as error:  # a state that changed shape since `init`
+            except (TypeError, IndexError) as error:  # a state that changed shape or kind since `init`
                 raise InvalidInput(f"processors[{position}] ({processor.name}): its state cannot follow the rows "
                                    f"({str(error)[:200]}); a state keeps the shape `init` gave it, per-row tensors "
                                    f"leading with the rows", index=position) from error

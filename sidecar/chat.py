@@ -33,7 +33,8 @@ def check_messages(messages) -> list[dict]:
                 or not isinstance(message.get("content"), str):
             raise InvalidArgument(f"messages[{i}] must be a map with a string role and a string content",
                                   option="messages", index=i)
-        check_unicode(message["content"], "messages", f"messages[{i}].content", index=i)
+        for key in ("role", "content"):
+            check_unicode(message[key], "messages", f"messages[{i}].{key}", index=i)
     return list(messages)
 
 

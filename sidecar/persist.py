@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import zlib
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 
 from . import sharing
 from .errors import CacheBudgetExceeded, InvalidArgument, InvalidSessionFile, SaveFailed, SessionBusy, SessionClosed
+from .text import check_unicode
 
 FORMAT = "beam-sidecar-session/2"  # 2: "exact", the tokens whose keys a shift has not moved
 
@@ -52,28 +54,31 @@ def save(session, path) -> None:
                 "history": session.history, "cached": cache.end, "exact": cache.exact}
     metadata["digest"] = _digest(metadata, tensors)
     path = _file_path(path)
+    partial = None
     try:
-        path = path.resolve()  # a symbolic link is written through, not replaced by a file
-        if path.exists() and not path.is_file():  # a device or a directory is never replaced
+        # a link is neither followed (out of a server's session directory) nor replaced, nor is a
+        # device, a FIFO or a directory: only a regular file, or nothing, is written over
+        if path.is_symlink() or (path.exists() and not path.is_file()):
             raise SaveFailed(f"cannot write the session to {path.name}: it exists and is not a regular file")
-    except OSError as error:  # a name too long, a loop of links
-        raise SaveFailed(f"cannot write the session to {path.name[:60]}: {error.strerror or error}") from None
-    partial = path.with_name(path.name + ".partial")
-    try:
-        save_file(tensors, str(partial), metadata={"session": json.dumps(metadata)})
+        # a name of its own, created empty (whatever else lies beside the target is left alone)
+        descriptor, partial = tempfile.mkstemp(prefix=f".{path.name[:100]}.", suffix=".partial", dir=path.parent)
+        os.close(descriptor)
+        save_file(tensors, partial, metadata={"session": json.dumps(metadata)})
         os.replace(partial, path)
-    except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
-        partial.unlink(missing_ok=True)
-        raise SaveFailed(f"cannot write the session to {path.name}: {getattr(error, 'strerror', None) or error}") from None
+    except (OSError, SafetensorError) as error:  # a name too long, a full disk (safetensors' own error)
+        if partial is not None:
+            Path(partial).unlink(missing_ok=True)
+        raise SaveFailed(f"cannot write the session to {path.name[:60]}: {getattr(error, 'strerror', None) or error}") from None
 
 
 def _file_path(path) -> Path:
     """`path` as a `Path`, refused with `InvalidArgument` unless it is a non-empty text path without NUL
     (which the OS would refuse with errors of other kinds, deep inside the write)."""
     text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
-    if not isinstance(text, str) or not text or "\0" in text:
-        raise InvalidArgument(f"path must be a non-empty file path (a str or a pathlib.Path, without NUL), "
-                              f"got {str(path)[:60]!r}", option="path")
+    if not isinstance(text, str) or not text or "\0" in text or text.endswith(("/", os.sep)):
+        raise InvalidArgument(f"path must be a non-empty file path (a str or a pathlib.Path, without NUL, not "
+                              f"ending in a separator), got {str(path)[:60]!r}", option="path")
+    check_unicode(text, "path")
     return Path(text)
 
 

@@ -48,6 +48,11 @@ class Tokens(Continuable):
     ids: tuple[int, ...]
     tokenizer: object = field(repr=False, compare=False)
 
+    def __post_init__(self):
+        # made by hand, or from a result edited since, it may hold anything: refused before any use
+        if not isinstance(self.ids, tuple) or not all(_is_int(t) for t in self.ids):
+            raise InvalidArgument(f"a sequence's token ids are a tuple of integers, got {_show(self.ids)}", option="prompt")
+
     @property
     def tokens(self) -> "Tokens":
         return self
@@ -129,9 +134,6 @@ def input_ids(engine, value: Continuable) -> list[int]:
     if tokens.tokenizer is not engine.tokenizer:
         raise TokenizerMismatch("the sequence was made by another engine, whose token ids may mean other text here; "
                                 "to reuse its ids anyway, pass token_ids=list(sequence.tokens.ids)")
-    # a `Tokens` made by hand, or from a result edited since, may hold anything
-    if not isinstance(tokens.ids, (list, tuple)) or not all(_is_int(t) for t in tokens.ids):
-        raise InvalidArgument(f"the sequence's token ids must be integers, got {_show(tokens.ids)}", option="prompt")
     return [int(t) for t in tokens.ids]
 
 

@@ -275,7 +275,6 @@ defmodule Sidecar do
 
     case receive_reply(request, deadline(timeout || request.timeout)) do
       :timeout ->
-        cancel(request)
         {:error, Error.new(:timeout, "the generation did not finish in time and was cancelled")}
 
       reply ->
@@ -345,7 +344,7 @@ defmodule Sidecar do
               raise Error.new(:sidecar_exited, "the sidecar connection went down")
           after
             timeout ->
-              cancel(request)
+              forget(request)
               raise Error.new(:timeout, "no token within #{timeout} ms; the generation was cancelled")
           end
       end,
@@ -354,7 +353,6 @@ defmodule Sidecar do
           Process.demonitor(request.ref, [:flush])
 
         {request, false} ->
-          cancel(request)
           forget(request)
       end
     )
@@ -496,7 +494,7 @@ defmodule Sidecar do
       |> Generation.params(opts, eos_token_ids)
       |> Map.merge(%{"session" => name, "stream" => stream?})
 
-    request(conn, "generate", params, incarnation, opts[:timeout])
+    request(conn, "generate", params, incarnation)
   end
 
   defp new_session(name, model, incarnation),
@@ -517,7 +515,7 @@ defmodule Sidecar do
   defp call(conn, op, params, incarnation, timeout) do
     Generation.timeout!(timeout)
 
-    with {:ok, request} <- request(conn, op, params, incarnation, timeout) do
+    with {:ok, request} <- request(conn, op, params, incarnation) do
       timeout = timeout || request.timeout
 
       case receive_reply(request, deadline(timeout)) do
@@ -550,19 +548,20 @@ defmodule Sidecar do
   end
 
   # Removing the monitor deactivates the alias the connection sends to; what it sent before is flushed.
-  # A request the connection still holds unsent (the sidecar not reading) is withdrawn: it never runs.
-  defp forget(%Request{conn: conn, ref: ref, id: id}) do
+  # The request is withdrawn: still unsent (the sidecar not reading), it is never sent; a generation
+  # already sent is cancelled, since nobody will read it.
+  defp forget(%Request{conn: conn, ref: ref}) do
     Process.demonitor(ref, [:flush])
-    GenServer.cast(conn, {:withdraw, id})
+    GenServer.cast(conn, {:withdraw, ref})
     flush(ref)
   end
 
   defp deadline(:infinity), do: :infinity
   defp deadline(timeout), do: System.monotonic_time(:millisecond) + timeout
 
-  # Handing a request to the connection waits at most the call's timeout (without one, @hand_over_ms);
-  # the connection queues it at once, so only a connection busy with something else takes longer.
-  defp request(conn, op, params, incarnation, timeout) do
+  # Handing a request over takes no longer than the connection takes to queue it (it never waits for
+  # the sidecar to read); a connection stuck past @hand_over_ms is given up on, the request withdrawn.
+  defp request(conn, op, params, incarnation) do
     case whereis(conn) do
       nil ->
         lost(incarnation)
@@ -571,17 +570,20 @@ defmodule Sidecar do
         # The monitor's ref is also an alias of this process, the one the connection sends the
         # request's messages to: they stop arriving once the monitor is removed (`forget/1`).
         ref = :erlang.monitor(:process, pid, alias: :demonitor)
-        wait = timeout || @hand_over_ms
 
         try do
-          case GenServer.call(pid, {:request, op, params, incarnation, ref}, wait) do
+          case GenServer.call(pid, {:request, op, params, incarnation, ref}, @hand_over_ms) do
             {:ok, id, call_timeout} -> {:ok, %Request{conn: pid, ref: ref, id: id, timeout: call_timeout}}
             {:error, error} -> Process.demonitor(ref, [:flush]) && {:error, error}
           end
         catch
           :exit, {:timeout, _} ->
+            # the request may still be queued: withdrawn (casts follow the call), it is not sent
+            GenServer.cast(pid, {:withdraw, ref})
             Process.demonitor(ref, [:flush])
-            {:error, Error.new(:timeout, "the connection did not take the request within #{wait} ms")}
+
+            {:error,
+             Error.new(:timeout, "the connection did not take the request within #{@hand_over_ms} ms")}
 
           :exit, _ ->
             Process.demonitor(ref, [:flush]) && lost(incarnation)

@@ -72,7 +72,7 @@ defmodule Sidecar.HostileValuesTest do
     conn: conn,
     session: session
   } do
-    for timeout <- ["x", 10.5, -1] do
+    for timeout <- ["x", 10.5, -1, 4_294_967_296] do
       assert_raise ArgumentError, ~r/timeout/, fn ->
         Sidecar.generate(conn, session, "Hi", max_new_tokens: 2, timeout: timeout)
       end
@@ -114,29 +114,49 @@ defmodule Sidecar.HostileValuesTest do
     {:ok, first} = Sidecar.open_session(conn)
     {:ok, second} = Sidecar.open_session(conn)
     System.cmd("kill", ["-STOP", "#{os_pid}"])
+    # whatever happens below, the sidecar runs again (a stopped one could not see its input close)
+    on_exit(fn -> System.cmd("kill", ["-CONT", "#{os_pid}"], stderr_to_stdout: true) end)
 
+    # more than a pipe holds: the rest waits in the connection until the sidecar reads again
     filler =
-      try do
-        # more than a pipe holds: the connection blocks writing it until the sidecar reads again
-        filler =
-          Task.async(fn ->
-            Sidecar.generate(conn, first, String.duplicate("a ", 300_000), timeout: :infinity)
-          end)
+      Task.async(fn -> Sidecar.generate(conn, first, String.duplicate("a ", 300_000), timeout: :infinity) end)
 
-        Process.sleep(300)
-        # once: 30 s, whatever the timeout, then :session_lost, and the request sent after all
-        {elapsed, result} =
-          :timer.tc(fn -> Sidecar.generate(conn, second, "Hello", max_new_tokens: 3, timeout: 1_000) end)
+    Process.sleep(300)
+    assert Task.yield(filler, 0) == nil
+    # once: every call blocked 30 s, whatever its timeout, then :session_lost, and the request sent
+    # after all; a fork is not cancelled by anything, so had it been sent it would have run
+    {elapsed, result} =
+      :timer.tc(fn -> Sidecar.fork_session(conn, second, name: "late-fork", timeout: 1_000) end)
 
-        assert {:error, %Error{reason: :timeout}} = result
-        assert elapsed < 5_000_000
-        filler
-      after
-        System.cmd("kill", ["-CONT", "#{os_pid}"])
-      end
+    assert {:error, %Error{reason: :timeout}} = result
+    assert elapsed < 3_000_000
+    assert {:ok, _} = Sidecar.info(conn)
+    System.cmd("kill", ["-CONT", "#{os_pid}"])
 
     Task.await(filler, 60_000)
-    assert {:ok, %{"history_tokens" => 0}} = Sidecar.session_info(conn, second)
+    assert {:ok, _} = Sidecar.open_session(conn, name: "late-fork")
+  end
+
+  test "requests waiting unsent are bounded by the sidecar's max_queued_bytes" do
+    conn = start_supervised!({Sidecar, sidecar_opts(args: ["--max-queued-bytes", "400000"])}, id: :bounded)
+    {:ok, %{"os_pid" => os_pid}} = Sidecar.info(conn)
+    sessions = for _ <- 1..3, do: elem(Sidecar.open_session(conn), 1)
+    System.cmd("kill", ["-STOP", "#{os_pid}"])
+    on_exit(fn -> System.cmd("kill", ["-CONT", "#{os_pid}"], stderr_to_stdout: true) end)
+    prompt = String.duplicate("a ", 90_000)
+
+    [fits_the_pipe, waits | _] =
+      for s <- sessions, do: Sidecar.start_generate(conn, s, prompt, max_new_tokens: 1)
+
+    assert {:ok, _} = fits_the_pipe
+    assert {:ok, _} = waits
+    # the third would hold 360,000 bytes unsent (with the 180,000 of the second): over the bound
+    assert {:error, %Error{reason: :too_many_requests, details: %{"limit" => "max_queued_bytes"}}} =
+             Sidecar.start_generate(conn, List.last(sessions), prompt <> prompt, max_new_tokens: 1)
+
+    System.cmd("kill", ["-CONT", "#{os_pid}"])
+    # sent once the sidecar reads again, and answered (the prompt is longer than the tiny model's context)
+    assert {:error, %Error{reason: :context_overflow}} = Sidecar.await(elem(waits, 1), 60_000)
   end
 
   test "processors that are not processor structs raise ArgumentError", %{conn: conn, session: session} do

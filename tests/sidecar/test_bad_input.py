@@ -8,8 +8,11 @@ whole catalogue.
 """
 
 import os
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from collections import namedtuple
 from dataclasses import dataclass
 from typing import ClassVar
@@ -75,16 +78,29 @@ WIDE_GRAMMAR = P.configure(P.Grammar, grammar="start: " + " | ".join(f'"w{i}"' f
 
 def save_over_a_fifo(session):
     """A device or a FIFO under the name is refused, never replaced by a file (a FIFO: harmless to try)."""
-    import tempfile
-
-    path = os.path.join(tempfile.mkdtemp(), "fifo")
+    directory = tempfile.mkdtemp()
+    path = os.path.join(directory, "fifo")
     os.mkfifo(path)
     try:
         session.save(path)
     finally:
-        import stat
+        replaced = not stat.S_ISFIFO(os.stat(path).st_mode)
+        shutil.rmtree(directory)
+        assert not replaced, "the FIFO was replaced"
 
-        assert stat.S_ISFIFO(os.stat(path).st_mode), "the FIFO was replaced"
+
+def save_through_a_link(session):
+    """A link under the name is neither followed (a server's session directory could be left that way)
+    nor replaced: what it points to stays as it was."""
+    directory = tempfile.mkdtemp()
+    outside, link = os.path.join(directory, "outside"), os.path.join(directory, "link")
+    os.symlink(outside, link)
+    try:
+        session.save(link)
+    finally:
+        kept = os.path.islink(link) and not os.path.exists(outside)
+        shutil.rmtree(directory)
+        assert kept, "the link was followed or replaced"
 
 
 @dataclass(frozen=True)
@@ -240,6 +256,11 @@ API_ROWS = [
     ("save to a path with NUL", lambda s: s.save("a\0b"), "invalid_argument"),
     ("save over a FIFO", save_over_a_fifo, "save_failed"),
     ("save under a name too long", lambda s: s.save("x" * 300), "save_failed"),
+    ("save through a symbolic link", save_through_a_link, "save_failed"),
+    ("save to a path ending in a separator", lambda s: s.save(os.path.join(tempfile.mkdtemp(), "new") + "/"),
+     "invalid_argument"),
+    ("save to a path with a lone surrogate", lambda s: s.save("x\ud800"), "invalid_argument"),
+    ("a lone surrogate in a message's role", {"messages": [{"role": "\ud800", "content": "x"}]}, "invalid_argument"),
     ("restore from 5", lambda s: s.engine.restore(5), "invalid_argument"),
     ("a processor returning only the logits", {"token_ids": DIVERGING, "processors": [LogitsOnly()]}, "invalid_processor"),
     ("a grammar the vocabulary cannot begin", {"prompt": "a", "processors": [P.configure(P.Grammar, grammar="start: /[^\\s\\S]/")]},

@@ -26,6 +26,7 @@ defmodule Sidecar.Connection do
     next_id: 1,
     pending: %{},
     outbox: :queue.new(),
+    outbox_bytes: 0,
     retrying: false
   ]
 
@@ -303,7 +304,7 @@ defmodule Sidecar.Connection do
   defp take_request(op, params, ref, caller, state) do
     id = state.next_id
 
-    case send_message(state, Protocol.request(id, op, params)) do
+    case send_message(state, Protocol.request(id, op, params), :capped) do
       {:ok, state} ->
         entry = %{ref: ref, monitor: Process.monitor(caller), op: op}
 
@@ -318,11 +319,21 @@ defmodule Sidecar.Connection do
   @impl true
   def handle_cast({:cancel, target}, state), do: {:noreply, cancel_on_server(state, target)}
 
-  # A caller that stopped waiting: its request, if still unsent, is not sent at all.
-  def handle_cast({:withdraw, id}, state) do
-    case unqueue(state, id) do
-      {:unsent, state} -> {:noreply, forget_pending(state, id)}
-      {:sent, state} -> {:noreply, state}
+  # A caller that stopped waiting (its alias `ref` is gone): a request still unsent is not sent at all;
+  # a generation already sent is cancelled, since nobody will read it.
+  def handle_cast({:withdraw, ref}, state) do
+    case Enum.find(state.pending, fn {_id, entry} -> entry.ref == ref end) do
+      nil ->
+        {:noreply, state}
+
+      {id, entry} ->
+        state = forget_pending(state, id)
+
+        case unqueue(state, id) do
+          {:unsent, state} -> {:noreply, state}
+          {:sent, state} when entry.op == "generate" -> {:noreply, cancel_on_server(state, id)}
+          {:sent, state} -> {:noreply, state}
+        end
     end
   end
 
@@ -449,14 +460,37 @@ defmodule Sidecar.Connection do
 
   # ---- codec ------------------------------------------------------------------------------------
 
-  defp send_message(state, message) do
+  defp send_message(state, message, capped \\ :uncapped) do
     with {:ok, payload} <- encoded(state.codec, message),
-         :ok <- within_frame_limit(state.hello, IO.iodata_length(payload)) do
-      {:ok, flush_outbox(%{state | outbox: :queue.in({message["id"], payload}, state.outbox)})}
+         size = IO.iodata_length(payload),
+         :ok <- within_frame_limit(state.hello, size),
+         :ok <- within_outbox_limit(state, size, capped) do
+      queued = %{
+        state
+        | outbox: :queue.in({message["id"], payload, size}, state.outbox),
+          outbox_bytes: state.outbox_bytes + size
+      }
+
+      {:ok, flush_outbox(queued)}
     end
   end
 
-  # Hands the Port what it takes without suspending us; the rest is tried again in @retry_ms.
+  # Requests waiting unsent (the sidecar not reading) hold at most what the sidecar itself would queue.
+  defp within_outbox_limit(%{hello: %{"limits" => %{"max_queued_bytes" => max}}} = state, size, :capped)
+       when state.outbox_bytes + size > max do
+    {:error,
+     Error.new(
+       :too_many_requests,
+       "the sidecar is not reading: #{state.outbox_bytes} bytes of requests wait unsent, and this one would " <>
+         "pass max_queued_bytes = #{max}",
+       %{"limit" => "max_queued_bytes", "max" => max, "value" => state.outbox_bytes + size}
+     )}
+  end
+
+  defp within_outbox_limit(_state, _size, _capped), do: :ok
+
+  # Hands the Port what it takes without suspending us; the rest is tried again in @retry_ms. A port
+  # already closed (its exit status not yet read) takes nothing: its exit answers every request.
   defp flush_outbox(%{port: nil} = state), do: state
 
   defp flush_outbox(state) do
@@ -464,23 +498,36 @@ defmodule Sidecar.Connection do
       :empty ->
         state
 
-      {:value, {_id, payload}} ->
-        if Port.command(state.port, payload, [:nosuspend]) do
-          flush_outbox(%{state | outbox: :queue.drop(state.outbox)})
-        else
-          unless state.retrying, do: Process.send_after(self(), :flush_outbox, @retry_ms)
-          %{state | retrying: true}
+      {:value, {_id, payload, size}} ->
+        case port_command(state.port, payload) do
+          true ->
+            flush_outbox(%{state | outbox: :queue.drop(state.outbox), outbox_bytes: state.outbox_bytes - size})
+
+          false ->
+            unless state.retrying, do: Process.send_after(self(), :flush_outbox, @retry_ms)
+            %{state | retrying: true}
+
+          :closed ->
+            state
         end
     end
   end
 
+  defp port_command(port, payload) do
+    Port.command(port, payload, [:nosuspend])
+  rescue
+    ArgumentError -> :closed
+  end
+
   # Takes request `id` out of the outbox: {:unsent, state} if it was there, {:sent, state} otherwise.
   defp unqueue(state, id) do
-    kept = :queue.filter(fn {queued, _} -> queued != id end, state.outbox)
+    case Enum.split_with(:queue.to_list(state.outbox), fn {queued, _, _} -> queued == id end) do
+      {[], _} ->
+        {:sent, state}
 
-    if :queue.len(kept) < :queue.len(state.outbox),
-      do: {:unsent, %{state | outbox: kept}},
-      else: {:sent, state}
+      {[{_, _, size}], kept} ->
+        {:unsent, %{state | outbox: :queue.from_list(kept), outbox_bytes: state.outbox_bytes - size}}
+    end
   end
 
   defp encoded(codec, message) do

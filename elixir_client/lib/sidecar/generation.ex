@@ -188,17 +188,20 @@ defmodule Sidecar.Generation do
     |> put_present("keep", keep!(opts[:keep]))
   end
 
+  # the longest wait `receive ... after` takes
+  @max_timeout 4_294_967_295
+
   @doc false
   # A call's `timeout`: checked before anything is sent, so a bad one never leaves a request behind.
   @spec timeout!(term()) :: :ok
   def timeout!(timeout) when is_nil(timeout) or timeout == :infinity, do: :ok
-  def timeout!(timeout) when is_integer(timeout) and timeout >= 0, do: :ok
+  def timeout!(timeout) when is_integer(timeout) and timeout >= 0 and timeout <= @max_timeout, do: :ok
 
   def timeout!(timeout),
     do:
       raise(
         ArgumentError,
-        "a timeout is milliseconds (an integer >= 0) or :infinity, got #{inspect(timeout)}"
+        "a timeout is milliseconds (an integer in [0, #{@max_timeout}]) or :infinity, got #{inspect(timeout)}"
       )
 
   @doc false

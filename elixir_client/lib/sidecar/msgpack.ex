@@ -84,7 +84,11 @@ defmodule Sidecar.Msgpack do
 
   defp path_to(map, value) when is_map(map) and not is_struct(map) do
     Enum.find_value(Enum.sort_by(map, fn {k, _} -> sort_key(k) end), fn {k, v} ->
-      if path = path_to(v, value), do: [k | path]
+      cond do
+        path_to(k, value) -> ["(a key)"]
+        path = path_to(v, value) -> [k | path]
+        true -> nil
+      end
     end)
   end
 

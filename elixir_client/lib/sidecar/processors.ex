@@ -149,7 +149,7 @@ defmodule Sidecar.Processors do
   @doc "The protocol form: `%{\"name\" => ..., \"options\" => %{...}}` (options left at nil are omitted)."
   @spec to_wire(struct()) :: map()
   def to_wire(%module{} = config) do
-    unless function_exported?(module, :__processor__, 0),
+    unless Code.ensure_loaded?(module) and function_exported?(module, :__processor__, 0),
       do:
         raise(
           ArgumentError,
