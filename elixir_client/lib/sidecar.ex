@@ -572,8 +572,11 @@ defmodule Sidecar do
         ref = :erlang.monitor(:process, pid, alias: :demonitor)
 
         try do
-          case GenServer.call(pid, {:request, op, params, incarnation, ref}, @hand_over_ms) do
-            {:ok, id, call_timeout} -> {:ok, %Request{conn: pid, ref: ref, id: id, timeout: call_timeout}}
+          with {:ok, body} <- Connection.encode_params(Connection.codec(pid), params),
+               {:ok, id, call_timeout} <-
+                 GenServer.call(pid, {:request, op, body, incarnation, ref}, @hand_over_ms) do
+            {:ok, %Request{conn: pid, ref: ref, id: id, timeout: call_timeout}}
+          else
             {:error, error} -> Process.demonitor(ref, [:flush]) && {:error, error}
           end
         catch

@@ -68,6 +68,18 @@ defmodule Sidecar.HostileValuesTest do
     assert :ok = Sidecar.ping(conn)
   end
 
+  test "a request of many megabytes is encoded by its caller, holding back no other call", %{conn: conn} do
+    # about 20 MB of ids: seconds to encode, then refused unsent (over max_frame_bytes)
+    big =
+      Task.async(fn -> Sidecar.detokenize(conn, List.duplicate(70_000, 4_000_000), timeout: :infinity) end)
+
+    Process.sleep(500)
+    # once: the connection encoded it, and a ping waited for the whole of it
+    assert :ok = Sidecar.ping(conn, 60_000)
+    assert Task.yield(big, 0) == nil
+    assert {:error, %Error{reason: :frame_too_large}} = Task.await(big, 60_000)
+  end
+
   test "a bad timeout raises before anything is sent, and no reply arrives later", %{
     conn: conn,
     session: session

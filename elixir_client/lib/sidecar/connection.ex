@@ -51,9 +51,23 @@ defmodule Sidecar.Connection do
 
   # ---- startup ----------------------------------------------------------------------------------
 
+  @doc false
+  # The codec its callers encode their requests with, read without a message to this process: a
+  # request of many megabytes is encoded by the process that sends it, not here, where it would hold
+  # back every other caller. (Set while the connection lives; any codec's bytes are msgpack, so the
+  # built-in one stands in before that.)
+  def codec(pid), do: :persistent_term.get({__MODULE__, pid}, Sidecar.Msgpack)
+
+  @doc false
+  # The msgpack of a request's parameters, encoded by its caller with the connection's codec.
+  def encode_params(codec, params) do
+    with {:ok, payload} <- encoded(codec, params), do: {:ok, IO.iodata_to_binary(payload)}
+  end
+
   @impl true
   def init(opts) do
     Process.flag(:trap_exit, true)
+    :persistent_term.put({__MODULE__, self()}, opts[:codec])
     relay = if opts[:log_stderr], do: open_relay()
     port = open_sidecar(opts, relay)
 
@@ -81,6 +95,7 @@ defmodule Sidecar.Connection do
         end
 
         tail = Enum.take(close_relay(relay) ++ tail, @startup_tail_lines) |> Enum.reverse()
+        :persistent_term.erase({__MODULE__, self()})
         {:stop, startup_error(failure, tail, opts[:python], relay != nil)}
     end
   end
@@ -301,10 +316,10 @@ defmodule Sidecar.Connection do
     {:reply, Map.merge(state.hello, %{"os_pid" => state.os_pid, "incarnation" => state.incarnation}), state}
   end
 
-  defp take_request(op, params, ref, caller, state) do
+  defp take_request(op, body, ref, caller, state) do
     id = state.next_id
 
-    case send_message(state, Protocol.request(id, op, params), :capped) do
+    case queue_request(state, id, op, body) do
       {:ok, state} ->
         entry = %{ref: ref, monitor: Process.monitor(caller), op: op}
 
@@ -454,20 +469,35 @@ defmodule Sidecar.Connection do
 
   @impl true
   def terminate(_reason, state) do
+    :persistent_term.erase({__MODULE__, self()})
     if state.port && Port.info(state.port), do: Port.close(state.port)
     close_relay(state.relay)
   end
 
   # ---- codec ------------------------------------------------------------------------------------
 
-  defp send_message(state, message, capped \\ :uncapped) do
+  # A frame of ours (hello, cancel): small, encoded here.
+  defp send_message(state, message) do
     with {:ok, payload} <- encoded(state.codec, message),
-         size = IO.iodata_length(payload),
-         :ok <- within_frame_limit(state.hello, size),
+         do: queue_frame(state, message["id"], payload, :uncapped)
+  end
+
+  # A caller's request: its parameters come encoded, the id and op go in front.
+  defp queue_request(state, id, op, body) do
+    case Sidecar.Msgpack.prepend_entries(body, [{"id", id}, {"op", op}]) do
+      {:ok, payload} -> queue_frame(state, id, payload, :capped)
+      :error -> {:error, Error.new(:invalid_argument, "the codec did not encode the parameters as a map")}
+    end
+  end
+
+  defp queue_frame(state, id, payload, capped) do
+    size = IO.iodata_length(payload)
+
+    with :ok <- within_frame_limit(state.hello, size),
          :ok <- within_outbox_limit(state, size, capped) do
       queued = %{
         state
-        | outbox: :queue.in({message["id"], payload, size}, state.outbox),
+        | outbox: :queue.in({id, payload, size}, state.outbox),
           outbox_bytes: state.outbox_bytes + size
       }
 

@@ -40,6 +40,21 @@ defmodule Sidecar.Msgpack do
     {:invalid, reason} -> {:error, reason}
   end
 
+  @doc false
+  # `body`, the msgpack of a map, with `pairs` added in front of its entries: how a request encoded by
+  # its caller gets the id and op its connection gives it (and "id" comes first, readable at once).
+  @spec prepend_entries(binary(), [{term(), term()}]) :: {:ok, iodata()} | :error
+  def prepend_entries(body, pairs) do
+    with {:ok, count, entries} <- map_entries(body) do
+      {:ok, [map_header(count + length(pairs)), Enum.map(pairs, fn {k, v} -> [enc(k), enc(v)] end), entries]}
+    end
+  end
+
+  defp map_entries(<<0b1000::4, n::4, entries::binary>>), do: {:ok, n, entries}
+  defp map_entries(<<0xDE, n::16, entries::binary>>), do: {:ok, n, entries}
+  defp map_entries(<<0xDF, n::32, entries::binary>>), do: {:ok, n, entries}
+  defp map_entries(_), do: :error
+
   # ---- encoding -----------------------------------------------------------------------------
 
   defp enc(nil), do: <<0xC0>>
