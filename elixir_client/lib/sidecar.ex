@@ -572,7 +572,7 @@ defmodule Sidecar do
         ref = :erlang.monitor(:process, pid, alias: :demonitor)
 
         try do
-          with {:ok, body} <- Connection.encode_params(Connection.codec(pid), params),
+          with {:ok, body} <- Connection.encode_params(GenServer.call(pid, :codec, @hand_over_ms), params),
                {:ok, id, call_timeout} <-
                  GenServer.call(pid, {:request, op, body, incarnation, ref}, @hand_over_ms) do
             {:ok, %Request{conn: pid, ref: ref, id: id, timeout: call_timeout}}

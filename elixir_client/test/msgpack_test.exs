@@ -80,6 +80,25 @@ defmodule Sidecar.MsgpackTest do
     assert {:ok, _} = Msgpack.encode(%Msgpack.Bin{data: latin1})
   end
 
+  test "entries put in front of an encoded map make one map, whatever header its new size needs" do
+    for n <- [0, 2, 13, 14, 15, 65_533, 65_534, 65_535] do
+      map = Map.new(1..n//1, fn i -> {"k#{i}", i} end)
+      {:ok, body} = Msgpack.encode(map)
+
+      assert {:ok, iodata} = Msgpack.prepend_entries(IO.iodata_to_binary(body), [{"id", 7}, {"op", "ping"}])
+
+      assert Msgpack.decode(IO.iodata_to_binary(iodata)) ==
+               {:ok, Map.merge(map, %{"id" => 7, "op" => "ping"})}
+    end
+
+    assert Msgpack.prepend_entries(<<0x91, 0x01>>, [{"id", 7}]) == :error
+  end
+
+  test "an improper list is refused with where it is" do
+    assert {:error, {:unsupported, [1 | 2], "an improper list", ["stop"]}} =
+             Msgpack.encode(%{"stop" => [1 | 2]})
+  end
+
   defp random_term(0), do: random_scalar()
 
   defp random_term(depth) do

@@ -52,22 +52,17 @@ defmodule Sidecar.Connection do
   # ---- startup ----------------------------------------------------------------------------------
 
   @doc false
-  # The codec its callers encode their requests with, read without a message to this process: a
-  # request of many megabytes is encoded by the process that sends it, not here, where it would hold
-  # back every other caller. (Set while the connection lives; any codec's bytes are msgpack, so the
-  # built-in one stands in before that.)
-  def codec(pid), do: :persistent_term.get({__MODULE__, pid}, Sidecar.Msgpack)
-
-  @doc false
   # The msgpack of a request's parameters, encoded by its caller with the connection's codec.
+  # A codec of the application's that raises is a bad request, not a crash of the caller.
   def encode_params(codec, params) do
     with {:ok, payload} <- encoded(codec, params), do: {:ok, IO.iodata_to_binary(payload)}
+  rescue
+    error -> {:error, Error.new(:invalid_argument, "cannot encode the request: #{Exception.message(error)}")}
   end
 
   @impl true
   def init(opts) do
     Process.flag(:trap_exit, true)
-    :persistent_term.put({__MODULE__, self()}, opts[:codec])
     relay = if opts[:log_stderr], do: open_relay()
     port = open_sidecar(opts, relay)
 
@@ -95,7 +90,6 @@ defmodule Sidecar.Connection do
         end
 
         tail = Enum.take(close_relay(relay) ++ tail, @startup_tail_lines) |> Enum.reverse()
-        :persistent_term.erase({__MODULE__, self()})
         {:stop, startup_error(failure, tail, opts[:python], relay != nil)}
     end
   end
@@ -312,6 +306,10 @@ defmodule Sidecar.Connection do
     end
   end
 
+  # The codec a caller encodes its request with: a request of many megabytes is encoded by the process
+  # that sends it, not here, where it would hold back every other caller.
+  def handle_call(:codec, _from, state), do: {:reply, state.codec, state}
+
   def handle_call(:info, _from, state) do
     {:reply, Map.merge(state.hello, %{"os_pid" => state.os_pid, "incarnation" => state.incarnation}), state}
   end
@@ -408,14 +406,12 @@ defmodule Sidecar.Connection do
   end
 
   def handle_info({port, {:exit_status, status}}, %{port: port} = state) do
-    error = Error.new(:sidecar_exited, "the sidecar exited with status #{status}", %{status: status})
+    sidecar_gone(state, "the sidecar exited with status #{status}", status)
+  end
 
-    for {_id, %{ref: ref}} <- state.pending, ref != nil do
-      send(ref, {Sidecar, ref, {:reply, {:error, error}}})
-    end
-
-    close_relay(state.relay)
-    {:stop, {:shutdown, {:sidecar_exited, status}}, %{state | pending: %{}, port: nil, relay: nil}}
+  # A Port that fails (a write error) may send no exit status: its link's exit says it is gone.
+  def handle_info({:EXIT, port, reason}, %{port: port} = state) do
+    sidecar_gone(state, "the sidecar's port closed (#{inspect(reason)})", nil)
   end
 
   def handle_info({cat, {:data, line}}, %{relay: %{port: cat}} = state) do
@@ -448,6 +444,17 @@ defmodule Sidecar.Connection do
 
   def handle_info(:flush_outbox, state), do: {:noreply, flush_outbox(%{state | retrying: false})}
 
+  defp sidecar_gone(state, message, status) do
+    error = Error.new(:sidecar_exited, message, %{status: status})
+
+    for {_id, %{ref: ref}} <- state.pending, ref != nil do
+      send(ref, {Sidecar, ref, {:reply, {:error, error}}})
+    end
+
+    close_relay(state.relay)
+    {:stop, {:shutdown, {:sidecar_exited, status}}, %{state | pending: %{}, port: nil, relay: nil}}
+  end
+
   defp deliver(state, id, result) do
     case Map.pop(state.pending, id) do
       {nil, _} ->
@@ -469,7 +476,6 @@ defmodule Sidecar.Connection do
 
   @impl true
   def terminate(_reason, state) do
-    :persistent_term.erase({__MODULE__, self()})
     if state.port && Port.info(state.port), do: Port.close(state.port)
     close_relay(state.relay)
   end

@@ -85,7 +85,11 @@ defmodule Sidecar.Msgpack do
   end
 
   defp enc(a) when is_atom(a), do: enc(Atom.to_string(a))
-  defp enc(list) when is_list(list), do: [array_header(length(list)) | Enum.map(list, &enc/1)]
+
+  defp enc(list) when is_list(list) do
+    count = proper_length(list) || throw({:unsupported, list, "an improper list"})
+    [array_header(count) | Enum.map(list, &enc/1)]
+  end
 
   defp enc(map) when is_map(map) and not is_struct(map) do
     entries = Enum.sort_by(map, fn {k, _} -> sort_key(k) end)
@@ -114,6 +118,12 @@ defmodule Sidecar.Msgpack do
   end
 
   defp path_to(_, _), do: nil
+
+  defp proper_length(list) do
+    length(list)
+  rescue
+    ArgumentError -> nil
+  end
 
   # Keys sort by their text (UTF-8 byte order is code point order, as in the Python side's sort).
   defp sort_key(key) when is_atom(key) and key not in [nil, true, false], do: Atom.to_string(key)
