@@ -206,8 +206,8 @@ defmodule Sidecar do
   defaults to the connection's `:call_timeout`.
   """
   @spec save_session(conn(), session(), String.t(), timeout() | nil) :: {:ok, map()} | {:error, Error.t()}
-  def save_session(conn, session, name, timeout \\ nil) when is_binary(name),
-    do: session_call(conn, session, "save_session", %{"name" => name}, timeout)
+  def save_session(conn, session, name, timeout \\ nil),
+    do: session_call(conn, session, "save_session", %{"name" => name!(name, "a saved session's")}, timeout)
 
   @doc """
   Opens a new session holding what `save_session/4` saved under `name`, also by another sidecar
@@ -218,7 +218,8 @@ defmodule Sidecar do
   `:forbidden`.
   """
   @spec restore_session(conn(), String.t(), keyword()) :: {:ok, Session.t()} | {:error, Error.t()}
-  def restore_session(conn, name, opts \\ []) when is_binary(name) do
+  def restore_session(conn, name, opts \\ []) do
+    name!(name, "a saved session's")
     options!(opts, [:model, :session, :timeout], "restore_session")
 
     params = %{
@@ -267,7 +268,8 @@ defmodule Sidecar do
   @doc """
   Waits for a started generation; past `timeout` (default: the connection's `:call_timeout`) it is
   cancelled and its messages are no longer delivered. Only the process that started it receives its
-  messages, so only that process can await it (another can `cancel/1` it).
+  messages, so only that process can await it: another process's `await` times out, and so cancels
+  it (another process may `cancel/1` it).
   """
   @spec await(Request.t(), timeout() | nil) :: {:ok, result()} | {:error, Error.t()}
   def await(%Request{} = request, timeout \\ nil) do
@@ -389,7 +391,9 @@ defmodule Sidecar do
 
   @doc "Unloads a model; its sessions are closed and their generations cancelled."
   @spec unload_model(conn(), String.t(), timeout() | nil) :: :ok | {:error, Error.t()}
-  def unload_model(conn, name, timeout \\ nil) when is_binary(name) do
+  def unload_model(conn, name, timeout \\ nil) do
+    name!(name, "a model's")
+
     with {:ok, _} <- call(conn, "unload_model", %{"model" => name}, nil, timeout), do: :ok
   end
 
@@ -470,6 +474,9 @@ defmodule Sidecar do
     end
   end
 
+  defp name!(name, _what) when is_binary(name), do: name
+  defp name!(name, what), do: raise(ArgumentError, "#{what} name is a string, got #{inspect(name)}")
+
   # The options a call takes: anything else (a typo, an option of another call) raises, never ignored.
   defp options!(opts, valid, call) do
     unless Keyword.keyword?(opts),
@@ -510,6 +517,10 @@ defmodule Sidecar do
     do: {name, eos, incarnation}
 
   defp identify(name) when is_binary(name), do: {name, nil, nil}
+
+  defp identify(other),
+    do:
+      raise(ArgumentError, "a session is a %Sidecar.Session{} or its name (a string), got #{inspect(other)}")
 
   # A nil timeout is the connection's :call_timeout, which it hands out with each request it takes.
   defp call(conn, op, params, incarnation, timeout) do
@@ -572,7 +583,7 @@ defmodule Sidecar do
         ref = :erlang.monitor(:process, pid, alias: :demonitor)
 
         try do
-          with {:ok, body} <- Connection.encode_params(GenServer.call(pid, :codec, @hand_over_ms), params),
+          with {:ok, body} <- Connection.encode_params(GenServer.call(pid, :encoding, @hand_over_ms), params),
                {:ok, id, call_timeout} <-
                  GenServer.call(pid, {:request, op, body, incarnation, ref}, @hand_over_ms) do
             {:ok, %Request{conn: pid, ref: ref, id: id, timeout: call_timeout}}

@@ -19,6 +19,25 @@ defmodule Sidecar.HostileValuesTest.GatedCodec do
   end
 end
 
+defmodule Sidecar.HostileValuesTest.FussyCodec do
+  @moduledoc false
+  # Sidecar.Msgpack, except where an application's codec could fail: on cancel frames, on the text
+  # "throw" or "exit", and on reading any reply that holds "xyzzy".
+  @behaviour Sidecar.Codec
+
+  @impl true
+  def encode(%{"op" => "cancel"}), do: raise("this codec encodes no cancel")
+  def encode(%{"text" => "throw"}), do: throw(:oops)
+  def encode(%{"text" => "exit"}), do: exit(:oops)
+  def encode(term), do: Sidecar.Msgpack.encode(term)
+
+  @impl true
+  def decode(binary) do
+    if :binary.match(binary, "xyzzy") != :nomatch, do: raise("this codec reads no xyzzy")
+    Sidecar.Msgpack.decode(binary)
+  end
+end
+
 defmodule Sidecar.HostileValuesTest do
   # Values an Elixir caller can write but the wire cannot carry, found by an outside test of the client:
   # each is refused before anything is sent, with a typed error naming it, and the connection goes on.
@@ -27,7 +46,7 @@ defmodule Sidecar.HostileValuesTest do
   import Bitwise
   import Sidecar.Test.Helpers
   alias Sidecar.Error
-  alias Sidecar.HostileValuesTest.GatedCodec
+  alias Sidecar.HostileValuesTest.{FussyCodec, GatedCodec}
 
   @moduletag timeout: 120_000
 
@@ -103,6 +122,46 @@ defmodule Sidecar.HostileValuesTest do
     assert Task.yield(held, 0) == nil
     :ets.insert(:sidecar_test_gate, {:open})
     assert {:ok, [_ | _]} = Task.await(held, 10_000)
+  end
+
+  test "nesting deeper than max_depth is refused unsent", %{conn: conn} do
+    # past ~1,000 levels the sidecar's reader fails before the id: the caller once waited in vain
+    for depth <- [40, 1_030] do
+      deep = Enum.reduce(1..depth, 1, fn _, inner -> [inner] end)
+
+      assert {:error, %Error{reason: :limit_exceeded, details: %{"limit" => "max_depth", "max" => 32}}} =
+               Sidecar.detokenize(conn, deep, timeout: 10_000)
+    end
+  end
+
+  test "an application codec that fails never takes the connection down" do
+    conn = start_supervised!({Sidecar, sidecar_opts(codec: FussyCodec)}, id: :fussy)
+    {:ok, session} = Sidecar.open_session(conn)
+    # the connection's own frames (hello, cancel) do not go through it: a cancel once crashed it
+    {:ok, request} = Sidecar.start_generate(conn, session, "Hello", max_new_tokens: 200, eos_token_id: [])
+    :ok = Sidecar.cancel(request)
+    cancelled = Sidecar.await(request, 30_000)
+
+    assert match?({:ok, %{finish_reason: "cancelled"}}, cancelled) or
+             match?({:error, %Error{reason: :cancelled}}, cancelled)
+
+    # an encoding that throws or exits is the request's error, not the caller's crash or :not_running
+    for text <- ["throw", "exit"] do
+      assert {:error, %Error{reason: :invalid_argument}} = Sidecar.tokenize(conn, text)
+    end
+
+    # a reply it cannot read is lost to its caller (which times out), not to everyone
+    {:ok, ids} = Sidecar.tokenize(conn, "xyzzy")
+    assert {:error, %Error{reason: :timeout}} = Sidecar.detokenize(conn, ids, timeout: 1_000)
+    assert :ok = Sidecar.ping(conn)
+    assert {:messages, []} = Process.info(self(), :messages)
+  end
+
+  test "arguments of the wrong kind raise ArgumentError", %{conn: conn, session: session} do
+    assert_raise ArgumentError, ~r/session/, fn -> Sidecar.generate(conn, nil, "x") end
+    assert_raise ArgumentError, ~r/name is a string/, fn -> Sidecar.save_session(conn, session, 5) end
+    assert_raise ArgumentError, ~r/name is a string/, fn -> Sidecar.restore_session(conn, :x) end
+    assert_raise ArgumentError, ~r/name is a string/, fn -> Sidecar.unload_model(conn, :x) end
   end
 
   test "a bad timeout raises before anything is sent, and no reply arrives later", %{

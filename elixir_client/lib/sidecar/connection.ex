@@ -54,11 +54,35 @@ defmodule Sidecar.Connection do
   @doc false
   # The msgpack of a request's parameters, encoded by its caller with the connection's codec.
   # A codec of the application's that raises is a bad request, not a crash of the caller.
-  def encode_params(codec, params) do
-    with {:ok, payload} <- encoded(codec, params), do: {:ok, IO.iodata_to_binary(payload)}
+  # Nesting deeper than the sidecar's max_depth is refused here: past about a thousand levels its
+  # msgpack reader fails before it can read the request's id, and the caller would wait in vain.
+  def encode_params(%{codec: codec, max_depth: max_depth}, params) do
+    cond do
+      max_depth != nil and nests_deeper?(params, 1, max_depth) ->
+        {:error,
+         Error.new(
+           :limit_exceeded,
+           "the request nests maps and lists deeper than max_depth = #{max_depth}",
+           %{"limit" => "max_depth", "max" => max_depth}
+         )}
+
+      true ->
+        with {:ok, payload} <- encoded(codec, params), do: {:ok, IO.iodata_to_binary(payload)}
+    end
   rescue
     error -> {:error, Error.new(:invalid_argument, "cannot encode the request: #{Exception.message(error)}")}
+  catch
+    kind, reason ->
+      {:error, Error.new(:invalid_argument, "cannot encode the request: #{kind} #{inspect(reason)}")}
   end
+
+  defp nests_deeper?(map, level, max) when is_map(map) and not is_struct(map),
+    do: level > max or Enum.any?(map, fn {_, v} -> nests_deeper?(v, level + 1, max) end)
+
+  defp nests_deeper?(list, level, max) when is_list(list),
+    do: level > max or Enum.any?(list, &nests_deeper?(&1, level + 1, max))
+
+  defp nests_deeper?(_, _, _), do: false
 
   @impl true
   def init(opts) do
@@ -308,7 +332,8 @@ defmodule Sidecar.Connection do
 
   # The codec a caller encodes its request with: a request of many megabytes is encoded by the process
   # that sends it, not here, where it would hold back every other caller.
-  def handle_call(:codec, _from, state), do: {:reply, state.codec, state}
+  def handle_call(:encoding, _from, state),
+    do: {:reply, %{codec: state.codec, max_depth: get_in(state.hello, ["limits", "max_depth"])}, state}
 
   def handle_call(:info, _from, state) do
     {:reply, Map.merge(state.hello, %{"os_pid" => state.os_pid, "incarnation" => state.incarnation}), state}
@@ -483,9 +508,11 @@ defmodule Sidecar.Connection do
   # ---- codec ------------------------------------------------------------------------------------
 
   # A frame of ours (hello, cancel): small, encoded here.
+  # A frame of ours (hello, cancel): a small map of ints and strings, which the built-in codec always
+  # encodes (an application's codec failing here would take the connection down with it).
   defp send_message(state, message) do
-    with {:ok, payload} <- encoded(state.codec, message),
-         do: queue_frame(state, message["id"], payload, :uncapped)
+    {:ok, payload} = Sidecar.Msgpack.encode(message)
+    queue_frame(state, message["id"], payload, :uncapped)
   end
 
   # A caller's request: its parameters come encoded, the id and op go in front.
@@ -602,8 +629,12 @@ defmodule Sidecar.Connection do
   defp decode(state, payload) do
     case state.codec.decode(payload) do
       {:ok, message} -> Protocol.classify(message)
-      {:error, reason} -> {:invalid, {:undecodable, reason}}
+      other -> {:invalid, {:undecodable, other}}
     end
+  rescue
+    error -> {:invalid, {:undecodable, error}}
+  catch
+    kind, reason -> {:invalid, {:undecodable, {kind, reason}}}
   end
 
   # Logs a relayed line and returns it.
