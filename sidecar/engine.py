@@ -35,7 +35,6 @@ from .session import REUSES, STRATEGIES, Request, Session
 
 DEFAULT_CACHE_BUDGET = 2 * 1024**3
 DEFAULT_PREFILL_CHUNK = 512
-DEFAULT_BEAMS = DEFAULT_NUM_BEAMS  # the protocol's default, which the server's limits measure too
 DEFAULT_MAX_ROWS = 64
 
 
@@ -246,7 +245,7 @@ class Engine:
             if given:
                 raise InvalidArgument(f"{given[0]} goes with strategy 'beam', not {strategy!r}", option=given[0])
             return {"num_samples": int(num_samples)}
-        num_beams = DEFAULT_BEAMS if num_beams is None else num_beams
+        num_beams = DEFAULT_NUM_BEAMS if num_beams is None else num_beams  # the protocol's default
         if not _is_int(num_beams) or not 1 <= num_beams <= self.max_rows:
             raise InvalidArgument(f"num_beams must be an integer in [1, {self.max_rows}], got {num_beams!r}",
                                   option="num_beams")

@@ -92,13 +92,10 @@ class Scheduler:
                 self.waiting.popleft()
                 run.finish("cancelled")
                 continue
-            needed = run.needed_bytes()
-            fits = store.make_room(needed, keep=run.held)
-            for lean in (1, 2):  # leaner plans, when the faster one does not fit (`Run.needed_bytes`)
-                if fits:
-                    break
+            for lean in (0, 1, 2):  # the fastest plan first, leaner ones when it does not fit (`Run.needed_bytes`)
                 needed = run.needed_bytes(lean)
-                fits = store.make_room(needed, keep=run.held)
+                if fits := store.make_room(needed, keep=run.held):
+                    break
             if not fits:
                 if self.running:
                     return  # running generations will free memory: wait for them

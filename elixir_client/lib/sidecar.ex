@@ -156,7 +156,7 @@ defmodule Sidecar do
   """
   @spec open_session(conn(), keyword()) :: {:ok, Session.t()} | {:error, Error.t()}
   def open_session(conn, opts \\ []) do
-    options!(opts, [:model, :name, :timeout], "open_session")
+    Options.known!(opts, [:model, :name, :timeout], "open_session")
 
     params = %{"model" => Keyword.get(opts, :model, "default"), "session" => Keyword.get(opts, :name)}
 
@@ -189,7 +189,7 @@ defmodule Sidecar do
   """
   @spec fork_session(conn(), session(), keyword()) :: {:ok, session()} | {:error, Error.t()}
   def fork_session(conn, session, opts \\ []) do
-    options!(opts, [:name, :timeout], "fork_session")
+    Options.known!(opts, [:name, :timeout], "fork_session")
 
     with {:ok, %{"session" => name}} <-
            session_call(conn, session, "fork_session", %{"new" => Keyword.get(opts, :name)}, opts[:timeout]) do
@@ -220,7 +220,7 @@ defmodule Sidecar do
   @spec restore_session(conn(), String.t(), keyword()) :: {:ok, Session.t()} | {:error, Error.t()}
   def restore_session(conn, name, opts \\ []) do
     name!(name, "a saved session's")
-    options!(opts, [:model, :session, :timeout], "restore_session")
+    Options.known!(opts, [:model, :session, :timeout], "restore_session")
 
     params = %{
       "name" => name,
@@ -273,7 +273,7 @@ defmodule Sidecar do
   """
   @spec await(Request.t(), timeout() | nil) :: {:ok, result()} | {:error, Error.t()}
   def await(%Request{} = request, timeout \\ nil) do
-    Generation.timeout!(timeout)
+    Options.timeout!(timeout)
 
     case receive_reply(request, deadline(timeout || request.timeout)) do
       :timeout ->
@@ -406,7 +406,7 @@ defmodule Sidecar do
   @doc "Token ids of `text` under the model's tokenizer. Options: `:model`, `:add_special_tokens`, `:timeout`."
   @spec tokenize(conn(), String.t(), keyword()) :: {:ok, [non_neg_integer()]} | {:error, Error.t()}
   def tokenize(conn, text, opts \\ []) do
-    options!(opts, [:model, :add_special_tokens, :timeout], "tokenize")
+    Options.known!(opts, [:model, :add_special_tokens, :timeout], "tokenize")
 
     params = %{
       "text" => text,
@@ -422,7 +422,7 @@ defmodule Sidecar do
   @doc "The text of `token_ids`. Options: `:model`, `:skip_special_tokens`, `:timeout`."
   @spec detokenize(conn(), [non_neg_integer()], keyword()) :: {:ok, String.t()} | {:error, Error.t()}
   def detokenize(conn, token_ids, opts \\ []) do
-    options!(opts, [:model, :skip_special_tokens, :timeout], "detokenize")
+    Options.known!(opts, [:model, :skip_special_tokens, :timeout], "detokenize")
 
     params = %{
       "token_ids" => token_ids,
@@ -455,13 +455,8 @@ defmodule Sidecar do
   ]
 
   defp load_model_params(opts) do
-    valid = for {key, _, _} <- @load_model_options, do: key
-
-    for {key, _} <- opts, key not in valid do
-      raise ArgumentError,
-            "unknown load_model option #{inspect(key)}; valid options: " <>
-              Enum.map_join([:timeout | valid], ", ", &inspect/1)
-    end
+    # :timeout is taken out before: listed as valid all the same
+    Options.known!(opts, [:timeout | for({key, _, _} <- @load_model_options, do: key)], "load_model")
 
     for {key, ok?, expected} <- @load_model_options, Keyword.has_key?(opts, key), into: %{} do
       value = opts[key]
@@ -476,19 +471,6 @@ defmodule Sidecar do
 
   defp name!(name, _what) when is_binary(name), do: name
   defp name!(name, what), do: raise(ArgumentError, "#{what} name is a string, got #{inspect(name)}")
-
-  # The options a call takes: anything else (a typo, an option of another call) raises, never ignored.
-  defp options!(opts, valid, call) do
-    unless Keyword.keyword?(opts),
-      do: raise(ArgumentError, "#{call} options must be a keyword list, got #{inspect(opts, limit: 5)}")
-
-    for {key, _} <- opts, key not in valid do
-      raise ArgumentError,
-            "unknown #{call} option #{inspect(key)}; valid options: #{Enum.map_join(valid, ", ", &inspect/1)}"
-    end
-
-    :ok
-  end
 
   defp wire_name(value) when is_atom(value) and value not in [nil, true, false], do: Atom.to_string(value)
   defp wire_name(value), do: value
@@ -524,7 +506,7 @@ defmodule Sidecar do
 
   # A nil timeout is the connection's :call_timeout, which it hands out with each request it takes.
   defp call(conn, op, params, incarnation, timeout) do
-    Generation.timeout!(timeout)
+    Options.timeout!(timeout)
 
     with {:ok, request} <- request(conn, op, params, incarnation) do
       timeout = timeout || request.timeout

@@ -41,11 +41,11 @@ class Grammar(Constraint):
         eos = self.end_tokens(eos_token_ids)
         tokenizer = vocabulary.llguidance_tokenizer()
         # a grammar whose language the vocabulary cannot begin is refused now, as a regex's is when it compiles
-        matcher = _matcher(tokenizer, self.grammar)
-        llg.fill_next_token_bitmask(matcher, llg.allocate_token_bitmask(1, tokenizer.vocab_size), 0)
-        if matcher.is_error():
-            raise InvalidOption(f"the vocabulary cannot write any text that the grammar accepts ({_reason(matcher)})")
-        return GrammarProcessor(self, tokenizer, torch.tensor(eos, dtype=torch.long, device=device))
+        start = _matcher(tokenizer, self.grammar)
+        llg.fill_next_token_bitmask(start, llg.allocate_token_bitmask(1, tokenizer.vocab_size), 0)
+        if start.is_error():
+            raise InvalidOption(f"the vocabulary cannot write any text that the grammar accepts ({_reason(start)})")
+        return GrammarProcessor(self, tokenizer, torch.tensor(eos, dtype=torch.long, device=device), start)
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,12 @@ class GrammarProcessor(LogitsProcessor):
     constraint: Grammar = option("the grammar this runs")
     tokenizer: Any = option("llguidance's view of the model's tokenizer")
     eos_token_ids: torch.Tensor = option("the end-of-sequence tokens")
+    start: Any = option("a matcher at the grammar's start, parsed once at bind: each row begins as a copy")
 
     def init(self, context):
-        import llguidance
-
         rows = context.sequence.shape[0]
         pool = torch.tensor(0)
-        pool.matchers = [_matcher(self.tokenizer, self.constraint.grammar) for _ in range(rows)]
+        pool.matchers = [self.start.deep_copy() for _ in range(rows)]
         return {"slot": torch.arange(rows, device=context.sequence.device), "pool": pool}
 
     def process(self, state, logits, context):

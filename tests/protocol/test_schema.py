@@ -70,7 +70,7 @@ def test_a_beam_search_that_leaves_num_beams_out_is_measured_with_its_default(be
     problem = refused({"prompt": "a", "strategy": "beam", "num_return_sequences": 2, **beams}, limits)
     assert (problem.code, problem.details) == ("limit_exceeded", {"limit": "max_sequences", "max": 2, "value": 4,
                                                                   "param": "num_beams"})
-    assert DEFAULT_NUM_BEAMS == 4  # as PROTOCOL.md says (the engine's DEFAULT_BEAMS is this one)
+    assert DEFAULT_NUM_BEAMS == 4  # as PROTOCOL.md says (the engine uses this one)
     for fits in ({"strategy": "beam", "num_beams": 2}, {}, {"strategy": "sample"}, {"strategy": "greedy", **beams}):
         request = parse_request({"id": 1, "op": "generate", "session": "s", "prompt": "a", **fits}, limits)
         assert request.params["num_beams"] == fits.get("num_beams")

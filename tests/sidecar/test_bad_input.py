@@ -132,6 +132,26 @@ def calls_generate_from_a_processor(session):
         other.close()
 
 
+def advances_a_stream_from_a_processor(session):
+    """`next()` of another stream of the same engine, from a processor, would tick inside the tick: refused,
+    and that stream then runs to the very tokens it gives alone."""
+    other = session.engine.session()
+    stream = other.stream(token_ids=PRIMER, max_new_tokens=3, eos_token_ids=[])
+
+    def advance(logits, context):
+        next(stream)
+        return logits
+
+    try:
+        session.generate(token_ids=DIVERGING, processors=[advance])
+    finally:
+        tokens_after = [event.token_id for event in stream]
+        other.close()
+        with session.engine.session() as alone:
+            expected = alone.generate(token_ids=PRIMER, max_new_tokens=3, eos_token_ids=[]).token_ids
+        assert tokens_after == expected
+
+
 # ---- the Python API ---------------------------------------------------------------------------------------
 
 API_ROWS = [
@@ -267,6 +287,7 @@ API_ROWS = [
      "invalid_processor"),
     ("a grammar whose parser gives up", {"token_ids": DIVERGING, "processors": [WIDE_GRAMMAR]}, "invalid_processor"),
     ("generate called from inside a processor", calls_generate_from_a_processor, "invalid_processor"),
+    ("another stream advanced from inside a processor", advances_a_stream_from_a_processor, "invalid_processor"),
 ]
 
 PREPARE = {"closed session": close, "busy session (stream started, not finished)": start_a_stream}

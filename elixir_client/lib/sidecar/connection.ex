@@ -51,39 +51,6 @@ defmodule Sidecar.Connection do
 
   # ---- startup ----------------------------------------------------------------------------------
 
-  @doc false
-  # The msgpack of a request's parameters, encoded by its caller with the connection's codec.
-  # A codec of the application's that raises is a bad request, not a crash of the caller.
-  # Nesting deeper than the sidecar's max_depth is refused here: past about a thousand levels its
-  # msgpack reader fails before it can read the request's id, and the caller would wait in vain.
-  def encode_params(%{codec: codec, max_depth: max_depth}, params) do
-    cond do
-      max_depth != nil and nests_deeper?(params, 1, max_depth) ->
-        {:error,
-         Error.new(
-           :limit_exceeded,
-           "the request nests maps and lists deeper than max_depth = #{max_depth}",
-           %{"limit" => "max_depth", "max" => max_depth}
-         )}
-
-      true ->
-        with {:ok, payload} <- encoded(codec, params), do: {:ok, IO.iodata_to_binary(payload)}
-    end
-  rescue
-    error -> {:error, Error.new(:invalid_argument, "cannot encode the request: #{Exception.message(error)}")}
-  catch
-    kind, reason ->
-      {:error, Error.new(:invalid_argument, "cannot encode the request: #{kind} #{inspect(reason)}")}
-  end
-
-  defp nests_deeper?(map, level, max) when is_map(map) and not is_struct(map),
-    do: level > max or Enum.any?(map, fn {_, v} -> nests_deeper?(v, level + 1, max) end)
-
-  defp nests_deeper?(list, level, max) when is_list(list),
-    do: level > max or Enum.any?(list, &nests_deeper?(&1, level + 1, max))
-
-  defp nests_deeper?(_, _, _), do: false
-
   @impl true
   def init(opts) do
     Process.flag(:trap_exit, true)
@@ -365,13 +332,16 @@ defmodule Sidecar.Connection do
         {:noreply, state}
 
       {id, entry} ->
-        state = forget_pending(state, id)
+        {:noreply, state |> forget_pending(id) |> abandon(id, entry)}
+    end
+  end
 
-        case unqueue(state, id) do
-          {:unsent, state} -> {:noreply, state}
-          {:sent, state} when entry.op == "generate" -> {:noreply, cancel_on_server(state, id)}
-          {:sent, state} -> {:noreply, state}
-        end
+  # A request nobody will read (its entry already out of `pending`): still unsent, it never is; a
+  # generation already sent is cancelled; anything else runs, its reply dropped.
+  defp abandon(state, id, entry) do
+    case unqueue(state, id) do
+      {:sent, state} when entry.op == "generate" -> cancel_on_server(state, id)
+      {_, state} -> state
     end
   end
 
@@ -456,13 +426,7 @@ defmodule Sidecar.Connection do
     {gone, kept} = Enum.split_with(state.pending, fn {_id, entry} -> entry.monitor == monitor end)
     state = %{state | pending: Map.new(kept)}
 
-    state =
-      Enum.reduce(gone, state, fn
-        {id, %{op: "generate"}}, acc -> cancel_on_server(acc, id)
-        {id, _}, acc -> acc |> unqueue(id) |> elem(1)
-      end)
-
-    {:noreply, state}
+    {:noreply, Enum.reduce(gone, state, fn {id, entry}, acc -> abandon(acc, id, entry) end)}
   end
 
   def handle_info({:EXIT, _port, _reason}, state), do: {:noreply, state}
@@ -507,7 +471,39 @@ defmodule Sidecar.Connection do
 
   # ---- codec ------------------------------------------------------------------------------------
 
-  # A frame of ours (hello, cancel): small, encoded here.
+  @doc false
+  # The msgpack of a request's parameters, encoded by its caller with the connection's codec.
+  # A codec of the application's that raises is a bad request, not a crash of the caller.
+  # Nesting deeper than the sidecar's max_depth is refused here: past about a thousand levels its
+  # msgpack reader fails before it can read the request's id, and the caller would wait in vain.
+  def encode_params(%{codec: codec, max_depth: max_depth}, params) do
+    cond do
+      max_depth != nil and nests_deeper?(params, 1, max_depth) ->
+        {:error,
+         Error.new(
+           :limit_exceeded,
+           "the request nests maps and lists deeper than max_depth = #{max_depth}",
+           %{"limit" => "max_depth", "max" => max_depth}
+         )}
+
+      true ->
+        with {:ok, payload} <- encoded(codec, params), do: {:ok, IO.iodata_to_binary(payload)}
+    end
+  rescue
+    error -> {:error, Error.new(:invalid_argument, "cannot encode the request: #{Exception.message(error)}")}
+  catch
+    kind, reason ->
+      {:error, Error.new(:invalid_argument, "cannot encode the request: #{kind} #{inspect(reason)}")}
+  end
+
+  defp nests_deeper?(map, level, max) when is_map(map) and not is_struct(map),
+    do: level > max or Enum.any?(map, fn {_, v} -> nests_deeper?(v, level + 1, max) end)
+
+  defp nests_deeper?(list, level, max) when is_list(list),
+    do: level > max or Enum.any?(list, &nests_deeper?(&1, level + 1, max))
+
+  defp nests_deeper?(_, _, _), do: false
+
   # A frame of ours (hello, cancel): a small map of ints and strings, which the built-in codec always
   # encodes (an application's codec failing here would take the connection down with it).
   defp send_message(state, message) do

@@ -81,7 +81,7 @@ defmodule Sidecar.Generation do
   tokens) cannot fit the sidecar's cache budget is `reason: :cache_budget_exceeded`.
   """
 
-  alias Sidecar.Processors
+  alias Sidecar.{Options, Processors}
 
   # {option, check, what it must be}; only with messages
   @chat_options [
@@ -131,15 +131,8 @@ defmodule Sidecar.Generation do
   """
   @spec params(input(), keyword(), [non_neg_integer()] | nil) :: map()
   def params(input, opts, model_eos_ids) do
-    unless Keyword.keyword?(opts),
-      do: raise(ArgumentError, "generation options must be a keyword list, got #{inspect(opts, limit: 5)}")
-
-    for {key, _} <- opts, key not in @options do
-      raise ArgumentError,
-            "unknown generation option #{inspect(key)}; valid options: #{Enum.map_join(@options, ", ", &inspect/1)}"
-    end
-
-    timeout!(opts[:timeout])
+    Options.known!(opts, @options, "generation")
+    Options.timeout!(opts[:timeout])
 
     unless is_list(Keyword.get(opts, :processors, [])),
       do:
@@ -187,22 +180,6 @@ defmodule Sidecar.Generation do
     |> put_present("reuse", reuse!(opts[:reuse]))
     |> put_present("keep", keep!(opts[:keep]))
   end
-
-  # the longest wait `receive ... after` takes
-  @max_timeout 4_294_967_295
-
-  @doc false
-  # A call's `timeout`: checked before anything is sent, so a bad one never leaves a request behind.
-  @spec timeout!(term()) :: :ok
-  def timeout!(timeout) when is_nil(timeout) or timeout == :infinity, do: :ok
-  def timeout!(timeout) when is_integer(timeout) and timeout >= 0 and timeout <= @max_timeout, do: :ok
-
-  def timeout!(timeout),
-    do:
-      raise(
-        ArgumentError,
-        "a timeout is milliseconds (an integer in [0, #{@max_timeout}]) or :infinity, got #{inspect(timeout)}"
-      )
 
   @doc false
   # Whether a generation streams no tokens, its reply alone carrying the result.

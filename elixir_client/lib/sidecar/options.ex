@@ -155,6 +155,37 @@ defmodule Sidecar.Options do
   # one with a bare badarg).
   defp os_string?(v), do: is_binary(v) and not String.contains?(v, <<0>>)
 
+  @doc false
+  # The options a call takes: anything else (a typo, an option of another call) raises, never ignored.
+  @spec known!(term(), [atom()], String.t()) :: :ok
+  def known!(opts, valid, call) do
+    unless Keyword.keyword?(opts),
+      do: raise(ArgumentError, "#{call} options must be a keyword list, got #{inspect(opts, limit: 5)}")
+
+    for {key, _} <- opts, key not in valid do
+      raise ArgumentError,
+            "unknown #{call} option #{inspect(key)}; valid options: #{Enum.map_join(valid, ", ", &inspect/1)}"
+    end
+
+    :ok
+  end
+
+  # the longest wait `receive ... after` takes
+  @max_timeout 4_294_967_295
+
+  @doc false
+  # A call's `timeout`: checked before anything is sent, so a bad one never leaves a request behind.
+  @spec timeout!(term()) :: :ok
+  def timeout!(timeout) when is_nil(timeout) or timeout == :infinity, do: :ok
+  def timeout!(timeout) when is_integer(timeout) and timeout >= 0 and timeout <= @max_timeout, do: :ok
+
+  def timeout!(timeout),
+    do:
+      raise(
+        ArgumentError,
+        "a timeout is milliseconds (an integer in [0, #{@max_timeout}]) or :infinity, got #{inspect(timeout)}"
+      )
+
   defp each!(key, list, ok?) do
     unless Enum.all?(list, ok?),
       do:
