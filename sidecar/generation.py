@@ -40,6 +40,20 @@ from .text import Detokenizer, StopMatcher
 SHARE_PREFIX_TOKENS = 1024
 
 
+@dataclass(frozen=True)
+class Footprint:
+    """One way to run a generation within the KV memory budget (`Run.footprint`): the input tokens the
+    session's own cache holds (`Session.reusable`), another cache holding more of them (`sharing.find`),
+    the caches admission must not evict to make room for it, and the bytes it adds to the store."""
+
+    own: int
+    source: sharing.Source | None
+    held: tuple
+    needed_bytes: int
+    restorable: bool  # a failure puts back what the call crops from the session's cache
+    shares_prefix: bool  # its rows read the prompt from the session's cache, not from copies of their own
+
+
 @dataclass
 class Feed:
     """Tokens a run wants fed in this tick, and how many rows of logits it wants back: the last token's
@@ -79,9 +93,7 @@ class Run:
         self.stats = Stats(prompt_tokens=len(request.input_ids))
         self.started = time.perf_counter()
         self.saved = None  # the session's checkpoint, taken when admitted
-        self.own = 0  # input tokens the session's own cache holds (`Session.reusable`), found with `source`
-        self.source = None  # another cache holding more of the input than the session's (`sharing.find`)
-        self.lean = 0  # how lean its plan is (`needed_bytes`)
+        self.admitted_as: Footprint | None = None  # how it runs, chosen when admitted
         self.fresh: list[int] = []  # prompt tokens still to prefill
         self.work = None  # the KVCache the rows decode in (the session's own for one row)
         self.rows: list[_Row] = []  # the sequences still decoding, in the order of `work`'s rows
@@ -96,16 +108,12 @@ class Run:
         """Rows it decodes: beams, samples, or one."""
         return self.request.num_beams if self.request.strategy == "beam" else self.request.num_samples
 
-    @property
-    def shares_prefix(self) -> bool:
-        """Whether its rows read the prompt from the session's cache rather than from copies of their own."""
-        return self.width > 1 and (self.lean or len(self.request.input_ids) * (self.width - 1) >= SHARE_PREFIX_TOKENS)
+    def footprint(self, lean: int = 0) -> "Footprint":
+        """How it would run at leanness `lean`: where the input's cached prefix comes from (the session's
+        own cache, or another one: `source`), and the bytes of KV memory to add to the store before it can
+        run to its end. Reads the session and the store; changes nothing.
 
-    def needed_bytes(self, lean: int = 0) -> int:
-        """Bytes of KV memory to add to the store before it can run to its end; decides, first, where the
-        input's cached prefix comes from (the session's own cache, or another one: `source`).
-
-        `lean` (1) plans what fits a tight budget, when the faster plan does not: rows share the prompt
+        `lean` 1 plans what fits a tight budget, when the faster plan does not: rows share the prompt
         instead of copying it (input + rows x max_new_tokens, as the protocol promises); no other
         session's cache is continued, since keeping it may take more than computing the prefix again
         would once that cache is evicted; and what the call crops from the session's cache is let go
@@ -113,47 +121,43 @@ class Run:
         so that its cache and the shared prefix it continues may be evicted too: a prefix it continues
         stays whole while continued, however little of it the call reuses."""
         cache, request, session = self.session.cache, self.request, self.session
-        self.lean = lean
-        self.own = own = 0 if self.from_scratch else session.reusable(request.input_ids)
-        # a shift reuses the session's own window: it does not look elsewhere
-        self.source = None
+        from_scratch = lean == 2 and request.shift_keep is None  # a shift always reuses its window
+        # whether a failure puts back what the call crops from the session's cache (a shift's always does)
+        restorable = not lean or request.shift_keep is not None
+        shares_prefix = self.width > 1 and bool(lean or len(request.input_ids) * (self.width - 1) >= SHARE_PREFIX_TOKENS)
+        own = 0 if from_scratch else session.reusable(request.input_ids)
+        source = None  # a shift reuses the session's own window: it does not look elsewhere
         if request.shift_keep is None and not lean:
-            self.source = sharing.find(session, request.input_ids[:-1], own)
-        offset = self.source.tokens if self.source is not None else min(cache.offset, own)  # where its own tokens start
+            source = sharing.find(session, request.input_ids[:-1], own)
+        offset = source.tokens if source is not None else min(cache.offset, own)  # where its own tokens start
         if request.shift_keep is not None:  # a shift may move tokens out of a prefix it continues
             offset = min(offset, request.shift_keep)
         prompt, total = len(request.input_ids) - offset, len(request.input_ids) + request.max_new_tokens - offset
         # A call that crops the cache keeps its capacity until it ends, so that a failure can put the
         # cropped tail back without growing past the budget (a lean one lets it go: `restorable`).
-        kept = cache.length if self.restorable else 0
+        kept = cache.length if restorable else 0
         # what its buffers hold now is counted as used; reusing nothing, it may lose them to eviction
         # instead, and then needs all it holds anew
-        has = 0 if self.from_scratch else cache.nbytes
+        has = 0 if from_scratch else cache.nbytes
         if self.width == 1:
-            return cache.bytes_for(1, max(total, kept)) - has
-        working = cache.bytes_for(self.width, request.max_new_tokens if self.shares_prefix else total + offset)
-        return cache.bytes_for(1, max(prompt, kept)) - has + working
+            needed = cache.bytes_for(1, max(total, kept)) - has
+        else:
+            working = cache.bytes_for(self.width, request.max_new_tokens if shares_prefix else total + offset)
+            needed = cache.bytes_for(1, max(prompt, kept)) - has + working
+        held = () if from_scratch else (cache,) if source is None else (cache, source.cache)
+        return Footprint(own, source, held, needed, restorable, shares_prefix)
 
     @property
-    def from_scratch(self) -> bool:
-        """Whether it plans to reuse nothing of the session's cache (a shift always reuses its window)."""
-        return self.lean == 2 and self.request.shift_keep is None
+    def shares_prefix(self) -> bool:
+        """Whether its rows read the prompt from the session's cache rather than from copies of their own."""
+        return self.admitted_as.shares_prefix
 
-    @property
-    def restorable(self) -> bool:
-        """Whether a failure puts back what the call crops from the session's cache (a shift always does)."""
-        return not self.lean or self.request.shift_keep is not None
-
-    @property
-    def held(self) -> tuple:
-        """The caches admission must not evict to make room for it: its own, and the one it will continue."""
-        if self.from_scratch:
-            return ()
-        return (self.session.cache,) if self.source is None else (self.session.cache, self.source.cache)
-
-    def admit(self) -> None:
+    def admit(self, footprint: "Footprint") -> None:
+        """Starts it as `footprint` plans (one of its footprints, which the store made room for)."""
         session, request = self.session, self.request
-        self.saved = session._reuse(request.input_ids, self.own, self.source, request.shift_keep, self.restorable)
+        self.admitted_as = footprint
+        restorable = footprint.restorable
+        self.saved = session._reuse(request.input_ids, footprint.own, footprint.source, request.shift_keep, restorable)
         session.engine._touch(session)  # after the reuse: the chain it now continues is used too
         self.admitted = True
         self.stats.reused_tokens = self.saved.keep
@@ -164,7 +168,7 @@ class Run:
         cache = session.cache
         cache.pinned = True
         extra = request.max_new_tokens if self.width == 1 else 0
-        cache.reserve(max(len(request.input_ids) + extra - cache.offset, self.saved.own if self.restorable else 0))
+        cache.reserve(max(len(request.input_ids) + extra - cache.offset, self.saved.own if restorable else 0))
         if self.width > 1:  # the rows' own cache, reserved now: what admission counted is what is held
             self.work = session.engine.store.cache(self.width)
             self.work.pinned = True

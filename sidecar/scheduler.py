@@ -2,7 +2,7 @@
 
 Each tick it
 1. admits waiting runs in arrival order while the KV store can hold what each needs to its end
-   (evicting idle caches first; planned leaner when the faster plan does not fit: `Run.needed_bytes`);
+   (evicting idle caches first; planned leaner when the faster plan does not fit: `Run.footprint`);
    a run that cannot fit waits while others run, and is refused with `cache_budget_exceeded` when
    nothing runs that could free memory;
 2. builds one batch: a token for every decoding row, then prefill chunks under the per-tick token
@@ -92,15 +92,18 @@ class Scheduler:
                 self.waiting.popleft()
                 run.finish("cancelled")
                 continue
-            for lean in (0, 1, 2):  # the fastest plan first, leaner ones when it does not fit (`Run.needed_bytes`)
-                needed = run.needed_bytes(lean)
-                if fits := store.make_room(needed, keep=run.held):
+            tried = []  # the fastest plan first, leaner ones when it does not fit (`Run.footprint`)
+            for footprint in map(run.footprint, (0, 1, 2)):
+                if footprint in tried:  # a leaner plan may be the same (a shift's always are)
+                    continue
+                tried.append(footprint)
+                if fits := store.make_room(footprint.needed_bytes, keep=footprint.held):
                     break
             if not fits:
                 if self.running:
                     return  # running generations will free memory: wait for them
                 self.waiting.popleft()
-                value = needed + store.unevictable_bytes(run.held)  # its leanest plan, idle caches evicted
+                value = footprint.needed_bytes + store.unevictable_bytes(footprint.held)  # leanest, idle caches evicted
                 run.fail(CacheBudgetExceeded(
                     f"this generation needs {value} bytes of KV cache with every idle cache evicted, more than "
                     f"the budget of {store.budget_bytes} (cache_budget_bytes)",
@@ -108,7 +111,7 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             try:
-                run.admit()
+                run.admit(footprint)
             except Exception as error:
                 run.fail(error)
                 continue

@@ -23,7 +23,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import processors as proc
-from processors.structured import compile as structured_compile
 from processors.structured.compile import CompileCancelled
 from processors.structured.constraints import RegularConstraint
 from protocol import (
@@ -301,10 +300,10 @@ class Server:
                 job.problem = InvalidProcessor(f"processors[{index}] ({task.constraint.name}): {task.problem}",
                                                index=index)
                 break
-        else:  # about to bind them: back in the compile cache, whatever compiled since evicted
-            for _, task in job.compiles:
+        else:  # binding takes what was compiled, which the compile cache may have evicted since
+            for index, task in job.compiles:
                 if task.automaton is not None:  # None: a defect of ours, which binding meets again
-                    structured_compile.keep(task.constraint.source(), task.vocabulary, task.automaton)
+                    job.processors[index] = job.processors[index].with_automaton(task.vocabulary, task.automaton)
         self._release(job)
         job.compiled = True
         return True

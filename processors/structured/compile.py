@@ -83,9 +83,8 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
         return found
     if failed is not None and not _retried(failed, timeout_s):
         error, tried = failed
-        if isinstance(error, CompileTimedOut) and timeout_s != tried:  # name this call's limit, not the other's
-            raise CompileTimedOut(f"compiling the constraint takes longer than compile_timeout_s = {timeout_s:g} s: "
-                                  f"a compile of it ran {tried:g} s without ending (limit compile_timeout_s)")
+        if isinstance(error, CompileTimedOut):  # named with this call's limit, which may be shorter
+            raise _timed_out(timeout_s, tried)
         raise InvalidOption(str(error))
     try:
         automaton = _build(source, vocabulary, timeout_s, cancelled or _never)
@@ -108,6 +107,12 @@ def _store(key: tuple, automaton: TokenAutomaton) -> None:
             _cache.popitem(last=False)
 
 
+def _timed_out(timeout_s: float, ran_s: float) -> CompileTimedOut:
+    """The error of a constraint that does not compile within `timeout_s`: a compile of it ran `ran_s`."""
+    return CompileTimedOut(f"compiling the constraint takes longer than compile_timeout_s = {timeout_s:g} s: a "
+                           f"compile of it ran {ran_s:g} s without ending (limit compile_timeout_s)")
+
+
 def _never() -> bool:
     return False
 
@@ -121,12 +126,6 @@ def _build(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, ca
     """Compiles in the child; builds the tables from the transitions it sends."""
     initial, sources, tokens, targets, accepting = _in_child(source, vocabulary, timeout_s, cancelled)
     return TokenAutomaton.from_transitions(initial, sources, tokens, targets, accepting, vocabulary.size)
-
-
-def keep(source: tuple[str, str], vocabulary: Vocabulary, automaton: TokenAutomaton) -> None:
-    """Puts a compiled automaton back in the cache as its most recently used, for a caller about to bind
-    it: compiled on another thread, it may have been evicted since by others compiled after it."""
-    _store((source, vocabulary.fingerprint), automaton)
 
 
 def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float | None = None) -> bool:
@@ -227,8 +226,7 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
             if cancelled():
                 raise CompileCancelled("the compile was cancelled: no caller waits for it any more")
             if time.monotonic() >= deadline:
-                raise CompileTimedOut(f"compiling the constraint took longer than compile_timeout_s = {timeout_s:g} s "
-                                      f"(limit compile_timeout_s)")
+                raise _timed_out(timeout_s, timeout_s)
         try:
             status, payload = receiver.recv()
         except EOFError:

@@ -399,6 +399,9 @@ def test_a_compile_stopped_through_its_hook_kills_its_child_and_is_not_remembere
     # a shorter timeout is answered from that failure, naming its own limit
     with pytest.raises(structured_compile.CompileTimedOut, match="compile_timeout_s = 0.25 s: a compile of it ran 0.5 s"):
         structured_compile.compile_regex(source, vocab, 0.25)
+    # and the same timeout from it too, as the same kind of error
+    with pytest.raises(structured_compile.CompileTimedOut, match="compile_timeout_s = 0.5 s: a compile of it ran 0.5 s"):
+        structured_compile.compile_regex(source, vocab, 0.5)
     assert len(calls) == 2
     # a timeout is no failure for a longer timeout: binding with one still takes a compile
     assert structured_compile.is_compiled(source, vocab, 0.5) and not structured_compile.is_compiled(source, vocab, 1)
@@ -419,19 +422,23 @@ def test_compiled_constraints_are_shared_per_vocabulary(vocab, tokenizer):
     assert other.automaton is not first.automaton
 
 
-def test_an_automaton_kept_back_in_the_cache_binds_without_compiling(vocab, monkeypatch):
-    """What the server does with an automaton a compile thread made, before its generation binds it:
-    whatever the cache evicted meanwhile, binding finds it and compiles nothing."""
+def test_a_constraint_with_its_automaton_binds_it_without_the_cache(vocab, tokenizer, monkeypatch):
+    """What the server binds after a compile thread compiled a constraint: that automaton, whatever the
+    cache evicted meanwhile; bound to another vocabulary, the constraint compiles for that one."""
     from collections import OrderedDict
 
     from processors.structured import compile as structured_compile
 
     config = configure(Regex, pattern="[0-9]{5}")
     compiled = config.automaton(vocab)
-    monkeypatch.setattr(structured_compile, "_cache", OrderedDict())  # everything evicted
+    carried = config.with_automaton(vocab, compiled)
+    other = Vocabulary.from_tokenizer(tokenizer, 1030)
+    elsewhere = config.automaton(other)
+    monkeypatch.setattr(structured_compile, "_cache", OrderedDict({(config.source(), other.fingerprint): elsewhere}))
     monkeypatch.setattr(structured_compile, "_in_child", lambda *a: pytest.fail("compiled again"))
-    structured_compile.keep(config.source(), vocab, compiled)
-    assert config.bind(vocab, [EOS]).automaton is compiled
+    bound = Chain([carried]).bind(vocab, [EOS])
+    assert bound.processors[0].automaton is compiled and carried.name == "regex"
+    assert carried.bind(other, [EOS]).automaton is elsewhere
 
 
 class SharedCounter(P.LogitsProcessor):

@@ -198,3 +198,55 @@ def test_a_dfa_state_that_moves_only_on_eos_ends_the_text(engine, transitions, r
         result = session.generate("hi", max_new_tokens=4, eos_token_ids=[2], strategy="sample", num_samples=rows, seed=1,
                                   processors=[configure(Dfa, initial_state=0, transitions=transitions)])
         assert [(s.token_ids, s.finish_reason) for s in result.sequences] == [([2], "eos")] * rows
+
+
+def test_the_server_binds_what_its_compile_thread_compiled(default_dir, monkeypatch):
+    """The server compiles a constraint on a compile thread and its generation binds that automaton, not
+    the compile cache's copy: with a cache that keeps nothing (as if another compile evicted it before the
+    bind), the constraint is still compiled once, off the thread that runs every generation."""
+    import queue
+    import threading
+
+    from processors.structured import compile as structured_compile
+    from protocol import pack
+    from sidecar.server import Server
+    from sidecar.transport import Inbox
+
+    builds = []
+    build = structured_compile._build
+
+    def counted(*args):
+        builds.append(threading.current_thread().name)
+        return build(*args)
+
+    monkeypatch.setattr(structured_compile, "_build", counted)
+    monkeypatch.setattr(structured_compile, "_store", lambda key, automaton: None)  # the cache keeps nothing
+
+    class Writer:
+        def __init__(self):
+            self.replies = queue.Queue()
+
+        def send(self, message, urgent=True):
+            self.replies.put(message)
+
+        def flush(self):
+            pass
+
+    writer, inbox = Writer(), Inbox()
+    server = Server(writer)
+    server.op_load_model({"name": "default", "path": None, "dtype": None, "device": None, "trust_remote_code": False}, None)
+    serving = threading.Thread(target=server.serve, args=(inbox,), name="serving")
+    serving.start()
+    try:
+        for request in ({"id": 1, "op": "open_session", "model": "default", "session": "s"},
+                        {"id": 2, "op": "generate", "session": "s", "prompt": "a", "max_new_tokens": 12,
+                         "processors": [{"name": "regex", "options": {"pattern": "q[0-9]{3}z[a-c]{2}"}}]}):
+            payload = pack(request)
+            inbox.put(payload, len(payload), lambda: False)
+        replies = [writer.replies.get(timeout=60) for _ in range(2)]
+    finally:
+        inbox.close()
+        serving.join(timeout=60)
+    assert [r["id"] for r in replies] == [1, 2] and "result" in replies[1], replies
+    assert re.fullmatch("q[0-9]{3}z[a-c]{2}", replies[1]["result"]["text"])
+    assert len(builds) == 1 and builds[0].startswith("compile-"), builds
