@@ -25,7 +25,8 @@ MASK_CHUNK_STATES = 256  # states whose dense masks are built at once while find
 
 @dataclass(frozen=True)
 class TokenAutomaton:
-    """The tables of a compiled constraint. `ends[s]`: the state may end (accepting, or nowhere to go)."""
+    """The tables of a compiled constraint. `accepting[s]`: the text may end in state s (a state with
+    nowhere to go may end too: `with_end_tokens`)."""
 
     initial: int
     vocab_size: int
@@ -33,7 +34,7 @@ class TokenAutomaton:
     targets: torch.Tensor  # int64 [T + 1]: the state each key leads to (the dead state for the sentinel)
     mask_of: torch.Tensor  # int64 [S + 1]: the row of `forbidden` for each state, the dead state last
     forbidden: torch.Tensor  # bool [M, vocab_size]: the distinct masks, text tokens only
-    ends: torch.Tensor  # bool [S + 1]
+    accepting: torch.Tensor  # bool [S + 1]
     copies: dict = field(default_factory=dict, compare=False, repr=False)  # device -> this automaton there
     bound: dict = field(default_factory=dict, compare=False, repr=False)  # (eos ids, device) -> its masks
     one_rows: dict = field(default_factory=dict, compare=False, repr=False)  # state -> tensor([state])
@@ -56,7 +57,7 @@ class TokenAutomaton:
     @property
     def nbytes(self) -> int:
         """Its tables and the masks bound from them (what the compile cache holds on to)."""
-        tensors = [self.keys, self.targets, self.mask_of, self.forbidden, self.ends]
+        tensors = [self.keys, self.targets, self.mask_of, self.forbidden, self.accepting]
         tensors += [t for masks in self.bound.values() for t in (masks.mask_of, masks.bias)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -95,11 +96,12 @@ class TokenAutomaton:
         return self.bound[key]
 
     def with_end_tokens(self, eos_token_ids: torch.Tensor) -> "BoundMasks":
-        """The masks with the end-of-sequence tokens allowed exactly where a state may end, and in any
-        state left with no token once they are taken out (a user's automaton whose only transitions from
-        a state are on end-of-sequence tokens: it can go nowhere else, so it ends, never an all -inf row)."""
-        # a mask row shared by ending and non-ending states is split in two
-        pairs = torch.stack([self.mask_of, self.ends.long()], dim=1)
+        """The masks with the end-of-sequence tokens allowed exactly where a state may end: in accepting
+        states, and in any state left with no token once they are taken out (one with no transition, the
+        dead state, or a user's automaton's whose only transitions are on end-of-sequence tokens: it can
+        go nowhere else, so it ends, never an all -inf row)."""
+        # a mask row shared by accepting and other states is split in two
+        pairs = torch.stack([self.mask_of, self.accepting.long()], dim=1)
         distinct, inverse = torch.unique(pairs, dim=0, return_inverse=True)
         forbidden = self.forbidden.index_select(0, distinct[:, 0])
         forbidden[:, eos_token_ids] = True
@@ -137,10 +139,8 @@ class TokenAutomaton:
             keep[repeated + 1] = False
             keys, dst = keys[keep], dst[keep]
         mask_of, forbidden = _distinct_masks(keys // vocab_size, keys % vocab_size, count, vocab_size)
-        has_moves = np.zeros(count + 1, dtype=bool)
-        has_moves[keys // vocab_size] = True
-        ends = ~has_moves
-        ends[acc] = True
+        final = np.zeros(count + 1, dtype=bool)
+        final[acc] = True
         return cls(
             initial=int(numbered[0]),
             vocab_size=vocab_size,
@@ -148,7 +148,7 @@ class TokenAutomaton:
             targets=torch.from_numpy(np.append(dst.astype(np.int64), count)),
             mask_of=torch.from_numpy(mask_of),
             forbidden=torch.from_numpy(forbidden),
-            ends=torch.from_numpy(ends),
+            accepting=torch.from_numpy(final),
         )
 
 

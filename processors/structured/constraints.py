@@ -299,6 +299,18 @@ class Dfa(Constraint):
     transitions: tuple[tuple[int, int, int], ...] = option("[state, token_id, next_state] triples", check=_transitions)
     accepting_states: tuple[int, ...] = option("states where the text may end", default=(), check=_states)
 
+    def validate(self):
+        """A state no transition names is a typo: as the initial state it would leave every transition
+        unreachable, as an accepting one it would never be reached."""
+        sources = {source for source, _, _ in self.transitions}
+        if self.initial_state not in sources:
+            raise InvalidOption(f"option 'initial_state': no transition leaves state {self.initial_state}, so none "
+                                f"of the transitions could be taken")
+        states = sources | {target for _, _, target in self.transitions}
+        unknown = [state for state in self.accepting_states if state not in states]
+        if unknown:
+            raise InvalidOption(f"option 'accepting_states': state {unknown[0]} is in no transition")
+
     def max_token_id(self):
         return max(t for _, t, _ in self.transitions)
 

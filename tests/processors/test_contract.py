@@ -119,6 +119,9 @@ VALID = {
 # Options whose meaning no JSON Schema can state (a regex's syntax, a grammar, a schema): the published
 # schema accepts every value configure accepts, and configure may still refuse some the schema accepts.
 SEMANTIC = {("regex", "pattern"), ("grammar", "grammar"), ("json_schema", "schema")}
+# Refusals of a value for what another option says (a Dfa's initial and accepting states must be states
+# of its transitions): the value itself passed its own option's checks, which is what a schema publishes.
+CROSS_OPTION = ("no transition leaves state", "is in no transition")
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(min_value=-(2**64), max_value=2**64) | st.floats(allow_nan=False, allow_infinity=False)
     | st.sampled_from([0, 1, 2, -1, 0.5, 1.0, 2**63 - 1, 2**63, 1e-39, 3.5e38]) | st.text(max_size=3),
@@ -151,8 +154,8 @@ def test_the_published_schema_accepts_exactly_what_configure_accepts(name, data)
     try:
         P.from_name(name, {**VALID[name], option["name"]: value})
         accepted = True
-    except P.InvalidOption:
-        accepted = False
+    except P.InvalidOption as error:
+        accepted = any(text in str(error) for text in CROSS_OPTION)
     if (name, option["name"]) in SEMANTIC:
         assert accepted_by_schema or not accepted, (option, value)
     else:

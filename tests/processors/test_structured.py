@@ -309,6 +309,10 @@ def test_grammar_texts_are_balanced_through_reorders(vocab, tokenizer):
     (Grammar, {"grammar": "start: undefined_rule"}, "not a valid Lark grammar"),
     (Dfa, {"initial_state": 0, "transitions": [[0, 1]]}, "state, token_id, next_state"),
     (Dfa, {"initial_state": -1, "transitions": [[0, 1, 1]]}, "initial_state"),
+    # states no transition names: a typo (every transition unreachable, or a text that could never end there)
+    (Dfa, {"initial_state": 1, "transitions": [[0, 1, 1]]}, "option 'initial_state': no transition leaves state 1"),
+    (Dfa, {"initial_state": 0, "transitions": [[0, 1, 1]], "accepting_states": [1, 2]},
+     "option 'accepting_states': state 2 is in no transition"),
 ])
 def test_bad_constraints_are_refused_at_configure_time(cls, options, message):
     with pytest.raises(P.InvalidOption, match=message):

@@ -662,6 +662,8 @@ PROTOCOL_ROWS = [
     ("choice of nothing", gen(prompt="a", processors=[processor("choice", options=[])]), "invalid_processor", "index"),
     ("dfa with two moves on one token", gen(prompt="a", processors=[processor("dfa", initial_state=0, transitions=[[0, 5, 1], [0, 5, 2]])]),
      "invalid_processor", "index"),
+    ("dfa starting in a state no transition leaves", gen(prompt="a", processors=[processor("dfa", initial_state=3, transitions=[[0, 5, 1]])]),
+     "invalid_processor", "index"),
     ("dfa naming a token outside the vocab", gen(prompt="a", processors=[processor("dfa", initial_state=0, transitions=[[0, VOCAB, 1]])]),
      "invalid_processor", "index"),
     ("dfa transitions over max_processor_values",
