@@ -207,19 +207,29 @@ class KVStore:
         held = self._held(keep)
         return self.used_bytes - sum(c.nbytes for c in self._caches.values() if id(c) not in held)
 
+    def alone_bytes(self, keep: tuple["KVCache", ...] = ()) -> int:
+        """The bytes still held once every cache but `keep` is evicted, running generations' too: what
+        stays however long a generation waits for the others."""
+        return sum(c.nbytes for c in self._caches.values() if id(c) in _chains(keep))
+
     def _held(self, keep) -> set[int]:
         """The ids of caches that cannot be evicted: pinned or kept ones, and every cache their chains read
         (an entry some evictable session continues is evicted after that session)."""
-        held = set()
-        for cache in [*keep, *(c for c in self._caches.values() if c.pinned)]:
-            while cache is not None and id(cache) not in held:
-                held.add(id(cache))
-                cache = cache.prefix
-        return held
+        return _chains([*keep, *(c for c in self._caches.values() if c.pinned)])
 
     def _account(self, delta: int) -> None:
         self.used_bytes += delta
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+
+
+def _chains(caches) -> set[int]:
+    """The ids of `caches` and of every cache their chains read."""
+    found = set()
+    for cache in caches:
+        while cache is not None and id(cache) not in found:
+            found.add(id(cache))
+            cache = cache.prefix
+    return found
 
 
 class KVCache:

@@ -3,8 +3,8 @@
 Each tick it
 1. admits waiting runs in arrival order while the KV store can hold what each needs to its end
    (evicting idle caches first; planned leaner when the faster plan does not fit: `Run.footprint`);
-   a run that cannot fit waits while others run, and is refused with `cache_budget_exceeded` when
-   nothing runs that could free memory;
+   a run that cannot fit waits while others run (and the runs behind it wait too: none is starved by
+   smaller ones), and is refused with `cache_budget_exceeded` at once if it could not fit even alone;
 2. builds one batch: a token for every decoding row, then prefill chunks under the per-tick token
    budget (`prefill_chunk`), shortest remaining prompt first, so a short request gets its first
    token while a long prompt is still being prefilled;
@@ -100,12 +100,12 @@ class Scheduler:
                 if fits := store.make_room(footprint.needed_bytes, keep=footprint.held):
                     break
             if not fits:
-                if self.running:
-                    return  # running generations will free memory: wait for them
+                value = min(f.needed_bytes + store.alone_bytes(f.held) for f in tried)  # with nothing else cached
+                if self.running and value <= store.budget_bytes:
+                    return  # running generations will free memory: wait for them (and hold back those behind)
                 self.waiting.popleft()
-                value = footprint.needed_bytes + store.unevictable_bytes(footprint.held)  # leanest, idle caches evicted
                 run.fail(CacheBudgetExceeded(
-                    f"this generation needs {value} bytes of KV cache with every idle cache evicted, more than "
+                    f"this generation needs {value} bytes of KV cache with every other cache evicted, more than "
                     f"the budget of {store.budget_bytes} (cache_budget_bytes)",
                     limit="cache_budget_bytes", max=store.budget_bytes, value=value))
                 continue

@@ -255,6 +255,30 @@ defmodule Sidecar.HostileValuesTest do
     assert {:error, %Error{reason: :context_overflow}} = Sidecar.await(elem(waits, 1), 60_000)
   end
 
+  test "a Port that closes without an exit status, frames still unsent, answers every caller" do
+    conn = start_supervised!({Sidecar, sidecar_opts()}, id: :port_closed)
+    {:ok, %{"os_pid" => os_pid}} = Sidecar.info(conn)
+    {:ok, session} = Sidecar.open_session(conn)
+    System.cmd("kill", ["-STOP", "#{os_pid}"])
+    on_exit(fn -> System.cmd("kill", ["-CONT", "#{os_pid}"], stderr_to_stdout: true) end)
+    monitor = Process.monitor(conn)
+    prompt = String.duplicate("a ", 100_000)
+
+    # more than a pipe holds: the later ones wait in the connection's outbox
+    callers = for _ <- 1..3, do: Task.async(fn -> Sidecar.generate(conn, session, prompt, timeout: :infinity) end)
+    Process.sleep(300)
+    assert Enum.all?(callers, &(Task.yield(&1, 0) == nil))
+    # any process may close a Port; it then ends with no exit status, as one whose write failed does
+    Port.close(:sys.get_state(conn).port)
+
+    for caller <- callers do
+      assert {:error, %Error{reason: :sidecar_exited, message: message}} = Task.await(caller, 10_000)
+      assert message =~ "port closed"
+    end
+
+    assert_receive {:DOWN, ^monitor, :process, ^conn, {:shutdown, {:sidecar_exited, nil}}}, 10_000
+  end
+
   test "processors that are not processor structs raise ArgumentError", %{conn: conn, session: session} do
     alias Sidecar.Processors.{SequenceBias, TopK}
 

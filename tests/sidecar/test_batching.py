@@ -455,12 +455,31 @@ def test_a_generation_waiting_for_memory_can_be_cancelled_and_ran_nothing(defaul
         running = first.stream(token_ids=tokens(10, seed=1), max_new_tokens=20, eos_token_ids=[])
         waiting = second.stream(token_ids=tokens(10, seed=2), max_new_tokens=20, eos_token_ids=[])
         engine.scheduler.tick()
-        assert not waiting._run.admitted and engine.store.used_bytes <= 40 * per_token
+        assert not waiting.started and engine.store.used_bytes <= 40 * per_token
         waiting.cancel()
         assert waiting.result.finish_reason == "cancelled" and waiting.result.stats.prefill_tokens == 0
         assert second.history == [] and not second.busy
         list(running)
         assert running.result.token_ids == reference_greedy(engine, tokens(10, seed=1), 20)
+
+
+def test_a_generation_that_could_not_fit_even_alone_is_refused_at_once_and_holds_back_nobody(default_dir, per_token):
+    """Waiting for the running generations to end could not make room for it: it is refused while they
+    run, and the generation sent behind it starts at once instead of waiting behind it."""
+    engine = Engine.load(default_dir, cache_budget_bytes=60 * per_token)
+    with engine.session() as first, engine.session() as second, engine.session() as third:
+        running = first.stream(token_ids=tokens(10, seed=1), max_new_tokens=30, eos_token_ids=[])
+        engine.scheduler.tick()
+        too_large = second.stream(token_ids=tokens(10, seed=2), max_new_tokens=55, eos_token_ids=[])
+        behind = third.stream(token_ids=tokens(5, seed=3), max_new_tokens=10, eos_token_ids=[])
+        engine.scheduler.tick()
+        assert isinstance(too_large.error, CacheBudgetExceeded) and not running.done
+        assert too_large.error.details["value"] == 65 * per_token and second.history == []
+        assert behind.started
+        list(running)
+        list(behind)
+        assert running.result.token_ids == reference_greedy(engine, tokens(10, seed=1), 30)
+        assert behind.result.token_ids == reference_greedy(engine, tokens(5, seed=3), 10)
 
 
 def test_closing_a_session_under_n_samples_cancels_them_with_what_they_had(engine):

@@ -145,6 +145,35 @@ def test_cancel_of_a_queued_request_and_shutdown_with_work_in_flight(peer):
     assert peer.process.wait(10) == 0
 
 
+def test_a_generation_waiting_for_kv_memory_is_as_queued_as_the_requests_behind_it(default_dir, per_token):
+    """It has not started: cancelled, its reply is the one of a queued generate (no `sequences`) and its
+    session keeps its last result; its model unloaded, it is answered `session_closed`."""
+    with Peer(SERVER + ["--cache-budget-bytes", str(60 * per_token)], stderr=subprocess.DEVNULL) as peer:
+        for name in ("a", "b"):
+            peer.call("open_session", session=name)
+        assert peer.call("generate", session="b", token_ids=[5, 6, 7], max_new_tokens=1, eos_token_ids=[])["ok"]
+        for unload in (False, True):
+            running, waiting = peer.next_id(), peer.next_id()
+            # 55 of the 60 tokens the budget holds, then 34 more: it waits for the first to end
+            generate(peer, running, session="a", token_ids=list(range(5, 15)), max_new_tokens=45, eos_token_ids=[],
+                     stream=True)
+            assert "event" in peer.next_for(running)  # it has started
+            generate(peer, waiting, session="b", token_ids=[5, 6, 7, 8], max_new_tokens=30, eos_token_ids=[])
+            if not unload:
+                assert peer.call("cancel", target=waiting)["result"] == {"cancelled": True}
+                refused = peer.reply_for(waiting)[1]["error"]
+                assert refused["code"] == "cancelled" and "before it started" in refused["message"]
+                assert "sequences" not in refused and refused["token_ids"] == []
+                assert peer.call("session_info", session="b")["result"]["history_tokens"] == 4
+                again = peer.call("generate", session="b", max_new_tokens=1, eos_token_ids=[], **{"continue": {}})
+                assert again["result"]["stats"]["prompt_tokens"] == 4  # it continued the call before the cancel
+                assert peer.reply_for(running)[1]["ok"]
+            else:
+                assert peer.call("unload_model", model="default")["ok"]
+                assert peer.reply_for(waiting)[1]["error"]["code"] == "session_closed"
+                assert peer.reply_for(running)[1]["error"]["code"] == "cancelled"
+
+
 def test_backpressure_pauses_generation_instead_of_buffering(peer):
     fcntl.fcntl(peer.process.stdout.fileno(), 1031, 4096)  # F_SETPIPE_SZ: a small pipe fills fast
     peer.call("open_session", session="b")
