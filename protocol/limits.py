@@ -27,7 +27,8 @@ NAMES = (("*", "session"), ("*", "model"), ("load_model", "name"), ("load_model"
 @dataclass(frozen=True)
 class Limits:
     max_frame_bytes: int = _limit(16 * 1024 * 1024, "largest frame read or written, in bytes")
-    max_in_flight: int = _limit(1024, "requests queued or running at once (generate, session_info, close_session)")
+    max_in_flight: int = _limit(
+        1024, "requests queued or running at once (generate, session_info, close_session, fork_session, save_session)")
     max_queued_bytes: int = _limit(
         64 * 1024 * 1024, "frame bytes of the requests in flight together (their decoded form takes several times that)")
     max_depth: int = _limit(32, "nesting depth of maps and lists in one request")
@@ -55,7 +56,7 @@ class Limits:
         65_536, "numbers and strings in the options of one generate's processors together",
         bounds=(("generate", "processors"),), measure="option_values")
     max_name_bytes: int = _limit(4096, "UTF-8 bytes of a session or model name or a model path", bounds=NAMES, measure="bytes")
-    max_sessions: int = _limit(1024, "open sessions, over all models")
+    max_sessions: int = _limit(1024, "open sessions over all models, with the names pending forks reserve")
     max_saved_sessions: int = _limit(256, "sessions saved in the --session-dir (saving again under a name replaces it)")
     max_models: int = _limit(4, "loaded models")
 

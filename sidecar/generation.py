@@ -409,12 +409,6 @@ class Generation:
     def error(self) -> BaseException | None:
         return self._run.error
 
-    @property
-    def started(self) -> bool:
-        """Whether it left the queue and the session became its (a run waits there for KV memory); one
-        cancelled before it started left the session, and its last result, as they were."""
-        return self._run.admitted
-
     def __iter__(self) -> "Generation":
         return self
 

@@ -604,17 +604,14 @@ class Server:
 
     def _close(self, name: str, closer: Job | None = None) -> None:
         """Closes a session, first answering every other request queued on it: a running generation
-        with its `cancelled` reply (it carries the tokens so far), the rest (a generation still waiting
-        for KV memory among them) with `session_closed`."""
+        with its `cancelled` reply (it carries the tokens so far), the rest with `session_closed`."""
         _, session = self.sessions.pop(name)
         for job in self.queues.pop(name):
             if job is closer:
                 continue
-            if job.generation is not None and job.generation.started:
+            if job.generation is not None:
                 self._retire(job, cancelled_reply(job))
             else:
-                if job.generation is not None:  # waiting for KV memory: as queued as the requests behind it
-                    job.generation.cancel()
                 self._retire(job, problem_reply(job.request.id, SessionClosed(
                     f"session {name!r} was closed before this request ran", session=name)))
         session.close()
@@ -668,8 +665,7 @@ def oversized_frame_reply(item: OversizedFrame, limit: int, in_flight) -> dict:
 def cancelled_reply(job: Job) -> dict:
     if job.generation is not None:
         job.generation.cancel()
-        if job.generation.started:
-            return generation_reply(job)
+        return generation_reply(job)
     if job.request.op == "generate":
         return error(job.request.id, codes.CANCELLED, "the generation was cancelled before it started", text="",
                      token_ids=[], finish_reason="cancelled", stats=asdict(Stats()))

@@ -455,7 +455,7 @@ def test_a_generation_waiting_for_memory_can_be_cancelled_and_ran_nothing(defaul
         running = first.stream(token_ids=tokens(10, seed=1), max_new_tokens=20, eos_token_ids=[])
         waiting = second.stream(token_ids=tokens(10, seed=2), max_new_tokens=20, eos_token_ids=[])
         engine.scheduler.tick()
-        assert not waiting.started and engine.store.used_bytes <= 40 * per_token
+        assert not waiting._run.admitted and engine.store.used_bytes <= 40 * per_token
         waiting.cancel()
         assert waiting.result.finish_reason == "cancelled" and waiting.result.stats.prefill_tokens == 0
         assert second.history == [] and not second.busy
@@ -475,7 +475,7 @@ def test_a_generation_that_could_not_fit_even_alone_is_refused_at_once_and_holds
         engine.scheduler.tick()
         assert isinstance(too_large.error, CacheBudgetExceeded) and not running.done
         assert too_large.error.details["value"] == 65 * per_token and second.history == []
-        assert behind.started
+        assert behind._run.admitted
         list(running)
         list(behind)
         assert running.result.token_ids == reference_greedy(engine, tokens(10, seed=1), 30)

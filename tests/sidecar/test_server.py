@@ -145,9 +145,10 @@ def test_cancel_of_a_queued_request_and_shutdown_with_work_in_flight(peer):
     assert peer.process.wait(10) == 0
 
 
-def test_a_generation_waiting_for_kv_memory_is_as_queued_as_the_requests_behind_it(default_dir, per_token):
-    """It has not started: cancelled, its reply is the one of a queued generate (no `sequences`) and its
-    session keeps its last result; its model unloaded, it is answered `session_closed`."""
+def test_a_generation_waiting_for_kv_memory_has_started_and_ran_nothing(default_dir, per_token):
+    """At the head of its session's queue it has started, waiting for the memory of the generation
+    before it: cancelled, or its model unloaded, it is `cancelled` with its (empty) sequences, as one
+    cancelled before its first token; having run nothing, its session keeps its history and last result."""
     with Peer(SERVER + ["--cache-budget-bytes", str(60 * per_token)], stderr=subprocess.DEVNULL) as peer:
         for name in ("a", "b"):
             peer.call("open_session", session=name)
@@ -162,15 +163,16 @@ def test_a_generation_waiting_for_kv_memory_is_as_queued_as_the_requests_behind_
             if not unload:
                 assert peer.call("cancel", target=waiting)["result"] == {"cancelled": True}
                 refused = peer.reply_for(waiting)[1]["error"]
-                assert refused["code"] == "cancelled" and "before it started" in refused["message"]
-                assert "sequences" not in refused and refused["token_ids"] == []
+                assert refused["code"] == "cancelled" and refused["sequences"] == [
+                    {"text": "", "token_ids": [], "finish_reason": "cancelled"}]
+                assert refused["stats"]["prefill_tokens"] == 0
                 assert peer.call("session_info", session="b")["result"]["history_tokens"] == 4
                 again = peer.call("generate", session="b", max_new_tokens=1, eos_token_ids=[], **{"continue": {}})
                 assert again["result"]["stats"]["prompt_tokens"] == 4  # it continued the call before the cancel
                 assert peer.reply_for(running)[1]["ok"]
             else:
                 assert peer.call("unload_model", model="default")["ok"]
-                assert peer.reply_for(waiting)[1]["error"]["code"] == "session_closed"
+                assert peer.reply_for(waiting)[1]["error"]["code"] == "cancelled"
                 assert peer.reply_for(running)[1]["error"]["code"] == "cancelled"
 
 
