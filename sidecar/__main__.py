@@ -24,6 +24,31 @@ from protocol import PROTOCOL_VERSION, Limits  # noqa: E402
 from . import __version__  # noqa: E402
 
 
+MAX_INT = 2**63 - 1  # any number the protocol may carry (msgpack's int64) and every counter can hold
+MAX_TEMPLATE_BYTES = 1 << 20  # a --chat-template file; real models' templates take a few KiB
+
+
+def _whole(low: int):
+    """An argparse type: an integer in [low, MAX_INT]."""
+    def whole(text: str) -> int:
+        value = int(text)
+        if not low <= value <= MAX_INT:
+            raise ValueError
+        return value
+    whole.__name__ = f"integer from {low} to 2^63-1"
+    return whole
+
+
+def _milliseconds(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 60_000:  # NaN fails too
+        raise ValueError
+    return value
+
+
+_milliseconds.__name__ = "number of milliseconds from 0 to 60000"
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m sidecar", description="Serve the sidecar's port protocol.")
     parser.add_argument("--model", help='a local model directory loaded at startup as "default"; "default" for the embedded tiny model')
@@ -40,12 +65,12 @@ def parse_args(argv=None):
                              "without it both are refused)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let load_model run code shipped inside a model directory (off by default)")
-    parser.add_argument("--cache-budget-bytes", type=int, help="KV cache budget per model (default 2 GiB)")
-    parser.add_argument("--prefill-chunk", type=int, help="tokens per prefill forward pass (default 512)")
+    parser.add_argument("--cache-budget-bytes", type=_whole(1), help="KV cache budget per model (default 2 GiB)")
+    parser.add_argument("--prefill-chunk", type=_whole(1), help="tokens per prefill forward pass (default 512)")
     parser.add_argument("--no-share-prefixes", dest="share_prefixes", action="store_false",
                         help="each session reuses only its own cache (by default a session continues a prefix, "
                              "such as a system prompt, that another session's cache holds)")
-    parser.add_argument("--stream-interval-ms", type=float, default=10.0,
+    parser.add_argument("--stream-interval-ms", type=_milliseconds, default=10.0,
                         help="token events may be held this long and written together (default 10; 0 writes each at once)")
     parser.add_argument("--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                         help="what goes to stderr (default INFO)")
@@ -53,7 +78,7 @@ def parse_args(argv=None):
     parser.add_argument("--stderr", help="send this process's stderr (logs, stray writes) to PATH, e.g. a FIFO the client reads")
     limits = parser.add_argument_group("limits (each reported in hello's limits, and named in the error it causes)")
     for name, doc in Limits.docs().items():
-        limits.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(Limits(), name), metavar="N",
+        limits.add_argument(f"--{name.replace('_', '-')}", type=_whole(0), default=getattr(Limits(), name), metavar="N",
                             help=f"{doc} (default %(default)s)")
     args = parser.parse_args(argv)
     if args.fds:
@@ -62,6 +87,12 @@ def parse_args(argv=None):
             assert len(args.fds) == 2
         except (ValueError, AssertionError):
             parser.error("--fds takes two descriptors: IN,OUT")
+        for fd, mode, way in zip(args.fds, (os.O_RDONLY, os.O_WRONLY), ("read", "written")):
+            problem = _descriptor_problem(fd, mode)
+            if problem:
+                parser.error(f"--fds: descriptor {fd} {problem}; it must be open to be {way}")
+    if args.chat_template and not args.model:
+        parser.error("--chat-template applies to the startup model: give --model too")
     try:
         args.limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     except ValueError as problem:
@@ -74,6 +105,46 @@ def parse_args(argv=None):
         except OSError as problem:
             parser.error(f"--session-dir: cannot create {args.session_dir}: {problem.strerror}")
     return args
+
+
+def _descriptor_problem(fd: int, mode: int) -> str | None:
+    """What keeps `fd` from serving in `mode` (O_RDONLY: reading, O_WRONLY: writing), None if nothing."""
+    import fcntl
+
+    if not 0 <= fd < 2**31:
+        return "is not a descriptor number"
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError:
+        return "is not open"
+    if flags & os.O_ACCMODE not in (mode, os.O_RDWR):
+        return "is open the other way"
+    return None
+
+
+def _open_stderr(path: str) -> int:
+    """The descriptor to send stderr to. A FIFO is opened without waiting for a reader: with none (its
+    reader gone, or never there), startup fails at once instead of blocking before it serves."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o600)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _read_template(path: str) -> str:
+    """A --chat-template file's text: a regular file of at most MAX_TEMPLATE_BYTES, in UTF-8."""
+    import stat
+
+    with open(path, "rb") as file:
+        info = os.fstat(file.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("it is not a regular file")
+        data = file.read(MAX_TEMPLATE_BYTES + 1)
+    if len(data) > MAX_TEMPLATE_BYTES:
+        raise ValueError(f"it is larger than {MAX_TEMPLATE_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"it is not UTF-8 text (byte {error.start})") from None
 
 
 def protocol_fds(fds) -> tuple[int, int]:
@@ -90,9 +161,14 @@ def protocol_fds(fds) -> tuple[int, int]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.stderr:
-        os.dup2(os.open(args.stderr, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), 2)
+        try:
+            os.dup2(_open_stderr(args.stderr), 2)
+        except OSError as problem:
+            print(f"python -m sidecar: error: --stderr: cannot open {args.stderr}: {problem.strerror}", file=sys.stderr)
+            return 2
     in_fd, out_fd = protocol_fds(args.fds)
     logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from . import chat
     from .errors import SidecarError
     from .models import resolve_device
     from .server import Server
@@ -117,14 +193,20 @@ def main(argv=None) -> int:
         try:
             server.op_load_model({"name": "default", "path": path, "dtype": args.dtype, "device": None,
                                   "trust_remote_code": False}, None)
-            if args.chat_template:
-                server.engines["default"].tokenizer.chat_template = Path(args.chat_template).read_text()
-        except OSError as problem:
-            logging.getLogger("sidecar").error("cannot read --chat-template %s: %s", args.chat_template, problem.strerror)
-            return 2
         except SidecarError as problem:
             logging.getLogger("sidecar").error("cannot load --model %s: %s (%s)", args.model, problem.message, problem.code)
             return 2
+        if args.chat_template:
+            tokenizer = server.engines["default"].tokenizer
+            try:
+                tokenizer.chat_template = _read_template(args.chat_template)
+                chat.check_template(tokenizer)
+            except OSError as problem:
+                logging.getLogger("sidecar").error("cannot read --chat-template %s: %s", args.chat_template, problem.strerror)
+                return 2
+            except ValueError as problem:
+                logging.getLogger("sidecar").error("cannot use --chat-template %s: %s", args.chat_template, problem)
+                return 2
     reader = FrameReader(in_fd, args.limits.max_frame_bytes, closed)
     reader.start()
     logging.getLogger("sidecar").info("serving on fds %d,%d", in_fd, out_fd)
@@ -132,7 +214,10 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
+    try:
+        status = main()
+    except KeyboardInterrupt:  # SIGINT (Ctrl-C in a terminal): a stop like SIGTERM's, without a traceback
+        status = 128 + 2
     # Skip interpreter teardown (torch's takes most of a second): a dying BEAM must see us gone at once.
     sys.stderr.flush()
     os._exit(status)

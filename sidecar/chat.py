@@ -80,6 +80,16 @@ def render(tokenizer, messages, *, chat_template=None, add_generation_prompt=Non
     return list(ids)
 
 
+def check_template(tokenizer) -> None:
+    """Raises `ValueError` when the tokenizer's own chat template is not a valid template (found by
+    rendering a one-message conversation; a template that refuses that conversation may still be valid)."""
+    try:
+        render(tokenizer, [{"role": "user", "content": "Hello"}])
+    except InvalidArgument as error:
+        if error.details.get("option") == "chat_template":
+            raise ValueError(error.message) from None
+
+
 def _is_template(text: str) -> bool:
     """Whether a chat_template holds Jinja markup: text without any is a mistyped name, not a template."""
     return "{{" in text or "{%" in text

@@ -204,8 +204,12 @@ class Session:
         (beam, as in transformers), `reuse="prefix" | "shift"` and `keep` (shift: leading tokens kept).
         """
         generation = self.stream(prompt, **options)
-        for _ in generation:
-            pass
+        try:
+            for _ in generation:
+                pass
+        except BaseException:  # Ctrl-C among them: the call stops as a cancelled one, and the session is free
+            generation.cancel()
+            raise
         return generation.result
 
     def stream(self, prompt: str | Continuable | None = None, **options):

@@ -1,6 +1,7 @@
 """`python -m sidecar` at startup: every problem is one line on stderr and a non-zero status, never a traceback."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -51,11 +52,59 @@ def test_a_model_that_cannot_load_is_one_line_and_status_2(tmp_path, default_dir
     (["--max-sessions", "0"], "limit max_sessions must be an integer >= 1"),
     (["--fds", "3"], "--fds takes two descriptors"),
     (["--model", "default", "--chat-template", "/nonexistent.jinja"], "cannot read --chat-template"),
+    (["--chat-template", "/nonexistent.jinja"], "--chat-template applies to the startup model: give --model too"),
+    (["--model", "default", "--chat-template", "/dev/zero"], "cannot use --chat-template /dev/zero: it is not a regular file"),
+    (["--fds", "99,98"], "--fds: descriptor 99 is not open; it must be open to be read"),
+    (["--fds", "2147483648,1"], "--fds: descriptor 2147483648 is not a descriptor number"),
+    (["--fds", "1,1"], "--fds: descriptor 1 is open the other way; it must be open to be read"),  # stdout: a pipe's write end
+    (["--max-frame-bytes", str(2**64)], "argument --max-frame-bytes: invalid integer from 0 to 2^63-1 value"),
+    (["--cache-budget-bytes", "0"], "argument --cache-budget-bytes: invalid integer from 1 to 2^63-1 value"),
+    (["--stream-interval-ms", "nan"], "argument --stream-interval-ms: invalid number of milliseconds from 0 to 60000"),
+    (["--stderr", "/nonexistent/dir/log"], "--stderr: cannot open /nonexistent/dir/log: No such file or directory"),
 ])
 def test_bad_options_are_one_clear_line(default_dir, args, says):
     done = run(*args)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert says in done.stderr
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"{{ messages[0]['content'] }\n", "cannot use --chat-template"),  # a Jinja syntax error
+    (b"{{ '\xff' }}", "it is not UTF-8 text (byte 4)"),
+])
+def test_a_chat_template_that_cannot_serve_fails_the_start(tmp_path, default_dir, content, says):
+    path = tmp_path / "template.jinja"
+    path.write_bytes(content)
+    done = run("--model", "default", "--chat-template", str(path), "--log-level", "WARNING")
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert says in lines[0]
+
+
+def test_a_stderr_fifo_nobody_reads_fails_the_start_instead_of_blocking(tmp_path):
+    fifo = tmp_path / "log"
+    os.mkfifo(fifo)
+    done = run("--stderr", str(fifo), timeout=60)
+    assert done.returncode == 2 and "--stderr: cannot open" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_ctrl_c_stops_the_server_without_a_traceback(default_dir):
+    import signal
+
+    from protocol import FrameDecoder, frame, pack
+
+    server = subprocess.Popen([sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "WARNING"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    server.stdin.write(frame(pack({"id": 1, "op": "ping"})))
+    server.stdin.flush()
+    decoder, replies = FrameDecoder(), []
+    while not replies:  # serving
+        replies = decoder.feed(os.read(server.stdout.fileno(), 4096))
+    server.send_signal(signal.SIGINT)
+    assert server.wait(60) == 130
+    stderr = server.stderr.read().decode()
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    server.stdin.close()
 
 
 def test_version():

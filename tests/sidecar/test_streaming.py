@@ -93,6 +93,32 @@ def test_a_stream_closes_as_a_generator_does(engine):
         assert not session.busy
 
 
+def test_ctrl_c_during_generate_cancels_it_and_frees_the_session(engine):
+    """A KeyboardInterrupt in the middle of `generate` (here from a processor, at its fourth step) ends the
+    call as a cancel does: the session is free, its last result the tokens so far; an interactive shell
+    that keeps the traceback (and the generation in it) alive does not keep the generation running."""
+    steps = []
+
+    def interrupted(logits, context):
+        steps.append(context.length)
+        if len(steps) == 4:
+            raise KeyboardInterrupt
+        return logits
+
+    prompt = tokens(8, seed=25)
+    with engine.session() as session:
+        with pytest.raises(KeyboardInterrupt) as caught:
+            session.generate(token_ids=prompt, max_new_tokens=50, eos_token_ids=[], processors=[interrupted])
+        assert not session.busy and session.last.finish_reason == "cancelled" and len(session.last.token_ids) == 3
+        assert caught.value is not None  # the traceback, and the generation in it, are still alive here
+        with engine.session() as other:  # the engine goes on without it
+            other.generate(token_ids=prompt, max_new_tokens=5, eos_token_ids=[])
+        assert len(steps) == 4 and len(session.last.token_ids) == 3
+        again = session.generate(token_ids=prompt, max_new_tokens=4, eos_token_ids=[])
+        with engine.session() as fresh:
+            assert again.token_ids == fresh.generate(token_ids=prompt, max_new_tokens=4, eos_token_ids=[]).token_ids
+
+
 def test_a_failed_stream_raises_once_and_keeps_its_error(engine):
     def nan_at_the_second_step(logits, context):
         return logits + float("nan") if context.length - context.input_length >= 1 else logits
