@@ -3,7 +3,8 @@
 In stdio mode the frames go to a private duplicate of fd 1, and fd 1 itself is pointed at stderr, so
 nothing any Python code prints can reach the protocol stream. Logs go to stderr.
 The process never contacts a model hub: offline mode is set here, before transformers is imported.
-Exit status: 0 after EOF or `shutdown`, 2 for bad arguments or a model that fails to load at startup.
+Exit status: 0 after EOF or `shutdown`, 2 for bad arguments or a model that fails to load at startup,
+130 after SIGINT.
 """
 
 from __future__ import annotations
