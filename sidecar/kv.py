@@ -210,7 +210,8 @@ class KVStore:
     def alone_bytes(self, keep: tuple["KVCache", ...] = ()) -> int:
         """The bytes still held once every cache but `keep` is evicted, running generations' too: what
         stays however long a generation waits for the others."""
-        return sum(c.nbytes for c in self._caches.values() if id(c) in _chains(keep))
+        kept = _chains(keep)
+        return sum(c.nbytes for c in self._caches.values() if id(c) in kept)
 
     def _held(self, keep) -> set[int]:
         """The ids of caches that cannot be evicted: pinned or kept ones, and every cache their chains read
