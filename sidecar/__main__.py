@@ -16,9 +16,10 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 import argparse  # noqa: E402  (offline mode must be set before anything below can import transformers)
 import dataclasses  # noqa: E402
+import fcntl  # noqa: E402
 import logging  # noqa: E402
+import stat  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from protocol import PROTOCOL_VERSION, Limits  # noqa: E402
 
@@ -110,8 +111,6 @@ def parse_args(argv=None):
 
 def _descriptor_problem(fd: int, mode: int) -> str | None:
     """What keeps `fd` from serving in `mode` (O_RDONLY: reading, O_WRONLY: writing), None if nothing."""
-    import fcntl
-
     if not 0 <= fd < 2**31:
         return "is not a descriptor number"
     try:
@@ -133,8 +132,6 @@ def _open_stderr(path: str) -> int:
 
 def _read_template(path: str) -> str:
     """A --chat-template file's text: a regular file of at most MAX_TEMPLATE_BYTES, in UTF-8."""
-    import stat
-
     with open(path, "rb") as file:
         info = os.fstat(file.fileno())
         if not stat.S_ISREG(info.st_mode):

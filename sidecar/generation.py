@@ -89,7 +89,6 @@ class Run:
         self.error: BaseException | None = None
         self.done = False
         self.cancelled = False
-        self.admitted = False
         self.stats = Stats(prompt_tokens=len(request.input_ids))
         self.started = time.perf_counter()
         self.saved = None  # the session's checkpoint, taken when admitted
@@ -148,6 +147,10 @@ class Run:
         return Footprint(own, source, held, needed, restorable, shares_prefix)
 
     @property
+    def admitted(self) -> bool:
+        return self.admitted_as is not None
+
+    @property
     def shares_prefix(self) -> bool:
         """Whether its rows read the prompt from the session's cache rather than from copies of their own."""
         return self.admitted_as.shares_prefix
@@ -159,7 +162,6 @@ class Run:
         restorable = footprint.restorable
         self.saved = session._reuse(request.input_ids, footprint.own, footprint.source, request.shift_keep, restorable)
         session.engine._touch(session)  # after the reuse: the chain it now continues is used too
-        self.admitted = True
         self.stats.reused_tokens = self.saved.keep
         self.stats.shared_tokens = self.saved.shared
         self.stats.shifted_tokens = self.saved.shifted

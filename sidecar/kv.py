@@ -210,25 +210,24 @@ class KVStore:
     def alone_bytes(self, keep: tuple["KVCache", ...] = ()) -> int:
         """The bytes still held once every cache but `keep` is evicted, running generations' too: what
         stays however long a generation waits for the others."""
-        kept = _chains(keep)
-        return sum(c.nbytes for c in self._caches.values() if id(c) in kept)
+        return sum(c.nbytes for key, c in _chains(keep).items() if key in self._caches)
 
     def _held(self, keep) -> set[int]:
         """The ids of caches that cannot be evicted: pinned or kept ones, and every cache their chains read
         (an entry some evictable session continues is evicted after that session)."""
-        return _chains([*keep, *(c for c in self._caches.values() if c.pinned)])
+        return set(_chains([*keep, *(c for c in self._caches.values() if c.pinned)]))
 
     def _account(self, delta: int) -> None:
         self.used_bytes += delta
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
 
-def _chains(caches) -> set[int]:
-    """The ids of `caches` and of every cache their chains read."""
-    found = set()
+def _chains(caches) -> dict[int, "KVCache"]:
+    """`caches` and every cache their chains read, by id."""
+    found = {}
     for cache in caches:
         while cache is not None and id(cache) not in found:
-            found.add(id(cache))
+            found[id(cache)] = cache
             cache = cache.prefix
     return found
 

@@ -71,6 +71,7 @@ def test_bad_options_are_one_clear_line(default_dir, args, says):
 @pytest.mark.parametrize("content, says", [
     (b"{{ messages[0]['content'] }\n", "cannot use --chat-template"),  # a Jinja syntax error
     (b"{{ '\xff' }}", "it is not UTF-8 text (byte 4)"),
+    (b"{# a template #}" + b" " * (1 << 20), "it is larger than 1048576 bytes"),
 ])
 def test_a_chat_template_that_cannot_serve_fails_the_start(tmp_path, default_dir, content, says):
     path = tmp_path / "template.jinja"
@@ -79,6 +80,16 @@ def test_a_chat_template_that_cannot_serve_fails_the_start(tmp_path, default_dir
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert says in lines[0]
+
+
+def test_a_chat_template_that_refuses_a_lone_user_message_still_serves(tmp_path, default_dir):
+    """The start checks the template renders; one that refuses the conversation it is tried on (it wants
+    a system message) is valid, and serves until its input closes."""
+    path = tmp_path / "template.jinja"
+    path.write_text("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message first') }}{% endif %}"
+                    "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    done = run("--model", "default", "--chat-template", str(path), "--log-level", "WARNING")
+    assert done.returncode == 0 and done.stderr == "", done.stderr
 
 
 def test_a_stderr_fifo_nobody_reads_fails_the_start_instead_of_blocking(tmp_path):

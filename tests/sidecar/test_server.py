@@ -162,10 +162,10 @@ def test_a_generation_waiting_for_kv_memory_has_started_and_ran_nothing(default_
             generate(peer, waiting, session="b", token_ids=[5, 6, 7, 8], max_new_tokens=30, eos_token_ids=[])
             if not unload:
                 assert peer.call("cancel", target=waiting)["result"] == {"cancelled": True}
-                refused = peer.reply_for(waiting)[1]["error"]
-                assert refused["code"] == "cancelled" and refused["sequences"] == [
+                cancelled = peer.reply_for(waiting)[1]["error"]
+                assert cancelled["code"] == "cancelled" and cancelled["sequences"] == [
                     {"text": "", "token_ids": [], "finish_reason": "cancelled"}]
-                assert refused["stats"]["prefill_tokens"] == 0
+                assert cancelled["stats"]["prefill_tokens"] == 0
                 assert peer.call("session_info", session="b")["result"]["history_tokens"] == 4
                 again = peer.call("generate", session="b", max_new_tokens=1, eos_token_ids=[], **{"continue": {}})
                 assert again["result"]["stats"]["prompt_tokens"] == 4  # it continued the call before the cancel
