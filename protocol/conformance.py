@@ -27,6 +27,7 @@ import socket
 import sys
 from pathlib import Path
 
+from .errors import ProtocolError
 from .matching import mismatch
 from .peer import Peer
 
@@ -70,6 +71,8 @@ def run_script(peer: Peer, script: dict, timeout: float) -> str | None:
             return f"{where}: no answer within {timeout} s"
         except (EOFError, ConnectionError) as gone:
             return f"{where}: the server went away ({gone})"
+        except ProtocolError as garbage:  # a frame the server sent that is not msgpack
+            return f"{where}: the server sent {garbage.message}"
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     return None
@@ -134,7 +137,10 @@ def main(argv=None) -> int:
             skipped += 1
             continue
         if fresh or shared is None or (shared.process is not None and shared.process.poll() is not None):
-            peer = Peer(command)
+            try:
+                peer = Peer(command)
+            except OSError as problem:
+                parser.exit(2, f"conformance: cannot start the server {command[0]!r}: {problem.strerror or problem}\n")
             if not fresh:
                 shared = peer
         else:

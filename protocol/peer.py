@@ -72,11 +72,12 @@ class Peer:
         return self._messages[request_id].popleft()
 
     def reply_for(self, request_id) -> tuple[list, dict]:
-        """All events for `request_id`, then its final reply."""
+        """All events for `request_id`, then its final reply (whatever message is not an event: a broken
+        server's may not even be a map)."""
         events = []
         while True:
             message = self.next_for(request_id)
-            if "event" in message:
+            if isinstance(message, dict) and "event" in message:
                 events.append(message)
             else:
                 return events, message

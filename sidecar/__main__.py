@@ -58,7 +58,8 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu",
                         help="where models run unless load_model names a device: cpu, cuda, cuda:N, mps (default cpu)")
     parser.add_argument("--chat-template", metavar="FILE",
-                        help="a Jinja chat template for the startup model, used by generate's messages (replaces its own)")
+                        help="a Jinja chat template for the startup model, used by generate's messages (replaces its own, also "
+                             "when load_model loads its directory again)")
     parser.add_argument("--fds", help="IN,OUT file descriptors to serve on instead of stdin/stdout (Erlang's :nouse_stdio uses 3,4)")
     parser.add_argument("--model-root", action="append", default=[], metavar="DIR",
                         help="load_model may load directories under DIR (repeatable); --model is always allowed")
@@ -195,10 +196,11 @@ def main(argv=None) -> int:
             logging.getLogger("sidecar").error("cannot load --model %s: %s (%s)", args.model, problem.message, problem.code)
             return 2
         if args.chat_template:
-            tokenizer = server.engines["default"].tokenizer
+            engine = server.engines["default"]
             try:
-                tokenizer.chat_template = _read_template(args.chat_template)
-                chat.check_template(tokenizer)
+                engine.tokenizer.chat_template = _read_template(args.chat_template)
+                chat.check_template(engine.tokenizer)
+                server.use_chat_template(engine, engine.tokenizer.chat_template)
             except OSError as problem:
                 logging.getLogger("sidecar").error("cannot read --chat-template %s: %s", args.chat_template, problem.strerror)
                 return 2

@@ -111,6 +111,9 @@ class Server:
         self.limits = limits
         self.model_roots = tuple(Path(root).resolve() for root in model_roots)
         self.allowed_paths: set[Path] = set()
+        # The operator's chat template for a model directory, replacing the model's own whenever that directory
+        # is loaded, after an unload and a new load too (`use_chat_template`).
+        self.chat_templates: dict[Path, str] = {}
         self.trust_remote_code = trust_remote_code
         # the rows a generation may decode are the protocol's limit (the engine's own default is lower)
         self.engine_options = {"max_rows": limits.max_sequences, **(engine_options or {})}
@@ -440,6 +443,14 @@ class Server:
         """Lets `load_model` load this directory whatever the model roots (the operator named it)."""
         self.allowed_paths.add(Path(path).resolve())
 
+    def use_chat_template(self, engine: Engine, template: str) -> None:
+        """Makes `template` the chat template of the model directory `engine` was loaded from: of the engines
+        loaded from it now, and of every later load of it (the CLI's --chat-template)."""
+        self.chat_templates[_directory(engine)] = template
+        for loaded in self.engines.values():
+            if _directory(loaded) == _directory(engine):
+                loaded.tokenizer.chat_template = template
+
     def op_load_model(self, params, rid):
         name = params["name"]
         if name in self.engines:
@@ -451,6 +462,8 @@ class Server:
         if params["device"] is not None:
             options["device"] = params["device"]
         engine = Engine.load(params["path"], dtype=params["dtype"], trust_remote_code=params["trust_remote_code"], **options)
+        if _directory(engine) in self.chat_templates:
+            engine.tokenizer.chat_template = self.chat_templates[_directory(engine)]
         self.engines[name] = engine
         return model_info(name, engine)
 
@@ -626,6 +639,11 @@ class Server:
             name = f"s{self._names}"
             if not self._taken(name):
                 return name
+
+
+def _directory(engine: Engine) -> Path:
+    """The model directory an engine was loaded from, as the operator's chat templates are keyed."""
+    return Path(engine.path).resolve()
 
 
 def build_processors(specs: list[dict], rid: int) -> list:

@@ -1,5 +1,6 @@
 """The conformance runner joins servers that are already running: over inherited fds, and over a Unix socket."""
 
+import json
 import os
 import re
 import socket
@@ -90,3 +91,28 @@ def test_an_unreachable_socket_is_one_line(tmp_path, capsys):
         conformance.main(["--connect", str(tmp_path / "nobody")])
     assert stopped.value.code == 2
     assert capsys.readouterr().err.startswith("conformance: cannot reach the server: ")
+
+
+def test_a_server_command_that_cannot_start_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        conformance.main(["--", str(tmp_path / "no-such-server")])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == f"conformance: cannot start the server '{tmp_path / 'no-such-server'}': No such file or directory\n"
+
+
+@pytest.mark.parametrize("frames, says", [
+    (b"\x00\x00\x00\x03\xc1\xc1\xc1", "the server sent the frame is not one valid msgpack value"),  # 0xc1: never used
+    (b"\x00\x00\x00\x01\x05", "expected a map, got 5"),  # msgpack, but no map
+])
+def test_a_server_sending_what_is_no_reply_fails_the_script_without_a_traceback(tmp_path, frames, says):
+    """A server whose frames are not msgpack, or not maps, fails a script saying so (one whose first step
+    expects a reply without an id, which a message that is no map is taken for)."""
+    vectors = tmp_path / "one.json"
+    scripts = json.loads(conformance.VECTORS.read_text())["scripts"]
+    vectors.write_text(json.dumps({"scripts": [next(s for s in scripts if s["name"] == "invalid msgpack")]}))
+    garbage = [sys.executable, "-c", f"import sys; sys.stdout.buffer.write({frames * 64!r}); sys.stdout.flush(); sys.stdin.buffer.read()"]
+    runner = subprocess.run([*RUNNER[:-1], "5", "--vectors", str(vectors), "--", *garbage], capture_output=True, text=True,
+                            timeout=60)
+    assert runner.returncode == 1 and "Traceback" not in runner.stderr, runner.stderr
+    assert summary(runner.stdout) == "conformance: 0 passed, 1 failed"
+    assert says in runner.stdout, runner.stdout

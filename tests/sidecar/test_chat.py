@@ -109,7 +109,7 @@ def test_bad_chat_input_is_a_typed_error_and_changes_nothing(engine, options, op
         assert (session.history, session.cached) == before
 
 
-def test_chat_over_the_protocol(default_dir, plain_dir, plain_engine, tmp_path):
+def test_chat_over_the_protocol(default_dir, plain_dir, plain_engine, engine, tmp_path):
     template = tmp_path / "plain.jinja"
     template.write_text(PLAIN_TEMPLATE)
     server = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "ERROR", "--model-root", str(plain_dir)]
@@ -130,3 +130,14 @@ def test_chat_over_the_protocol(default_dir, plain_dir, plain_engine, tmp_path):
         assert reply["ok"], reply
         expected = rendered(plain_engine, CONVERSATION, chat_template=PLAIN_TEMPLATE, add_generation_prompt=True)
         assert reply["result"]["stats"]["prompt_tokens"] == len(expected)
+        # the operator's template belongs to the directory: a new load of it after an unload keeps it
+        assert peer.call("unload_model", model="default")["ok"]
+        assert peer.call("load_model", name="again", path=str(plain_dir))["ok"]
+        peer.call("open_session", model="again", session="h")
+        reply = peer.call("generate", session="h", messages=CONVERSATION, max_new_tokens=2)
+        assert reply["ok"] and reply["result"]["stats"]["prompt_tokens"] == len(expected), reply
+        # and no other directory gets it: the embedded model keeps its own
+        assert peer.call("load_model", name="embedded")["ok"]
+        peer.call("open_session", model="embedded", session="e")
+        reply = peer.call("generate", session="e", messages=CONVERSATION, max_new_tokens=2, eos_token_ids=[])
+        assert reply["result"]["stats"]["prompt_tokens"] == len(rendered(engine, CONVERSATION, add_generation_prompt=True))
