@@ -167,6 +167,10 @@ def main(argv=None) -> int:
             return 2
     in_fd, out_fd = protocol_fds(args.fds)
     logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from transformers.utils import logging as transformers_logging
+
+    # transformers logs on a handler of its own: quieter with the level, never chattier than its warnings
+    transformers_logging.set_verbosity(max(logging.WARNING, logging.getLevelName(args.log_level)))
     from . import chat
     from .errors import SidecarError
     from .models import resolve_device

@@ -90,11 +90,17 @@ def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remo
         raise NoTokenizer(f"no usable tokenizer in {str(path)!r} (no tokenizer files, or an empty vocabulary)",
                           path=str(path))
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch_dtype
+        model, loading = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch_dtype, output_loading_info=True
         )
     except (Exception, SystemExit) as error:  # no weights, truncated or mismatched ones, a pickle refused as unsafe, ...
         raise InvalidModel(f"cannot load the weights in {str(path)!r}: {_brief(error)}", path=str(path)) from error
+    if loading["missing_keys"]:  # transformers initialises them at random, and only logs it
+        missing = sorted(loading["missing_keys"])
+        raise InvalidModel(
+            f"the weights in {str(path)!r} do not fit its config ({type(model).__name__}): {len(missing)} of its parameters "
+            f"are not in the checkpoint ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}) and would be random",
+            path=str(path))
     return model.to(device).eval(), tokenizer, path
 
 

@@ -33,13 +33,22 @@ def not_a_causal_lm(path, default_dir):
     (path / "config.json").write_text(json.dumps({"model_type": "t5"}))
 
 
-@pytest.mark.parametrize("build, code", [
-    (config_only, "no_tokenizer"), (malformed_config, "invalid_model"), (no_tokenizer, "no_tokenizer"),
-    (not_a_causal_lm, "not_causal_lm"),
+def weights_of_another_architecture(path, default_dir):
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        shutil.copy(default_dir / name, path / name)
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2,
+                                                  "vocab_size": 1024}))
+
+
+@pytest.mark.parametrize("build, code, level", [
+    (config_only, "no_tokenizer", "WARNING"), (malformed_config, "invalid_model", "WARNING"),
+    (no_tokenizer, "no_tokenizer", "WARNING"), (not_a_causal_lm, "not_causal_lm", "WARNING"),
+    # transformers logs a report of the parameters it would make up, a warning: ERROR silences it
+    (weights_of_another_architecture, "invalid_model", "ERROR"),
 ])
-def test_a_model_that_cannot_load_is_one_line_and_status_2(tmp_path, default_dir, build, code):
+def test_a_model_that_cannot_load_is_one_line_and_status_2(tmp_path, default_dir, build, code, level):
     build(tmp_path, default_dir)
-    done = run("--model", str(tmp_path), "--log-level", "WARNING")
+    done = run("--model", str(tmp_path), "--log-level", level)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr

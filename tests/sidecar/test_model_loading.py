@@ -68,6 +68,13 @@ def truncated_safetensors(default, d, markers):
     (d / "model.safetensors").write_bytes(weights[: len(weights) // 2])
 
 
+def config_of_another_architecture(default, d, markers):
+    """Llama weights under a GPT-2 config: transformers would initialise every GPT-2 parameter at random."""
+    copy_model(default, d)
+    (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2,
+                                               "n_embd": 64, "n_head": 2, "vocab_size": 1024, "n_positions": 256}))
+
+
 def malicious_pickle(default, d, markers):
     copy_model(default, d, weights=False)
     torch.save({"model.embed_tokens.weight": Evil(markers / "pickle-ran")}, d / "pytorch_model.bin")
@@ -118,6 +125,7 @@ BROKEN = [  # (kind, builder, trust_remote_code, code)
     ("config.json not JSON", config_not_json, False, "invalid_model"),
     ("config.json a JSON list", config_a_list, False, "invalid_model"),
     ("truncated safetensors", truncated_safetensors, False, "invalid_model"),
+    ("weights of another architecture than the config's", config_of_another_architecture, False, "invalid_model"),
     ("malicious pickle as pytorch_model.bin", malicious_pickle, False, "invalid_model"),
     ("auto_map without trust", auto_map_local, False, "remote_code_required"),
     ("auto_map naming another repository, trusted", auto_map_other_repo, True, "invalid_model"),
@@ -125,7 +133,8 @@ BROKEN = [  # (kind, builder, trust_remote_code, code)
     ("auto_map naming a module outside the directory by path, trusted", auto_map_outside_path, True, "invalid_model"),
 ]
 IDS = [getattr(row, "id", None) or row[0] for row in BROKEN]
-BUILDERS = [no_weights, config_not_json, config_a_list, truncated_safetensors, malicious_pickle, auto_map_local,
+BUILDERS = [no_weights, config_not_json, config_a_list, truncated_safetensors, config_of_another_architecture,
+            malicious_pickle, auto_map_local,
             auto_map_other_repo, tokenizer_auto_map_other_repo, auto_map_outside_path, shipped_code]
 SERVER = [sys.executable, "-m", "sidecar", "--log-level", "WARNING", "--max-models", "16"]
 
