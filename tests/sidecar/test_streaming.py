@@ -119,6 +119,37 @@ def test_ctrl_c_during_generate_cancels_it_and_frees_the_session(engine):
             assert again.token_ids == fresh.generate(token_ids=prompt, max_new_tokens=4, eos_token_ids=[]).token_ids
 
 
+def test_ctrl_c_in_one_run_of_a_tick_leaves_the_others_of_that_tick_exact(engine):
+    """Runs of one tick after the interrupted one get no logits that tick: planning a step changes nothing,
+    so they run it again at the next tick, and every stream still gives its solo tokens."""
+    steps = []
+
+    def interrupted(logits, context):
+        steps.append(context.length)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return logits
+
+    prompts = [tokens(n, seed=40 + n) for n in (6, 9, 13)]
+    solo = []
+    for prompt in prompts:
+        with engine.session() as session:
+            solo.append(session.generate(token_ids=prompt, max_new_tokens=6, eos_token_ids=[]).token_ids)
+    sessions = [engine.session() for _ in range(4)]
+    try:
+        streams = [s.stream(token_ids=p, max_new_tokens=6, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
+        first = [next(stream) for stream in streams]  # all three decoding, side by side
+        victim = sessions[3].stream(token_ids=prompts[0], max_new_tokens=6, eos_token_ids=[], processors=[interrupted])
+        with pytest.raises(KeyboardInterrupt):
+            list(victim)
+        victim.close()
+        got = [[event.token_id] + [e.token_id for e in stream] for event, stream in zip(first, streams)]
+        assert got == solo
+    finally:
+        for session in sessions:
+            session.close()
+
+
 def test_a_failed_stream_raises_once_and_keeps_its_error(engine):
     def nan_at_the_second_step(logits, context):
         return logits + float("nan") if context.length - context.input_length >= 1 else logits
