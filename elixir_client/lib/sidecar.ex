@@ -54,7 +54,9 @@ defmodule Sidecar do
   finds its late reply in the caller's mailbox.
 
   Every failure is a value, `{:error, %Sidecar.Error{}}`. If the Python process dies, in-flight
-  callers get `reason: :sidecar_exited` and the connection stops for its supervisor to restart it.
+  callers get `reason: :sidecar_exited` and the connection stops for its supervisor to restart it,
+  with reason `{:shutdown, {:sidecar_exited, status}}` (a `:permanent` child, the default, is restarted;
+  a `:transient` one is not).
   Sessions of the dead sidecar then answer `reason: :session_lost`. If the connection process dies,
   its Port closes and the Python process exits.
   """
@@ -109,11 +111,12 @@ defmodule Sidecar do
 
   defmodule Request do
     @moduledoc """
-    A generation started with `Sidecar.start_generate/4`. `ref` tags its messages; `timeout` is the
-    connection's `:call_timeout`, the default of `Sidecar.await/2`.
+    A generation started with `Sidecar.start_generate/4`. `ref` tags its messages, which go to
+    `owner`, the process that started it; `timeout` is the connection's `:call_timeout`, the default
+    of `Sidecar.await/2`.
     """
-    @enforce_keys [:conn, :ref, :id, :timeout]
-    defstruct [:conn, :ref, :id, :timeout]
+    @enforce_keys [:conn, :ref, :id, :timeout, :owner]
+    defstruct [:conn, :ref, :id, :timeout, :owner]
     @type t :: %__MODULE__{}
   end
 
@@ -250,8 +253,11 @@ defmodule Sidecar do
   @spec generate(conn(), session(), Generation.input(), keyword()) ::
           {:ok, result()} | {:error, Error.t()}
   def generate(conn, session, input, opts \\ []) do
+    Options.timeout!(opts[:timeout])
+    started = System.monotonic_time(:millisecond)
+
     with {:ok, request} <- start_request(conn, session, input, opts, false) do
-      await(request, opts[:timeout])
+      await_until(request, deadline(opts[:timeout] || request.timeout, started))
     end
   end
 
@@ -268,14 +274,28 @@ defmodule Sidecar do
   @doc """
   Waits for a started generation; past `timeout` (default: the connection's `:call_timeout`) it is
   cancelled and its messages are no longer delivered. Only the process that started it receives its
-  messages, so only that process can await it: another process's `await` times out, and so cancels
-  it (another process may `cancel/1` it).
+  messages, so only that process can await it, once: `await` in another process raises
+  `ArgumentError` (another process may `cancel/1` it). A starter that reads the messages itself
+  instead of awaiting ends with `{Sidecar, ref, {:reply, _}}`, after which it may demonitor `ref`
+  (`Process.demonitor(ref, [:flush])`), as `await` does, or receive a `:DOWN` for it when the
+  connection stops.
   """
   @spec await(Request.t(), timeout() | nil) :: {:ok, result()} | {:error, Error.t()}
-  def await(%Request{} = request, timeout \\ nil) do
-    Options.timeout!(timeout)
+  def await(request, timeout \\ nil)
 
-    case receive_reply(request, deadline(timeout || request.timeout)) do
+  def await(%Request{owner: owner}, _timeout) when owner != self() do
+    raise ArgumentError,
+          "only the process that started a request receives its messages and can await it " <>
+            "(#{inspect(owner)}, this is #{inspect(self())}); another process may cancel/1 it"
+  end
+
+  def await(%Request{} = request, timeout) do
+    Options.timeout!(timeout)
+    await_until(request, deadline(timeout || request.timeout, System.monotonic_time(:millisecond)))
+  end
+
+  defp await_until(request, deadline) do
+    case receive_reply(request, deadline) do
       :timeout ->
         {:error, Error.new(:timeout, "the generation did not finish in time and was cancelled")}
 
@@ -483,7 +503,7 @@ defmodule Sidecar do
       |> Generation.params(opts, eos_token_ids)
       |> Map.merge(%{"session" => name, "stream" => stream?})
 
-    request(conn, "generate", params, incarnation)
+    request(conn, "generate", params, incarnation, opts[:timeout])
   end
 
   defp new_session(name, model, incarnation),
@@ -507,11 +527,12 @@ defmodule Sidecar do
   # A nil timeout is the connection's :call_timeout, which it hands out with each request it takes.
   defp call(conn, op, params, incarnation, timeout) do
     Options.timeout!(timeout)
+    started = System.monotonic_time(:millisecond)
 
-    with {:ok, request} <- request(conn, op, params, incarnation) do
+    with {:ok, request} <- request(conn, op, params, incarnation, timeout) do
       timeout = timeout || request.timeout
 
-      case receive_reply(request, deadline(timeout)) do
+      case receive_reply(request, deadline(timeout, started)) do
         :timeout -> {:error, Error.new(:timeout, "no reply within #{timeout} ms")}
         reply -> reply
       end
@@ -549,12 +570,18 @@ defmodule Sidecar do
     flush(ref)
   end
 
-  defp deadline(:infinity), do: :infinity
-  defp deadline(timeout), do: System.monotonic_time(:millisecond) + timeout
+  # The moment a call that started at `started` gives up: its timeout counts from the call, so the time
+  # spent handing the request over (a restart under way, say) is part of it.
+  defp deadline(:infinity, _started), do: :infinity
+  defp deadline(timeout, started), do: started + timeout
 
   # Handing a request over takes no longer than the connection takes to queue it (it never waits for
-  # the sidecar to read); a connection stuck past @hand_over_ms is given up on, the request withdrawn.
-  defp request(conn, op, params, incarnation) do
+  # the sidecar to read), or to start (a restart under way); a connection that does not take it within
+  # the call's own timeout, or @hand_over_ms, is given up on, the request withdrawn.
+  defp request(conn, op, params, incarnation, timeout) do
+    limit = if is_integer(timeout), do: min(timeout, @hand_over_ms), else: @hand_over_ms
+    until = System.monotonic_time(:millisecond) + limit
+
     case whereis(conn) do
       nil ->
         lost(incarnation)
@@ -565,10 +592,10 @@ defmodule Sidecar do
         ref = :erlang.monitor(:process, pid, alias: :demonitor)
 
         try do
-          with {:ok, body} <- Connection.encode_params(GenServer.call(pid, :encoding, @hand_over_ms), params),
+          with {:ok, body} <- Connection.encode_params(GenServer.call(pid, :encoding, limit), params),
                {:ok, id, call_timeout} <-
-                 GenServer.call(pid, {:request, op, body, incarnation, ref}, @hand_over_ms) do
-            {:ok, %Request{conn: pid, ref: ref, id: id, timeout: call_timeout}}
+                 GenServer.call(pid, {:request, op, body, incarnation, ref}, left(until)) do
+            {:ok, %Request{conn: pid, ref: ref, id: id, timeout: call_timeout, owner: self()}}
           else
             {:error, error} -> Process.demonitor(ref, [:flush]) && {:error, error}
           end
@@ -578,14 +605,15 @@ defmodule Sidecar do
             GenServer.cast(pid, {:withdraw, ref})
             Process.demonitor(ref, [:flush])
 
-            {:error,
-             Error.new(:timeout, "the connection did not take the request within #{@hand_over_ms} ms")}
+            {:error, Error.new(:timeout, "the connection did not take the request within #{limit} ms")}
 
           :exit, _ ->
             Process.demonitor(ref, [:flush]) && lost(incarnation)
         end
     end
   end
+
+  defp left(until), do: max(0, until - System.monotonic_time(:millisecond))
 
   defp lost(nil), do: {:error, Error.new(:not_running, "the sidecar connection is not running")}
 
@@ -597,7 +625,9 @@ defmodule Sidecar do
          "the session belongs to another connection, or to a sidecar that has since exited"
        )}
 
-  defp whereis(pid) when is_pid(pid), do: if(Process.alive?(pid), do: pid)
+  defp whereis(pid) when is_pid(pid) and node(pid) == node(), do: if(Process.alive?(pid), do: pid)
+  # another node's: the monitor and the call tell whether it is there
+  defp whereis(pid) when is_pid(pid), do: pid
   defp whereis(name), do: GenServer.whereis(name)
 
   defp generation_result(

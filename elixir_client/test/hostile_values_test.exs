@@ -250,9 +250,20 @@ defmodule Sidecar.HostileValuesTest do
     assert {:error, %Error{reason: :too_many_requests, details: %{"limit" => "max_queued_bytes"}}} =
              Sidecar.start_generate(conn, List.last(sessions), prompt <> prompt, max_new_tokens: 1)
 
+    # one cancelled while it waits unsent is never sent, and answers as one the sidecar cancelled before
+    # it started: nothing produced, every count 0
+    {:ok, unsent} = Sidecar.start_generate(conn, List.last(sessions), "Hi", max_new_tokens: 1)
+    :ok = Sidecar.cancel(unsent)
+
+    assert {:error, %Error{reason: :cancelled, details: %{"token_ids" => [], "text" => "", "stats" => stats}}} =
+             Sidecar.await(unsent, 10_000)
+
     System.cmd("kill", ["-CONT", "#{os_pid}"])
     # sent once the sidecar reads again, and answered (the prompt is longer than the tiny model's context)
     assert {:error, %Error{reason: :context_overflow}} = Sidecar.await(elem(waits, 1), 60_000)
+    {:ok, %{stats: sent}} = Sidecar.generate(conn, List.last(sessions), "Hi", max_new_tokens: 1)
+    assert Enum.sort(Map.keys(stats)) == Enum.sort(for key <- Map.keys(sent), do: Atom.to_string(key))
+    assert stats["generated_tokens"] == 0 and stats["prefill_tokens"] == 0 and stats["ttft_s"] == nil
   end
 
   test "a Port that closes without an exit status, frames still unsent, answers every caller" do
@@ -265,7 +276,9 @@ defmodule Sidecar.HostileValuesTest do
     prompt = String.duplicate("a ", 100_000)
 
     # more than a pipe holds: the later ones wait in the connection's outbox
-    callers = for _ <- 1..3, do: Task.async(fn -> Sidecar.generate(conn, session, prompt, timeout: :infinity) end)
+    callers =
+      for _ <- 1..3, do: Task.async(fn -> Sidecar.generate(conn, session, prompt, timeout: :infinity) end)
+
     Process.sleep(300)
     assert Enum.all?(callers, &(Task.yield(&1, 0) == nil))
     # any process may close a Port; it then ends with no exit status, as one whose write failed does

@@ -247,6 +247,23 @@ defmodule SidecarTest do
     assert length(ids) >= 3 and length(ids) < 1_800
   end
 
+  test "only the process that started a request awaits it; another's await raises", %{conn: conn} do
+    {:ok, session} = Sidecar.open_session(conn)
+    {:ok, request} = Sidecar.start_generate(conn, session, [5, 6], max_new_tokens: 8, eos_token_id: [])
+
+    Task.async(fn ->
+      assert_raise ArgumentError, ~r/only the process that started a request/, fn ->
+        Sidecar.await(request, 500)
+      end
+    end)
+    |> Task.await()
+
+    # the generation was left alone: its starter gets all of it, and nothing after
+    assert {:ok, %{token_ids: ids, finish_reason: "length"}} = Sidecar.await(request)
+    assert length(ids) == 8
+    assert {:messages, []} = Process.info(self(), :messages)
+  end
+
   test "a timeout cancels the generation", %{conn: conn} do
     {:ok, session} = Sidecar.open_session(conn)
 

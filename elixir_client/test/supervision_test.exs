@@ -51,6 +51,43 @@ defmodule Sidecar.SupervisionTest do
     Supervisor.stop(supervisor)
   end
 
+  test "a call waits for a restart under way within its own timeout, not longer" do
+    marker = Path.join(System.tmp_dir!(), "slow-restart-#{System.unique_integer([:positive])}")
+    wrapper = marker <> ".sh"
+
+    # a sidecar whose restart takes 3 s (a large model loading, say): the wrapper sleeps once the marker exists
+    File.write!(
+      wrapper,
+      ~s(#!/bin/sh\nif [ -e "#{marker}" ]; then sleep 3; fi\nexec "#{sidecar_opts()[:python]}" "$@"\n)
+    )
+
+    File.chmod!(wrapper, 0o700)
+
+    on_exit(fn ->
+      File.rm(wrapper)
+      File.rm(marker)
+    end)
+
+    {:ok, supervisor} =
+      Supervisor.start_link([{Sidecar, sidecar_opts(name: :slow_restart, python: wrapper)}],
+        strategy: :one_for_one
+      )
+
+    old = Process.whereis(:slow_restart)
+    {:ok, %{"os_pid" => os_pid}} = Sidecar.info(:slow_restart)
+    File.write!(marker, "")
+    System.cmd("kill", ["-9", Integer.to_string(os_pid)])
+    assert eventually(fn -> Process.whereis(:slow_restart) not in [nil, old] end)
+
+    started = System.monotonic_time(:millisecond)
+    assert {:error, %Error{reason: :timeout}} = Sidecar.ping(:slow_restart, 300)
+    assert {:error, %Error{reason: :timeout}} = Sidecar.generate(:slow_restart, "s", [5], timeout: 300)
+    # each gave up after its own 300 ms, not once the 3 s restart was over
+    assert System.monotonic_time(:millisecond) - started < 2_000
+    assert eventually(fn -> Sidecar.ping(:slow_restart) == :ok end, 30_000)
+    Supervisor.stop(supervisor)
+  end
+
   test "when the owning process dies, the Python process exits" do
     test_pid = self()
 
@@ -95,6 +132,12 @@ defmodule Sidecar.SupervisionTest do
     assert_receive {:DOWN, ^monitor, :process, ^dead, _}
     assert {:error, %Error{reason: :not_running}} = Sidecar.info(dead)
     assert {:error, %Error{reason: :not_running}} = Sidecar.ping(dead)
+    # a pid of another node (one this node cannot reach): Process.alive?/1 raised on it
+    remote = :erlang.binary_to_term(<<131, 88, 100, 14::16, "nobody@nowhere", 0::32, 0::32, 1::32>>)
+    assert node(remote) == :nobody@nowhere
+    assert {:error, %Error{reason: :not_running}} = Sidecar.info(remote)
+    assert {:error, %Error{reason: :not_running}} = Sidecar.ping(remote)
+    assert {:error, %Error{reason: :not_running}} = Sidecar.generate(remote, "s", "Hi")
   end
 
   describe "a sidecar that cannot start is an error from start_link and leaves no process behind" do

@@ -32,6 +32,19 @@ defmodule Sidecar.Connection do
 
   @hello_id 0
 
+  # The `stats` of a generation that ran nothing (cancelled before it was sent), as the sidecar gives
+  # those of one cancelled before it started.
+  @nothing_run %{
+    "prompt_tokens" => 0,
+    "reused_tokens" => 0,
+    "shared_tokens" => 0,
+    "shifted_tokens" => 0,
+    "prefill_tokens" => 0,
+    "generated_tokens" => 0,
+    "ttft_s" => nil,
+    "total_s" => 0.0
+  }
+
   # How long we relay the last lines of a sidecar that is going away: it exits on the EOF of its
   # input, then `cat` relays what is left and exits on the EOF of the FIFO. A `cat` still running
   # past this ends with the sidecar, quietly.
@@ -348,7 +361,13 @@ defmodule Sidecar.Connection do
   defp cancel_on_server(state, target) do
     case unqueue(state, target) do
       {:unsent, state} ->
-        cancelled = %{"text" => "", "token_ids" => [], "finish_reason" => "cancelled"}
+        cancelled = %{
+          "text" => "",
+          "token_ids" => [],
+          "finish_reason" => "cancelled",
+          "stats" => @nothing_run
+        }
+
         error = Error.new(:cancelled, "the generation was cancelled before it was sent", cancelled)
         deliver(state, target, {:error_value, error})
 
