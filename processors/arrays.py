@@ -59,6 +59,10 @@ class ArrayProcessor:
         starting = self.states is None
         if starting:
             self._prompt_length = ids.shape[1] if self.input_length is None else self.input_length
+        elif ids.shape[1] <= self._length:
+            raise InvalidInput(f"input_ids holds {ids.shape[1]} tokens, no more than the {self._length} of the last call: "
+                               "a new sequence? call reset() first")
+        self._length = ids.shape[1]
         context = Context(ids, ids.shape[1], self._prompt_length, scores.shape[-1])
         states = self.chain.init(context) if starting else self.states
         self.states, out = self.chain.process(states, scores, context)

@@ -19,9 +19,12 @@ class Chain:
 
     def __init__(self, processors: Iterable[Item] = ()):
         items = []
-        for p in processors:
+        for index, p in enumerate(processors):
             if isinstance(p, LogitsProcessor):
                 items.append(p)
+            elif isinstance(p, type) and issubclass(p, LogitsProcessor):  # callable, but not f(logits, context)
+                raise InvalidOption(f"processors[{index}] is the class {p.__name__}, not a processor: configure it, "
+                                    f"configure({p.__name__}, option=value, ...)", index=index)
             elif callable(p):
                 items.append(FunctionProcessor(p))
             else:

@@ -135,7 +135,10 @@ def token_sequences(name, value) -> tuple[tuple[int, ...], ...]:
     "type": "array", "prefixItems": [TOKEN_LIST, {"type": "number", "minimum": -FLOAT32_MAX, "maximum": FLOAT32_MAX}],
     "minItems": 2, "maxItems": 2}})
 def sequence_biases(name, value) -> tuple[tuple[tuple[int, ...], float], ...]:
-    """A non-empty list of [token_ids, bias] pairs (transformers' list form of `sequence_bias`)."""
+    """A non-empty list of [token_ids, bias] pairs (transformers' list form of `sequence_bias`), or its dict
+    form {(token ids...): bias} from Python (a wire map cannot have list keys)."""
+    if isinstance(value, dict):
+        value = list(value.items())
     if not isinstance(value, (list, tuple)) or not value:
         raise InvalidOption(f"option {name!r} must be a non-empty list of [token_ids, bias] pairs, got {_shown(value)}")
     out = []

@@ -66,7 +66,8 @@ class TopP(StatelessProcessor):
     """
 
     name: ClassVar[str] = "top_p"
-    p: float = option("the probability mass to keep, in (0, 1]", check=checks.real_in(0.0, 1.0, low_open=True))
+    p: float = option("the probability mass to keep, in [0, 1] (0 keeps min_tokens_to_keep tokens, as in transformers)",
+                      check=checks.real_in(0.0, 1.0))
     min_tokens_to_keep: int = option(MIN_TOKENS_DOC, default=1, check=checks.int_at_least(1))
 
     SLICE: ClassVar[int] = 64

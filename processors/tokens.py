@@ -170,7 +170,8 @@ class SequenceBias(StatelessProcessor):
     """
 
     name: ClassVar[str] = "sequence_bias"
-    sequence_bias: tuple = option("a non-empty list of [token_ids, bias] pairs", check=checks.sequence_biases)
+    sequence_bias: tuple = option("a non-empty list of [token_ids, bias] pairs (from Python, also a dict {(token ids...): bias})",
+                                 check=checks.sequence_biases)
 
     def validate(self):
         object.__setattr__(self, "_table", _BiasTable(dict(self.sequence_bias)))

@@ -7,6 +7,7 @@ import functools
 import inspect
 import itertools
 import math
+import threading
 from collections import OrderedDict
 from numbers import Integral, Real
 from pathlib import Path
@@ -50,6 +51,10 @@ class Engine:
     reuses only its own cache, and a fork copies.
 
     The model's attention is switched to `sidecar.attention` (still plain SDPA when called directly).
+
+    Sessions may be used from several threads (a threaded web server's): every change to the engine's
+    state (a step, a call starting, a session opened, closed, forked, saved or restored) holds `lock`,
+    so the threads take turns step by step, and each step serves the generations of every thread.
     """
 
     def __init__(self, model, tokenizer, *, path: Path | None = None,
@@ -61,18 +66,21 @@ class Engine:
             raise InvalidArgument(f"cache_budget_bytes must be an integer >= 0, got {cache_budget_bytes!r}", option="cache_budget_bytes")
         if not _is_int(max_rows) or max_rows < 1:
             raise InvalidArgument(f"max_rows must be an integer >= 1, got {max_rows!r}", option="max_rows")
+        if not isinstance(share_prefixes, bool):
+            raise InvalidArgument(f"share_prefixes must be True or False, got {share_prefixes!r}", option="share_prefixes")
         self.model = model
         self.tokenizer = tokenizer
         self.path = path
         self.cache_budget_bytes = int(cache_budget_bytes)
         self.prefill_chunk = int(prefill_chunk)
         self.max_rows = int(max_rows)  # num_beams and num_samples at most
-        self.share_prefixes = bool(share_prefixes)
+        self.share_prefixes = share_prefixes
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_context = getattr(model.config, "max_position_embeddings", None)
         self.context_bound = "max_position_embeddings"  # what sets max_context
         self._sessions: OrderedDict[int, Session] = OrderedDict()  # least recently used first
         self._ids = itertools.count(1)
+        self.lock = threading.RLock()
         self.store = KVStore(self.cache_budget_bytes, model.device, model.dtype)
         attention.install(model)
         self._probe()
@@ -94,13 +102,19 @@ class Engine:
     @classmethod
     def load(cls, path=None, *, dtype=None, device: str = "cpu", trust_remote_code: bool = False, **options) -> "Engine":
         """Loads a local Hugging Face directory; with no path, the embedded default model (random weights)."""
+        accepted = [name for name in inspect.signature(cls).parameters if name not in ("model", "tokenizer", "path")]
+        for name in options:  # checked before the model loads
+            if name not in accepted:
+                raise InvalidArgument(f"Engine.load has no option {name!r}; valid: dtype, device, trust_remote_code, "
+                                      f"{', '.join(accepted)}", option=name)
         model, tokenizer, resolved = models.load(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         return cls(model, tokenizer, path=resolved, **options)
 
     def session(self) -> Session:
-        session = Session(self, next(self._ids))
-        self._sessions[session.id] = session
-        return session
+        with self.lock:
+            session = Session(self, next(self._ids))
+            self._sessions[session.id] = session
+            return session
 
     @property
     def sessions(self) -> list[Session]:
@@ -117,6 +131,10 @@ class Engine:
         return frozenset([eos] if isinstance(eos, int) else eos)
 
     def stats(self) -> dict:
+        with self.lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         sessions = self.sessions
         shared = self.store.shared
         return {
@@ -200,7 +218,7 @@ class Engine:
         try:
             chain = processors if isinstance(processors, proc.Chain) else proc.Chain(processors)
         except proc.ProcessorError as error:
-            raise InvalidProcessor(str(error)) from error
+            raise _invalid_processor(error) from error
         if chain.max_token_id >= self.vocab_size:
             index = next(i for i, p in enumerate(chain.processors) if p.max_token_id() >= self.vocab_size)
             raise InvalidProcessor(f"processors[{index}] names token id {chain.processors[index].max_token_id()}, "
@@ -208,7 +226,7 @@ class Engine:
         try:  # constraints compile against the vocabulary (cached per constraint) and move to the front
             chain = chain.bind(self.vocabulary, eos, self.model.device)
         except proc.ProcessorError as error:
-            raise InvalidProcessor(str(error), index=error.index) from error
+            raise _invalid_processor(error) from error
         rows = self._check_rows(strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty, early_stopping)
         if rows.get("num_beams") == 1:  # one beam is greedy search, as in transformers
             strategy, rows = "greedy", {}
@@ -224,7 +242,8 @@ class Engine:
 
     def restore(self, path) -> Session:
         """A new session holding what `Session.save` wrote to `path`, in this process or another one."""
-        return persist.restore(self, path)
+        with self.lock:
+            return persist.restore(self, path)
 
     @functools.cached_property
     def vocabulary(self) -> Vocabulary:
@@ -254,7 +273,7 @@ class Engine:
             raise InvalidArgument(f"num_return_sequences must be an integer in [1, num_beams = {num_beams}], "
                                   f"got {num_return_sequences!r}", option="num_return_sequences")
         length_penalty = 1.0 if length_penalty is None else length_penalty
-        if isinstance(length_penalty, bool) or not isinstance(length_penalty, Real) or not math.isfinite(length_penalty):
+        if isinstance(length_penalty, bool) or not isinstance(length_penalty, Real) or not _finite(length_penalty):
             raise InvalidArgument(f"length_penalty must be a finite number, got {length_penalty!r}", option="length_penalty")
         early_stopping = False if early_stopping is None else early_stopping
         if early_stopping not in (True, False, "never") or not isinstance(early_stopping, (bool, str)):
@@ -305,6 +324,19 @@ def generate_options() -> tuple[str, ...]:
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return tuple(name for name, p in inspect.signature(Engine.validate).parameters.items()
                  if p.kind in kinds and name != "self")
+
+
+def _invalid_processor(error: "proc.ProcessorError") -> InvalidProcessor:
+    """A chain's refusal as the engine's error, with the processor's index when the chain knew it."""
+    return InvalidProcessor(str(error), **({"index": error.index} if error.index is not None else {}))
+
+
+def _finite(number: Real) -> bool:
+    """Whether a number is finite as a float (an int past float's range is not: 10**400)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
 
 
 def _is_int(value) -> bool:

@@ -369,6 +369,11 @@ class Run:
             except Exception:  # no memory to put the tail back: the history stays, the cache is recomputed
                 self.session.history = self.saved.history
                 self.session.cache.clear()
+        if isinstance(error, StopIteration):  # re-raised from `Generation.__next__` it would end the stream as done
+            stray = RuntimeError(f"a processor raised StopIteration ({error})" if str(error) else
+                                 "a processor raised StopIteration")
+            stray.__cause__ = error
+            error = stray
         self.error = error
         self._release()
 

@@ -43,36 +43,39 @@ class Scheduler:
 
     def cancel(self, run: Run) -> None:
         """Cancels a run now, or at the end of the tick under way (a processor cancelling)."""
-        run.cancelled = True
-        if not self.ticking:
-            with torch.inference_mode():
-                run.finish("cancelled")
-            self._forget_done()
+        with self.engine.lock:
+            run.cancelled = True
+            if not self.ticking:
+                with torch.inference_mode():
+                    run.finish("cancelled")
+                self._forget_done()
 
     def check_outside_tick(self) -> None:
         """Refuses to start or advance a generation from inside a step (a processor calling its own engine):
-        the step under way would be run again from the middle, its own runs included."""
+        the step under way would be run again from the middle, its own runs included. Called holding the
+        engine's lock, so a step under way is this thread's (another thread's waits for the lock)."""
         if self.ticking:
             raise InvalidProcessor("a processor called its engine (generate, or the next token of a stream) in the "
                                    "middle of a step, which cannot run one step inside another; call it after the "
                                    "generation, or on another engine")
 
     def tick(self) -> None:
-        self.check_outside_tick()
-        self.ticking = True
-        try:
-            with torch.inference_mode():
-                self._admit()
-                feeds = self._plan()
-                if feeds:
-                    self._forward(feeds)
-                for run in self.running:
-                    if run.cancelled:
-                        run.finish("cancelled")
-        finally:
-            self.ticking = False
-            self.ticks += 1
-        self._forget_done()
+        with self.engine.lock:
+            self.check_outside_tick()
+            self.ticking = True
+            try:
+                with torch.inference_mode():
+                    self._admit()
+                    feeds = self._plan()
+                    if feeds:
+                        self._forward(feeds)
+                    for run in self.running:
+                        if run.cancelled:
+                            run.finish("cancelled")
+            finally:
+                self.ticking = False
+                self.ticks += 1
+            self._forget_done()
 
     def _forget_done(self) -> None:
         self.running = [run for run in self.running if not run.done]

@@ -164,12 +164,13 @@ class Session:
         self.close()
 
     def close(self) -> None:
-        running = self.running
-        if running is not None:
-            running.cancel()
-        self.closed = True
-        self.engine.store.release(self.cache)
-        self.engine._forget(self)
+        with self.engine.lock:
+            running = self.running
+            if running is not None:
+                running.cancel()
+            self.closed = True
+            self.engine.store.release(self.cache)
+            self.engine._forget(self)
 
     @property
     def cached(self) -> int:
@@ -220,15 +221,16 @@ class Session:
         """
         from .generation import Generation
 
-        if self.closed:
-            raise SessionClosed(f"session {self.id} is closed")
-        if self.busy:
-            raise SessionBusy(f"session {self.id} is already generating; finish or cancel that generation first")
-        self.engine.scheduler.check_outside_tick()
-        request = self.engine.validate(prompt, **options)
-        generation = Generation(self, request)
-        self._running = weakref.ref(generation)
-        return generation
+        with self.engine.lock:
+            if self.closed:
+                raise SessionClosed(f"session {self.id} is closed")
+            if self.busy:
+                raise SessionBusy(f"session {self.id} is already generating; finish or cancel that generation first")
+            self.engine.scheduler.check_outside_tick()
+            request = self.engine.validate(prompt, **options)
+            generation = Generation(self, request)
+            self._running = weakref.ref(generation)
+            return generation
 
     def continuation(self, sequence: int = 0, tokens: int | None = None, chars: int | None = None,
                      append: str | None = None, append_token_ids: list[int] | None = None) -> Tokens:
@@ -239,11 +241,13 @@ class Session:
 
     def fork(self) -> "Session":
         """An independent session with this one's history, cache and last result (copied, not recomputed)."""
-        return persist.fork(self)
+        with self.engine.lock:
+            return persist.fork(self)
 
     def save(self, path) -> None:
         """Writes the history and the cache to `path` (safetensors); `Engine.restore(path)` brings it back."""
-        persist.save(self, path)
+        with self.engine.lock:
+            persist.save(self, path)
 
     def reusable(self, input_ids: list[int]) -> int:
         """How many leading tokens of `input_ids` its own cache holds and a call would reuse (the last input

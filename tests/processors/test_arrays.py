@@ -84,3 +84,14 @@ def test_rejects_what_it_cannot_read():
         ArrayProcessor([identity])([1, 2], [0.5, 0.5])
     with pytest.raises(P.InvalidInput, match="integer"):
         ArrayProcessor([identity])(np.ones(2), np.ones(5, dtype=np.float32))
+
+
+def test_a_new_sequence_without_reset_is_refused_saying_so():
+    processor = ArrayProcessor([P.RepetitionPenalty(2.0)])
+    logits = np.ones(6, dtype=np.float32)
+    processor(np.array([1, 2, 3]), logits)
+    processor(np.array([1, 2, 3, 4]), logits)
+    with pytest.raises(P.InvalidInput, match=r"no more than the 4 of the last call: a new sequence\? call reset\(\) first"):
+        processor(np.array([5, 1]), logits)
+    processor.reset()
+    assert processor(np.array([5, 1]), logits).tolist() == [1.0, 0.5, 1.0, 1.0, 1.0, 0.5]  # the new sequence's tokens only

@@ -20,7 +20,7 @@ def test_unknown_option_is_named_with_the_valid_ones():
 @pytest.mark.parametrize(
     "cls, options, message",
     [
-        (P.TopP, {"p": 0.0}, "'p' must be in"),
+        (P.TopP, {"p": -0.01}, "'p' must be in"),
         (P.TopP, {"p": 1.01}, "'p' must be in"),
         (P.TopK, {"k": 0}, "'k' must be an integer >= 1"),
         (P.TopK, {"k": True}, "'k' must be an integer"),

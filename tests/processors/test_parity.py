@@ -22,6 +22,7 @@ CASES = {
     "top_p": (P.TopP(0.9), hf.TopPLogitsWarper(0.9)),
     "top_p_small": (P.TopP(0.3, min_tokens_to_keep=3), hf.TopPLogitsWarper(0.3, min_tokens_to_keep=3)),
     "top_p_one": (P.TopP(1.0), hf.TopPLogitsWarper(1.0)),
+    "top_p_zero": (P.TopP(0.0, min_tokens_to_keep=2), hf.TopPLogitsWarper(0.0, min_tokens_to_keep=2)),
     "min_p": (P.MinP(0.1), hf.MinPLogitsWarper(0.1)),
     "min_p_min_keep": (P.MinP(0.5, min_tokens_to_keep=3), hf.MinPLogitsWarper(0.5, min_tokens_to_keep=3)),
     "typical_p": (P.TypicalP(0.9), hf.TypicalLogitsWarper(0.9)),
@@ -55,6 +56,10 @@ CASES = {
         hf.SequenceBiasLogitsProcessor(
             [[[5], 2.5], [seq_tail(1) + [8], -3.0], [seq_tail(2) + [9], 1.5], [[0, 1, 2], 4.0], [[5], -1.0]]
         ),
+    ),
+    "sequence_bias_dict": (  # transformers' dict form, from Python
+        P.SequenceBias({(5,): 2.5, tuple(seq_tail(1) + [8]): -3.0, (0, 1, 2): 4.0}),
+        hf.SequenceBiasLogitsProcessor({(5,): 2.5, tuple(seq_tail(1) + [8]): -3.0, (0, 1, 2): 4.0}),
     ),
     "no_bad_words": (
         P.NoBadWords([[5], seq_tail(2) + [11], [3], [1, 2, 3, 4]], eos_token_ids=3),
@@ -104,7 +109,7 @@ def test_top_p_stress_against_transformers():
     1 - p are recomputed from sorted values. Every row must come out bit-identical to transformers.
     """
     g = torch.Generator().manual_seed(11)
-    for case in range(120):
+    for case in range(144):
         vocab = (300, 4000)[case % 2]
         logits = torch.randn(4, vocab, generator=g) * (0.01, 0.3, 1.0, 3.0, 10.0)[case % 5]
         if case % 4 == 1:
@@ -113,7 +118,7 @@ def test_top_p_stress_against_transformers():
             logits[torch.rand(4, vocab, generator=g) < 0.5] = float("-inf")
         elif case % 4 == 3:
             logits[:, : vocab // 3] = logits[:, :1]
-        p = (0.1, 0.5, 0.9, 0.99, 1.0)[(case // 2) % 5]
+        p = (0.1, 0.5, 0.9, 0.99, 1.0, 0.0)[(case // 2) % 6]
         keep = (1, 3)[case % 3 == 0]
         got = P.TopP(p, min_tokens_to_keep=keep).transform(logits, None)
         assert torch.equal(got, hf.TopPLogitsWarper(p, min_tokens_to_keep=keep)(None, logits.clone())), (case, p)

@@ -558,3 +558,55 @@ def test_a_failure_that_cannot_put_the_cache_back_keeps_the_history_and_empties_
         assert session.history == history and session.cached == 0 and not session.busy
         again = session.generate(token_ids=history + [7], max_new_tokens=3, eos_token_ids=[])
         assert again.token_ids == reference_greedy(engine, history + [7], 3)
+
+
+def test_sessions_used_from_several_threads_take_turns_and_equal_their_solo_runs(engine):
+    """A threaded web server's use: each thread generates on its own session, greedy and seeded, at once;
+    the threads take turns step by step (each step serving all of them), and nobody's call is refused."""
+    import threading
+
+    cases = [dict(token_ids=tokens(n, seed=60 + n), max_new_tokens=12, eos_token_ids=[]) for n in (5, 9, 14, 20)]
+    cases[1].update(strategy="sample", seed=3)
+    cases[3].update(strategy="beam", num_beams=3)
+    solo = []
+    for case in cases:
+        with engine.session() as session:
+            solo.append(session.generate(**case).token_ids)
+    got, errors = {}, []
+    start = threading.Barrier(len(cases))
+
+    def work(index):
+        try:
+            with engine.session() as session:
+                start.wait()
+                for _ in range(3):  # each call after the first reuses the session's cache
+                    got.setdefault(index, []).append(session.generate(**cases[index]).token_ids)
+        except BaseException as error:  # noqa: BLE001 (reported below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(cases))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
+    assert got == {i: [expected] * 3 for i, expected in enumerate(solo)}
+
+
+def test_a_generation_streaming_in_one_thread_is_cancelled_by_a_close_in_another(engine):
+    import threading
+    import time
+
+    session = engine.session()
+    stream = session.stream(token_ids=tokens(6, seed=70), max_new_tokens=1_000, eos_token_ids=[])
+    first = next(stream)
+    seen = []
+    reader = threading.Thread(target=lambda: seen.extend(stream))
+    reader.start()
+    while len(seen) < 3 and reader.is_alive():
+        time.sleep(0.001)
+    session.close()  # waits for the step under way in the reader's thread, if any
+    reader.join(60)
+    assert not reader.is_alive() and stream.result.finish_reason == "cancelled"
+    assert stream.result.token_ids == [first.token_id] + [event.token_id for event in seen]
+    assert not engine.scheduler.busy

@@ -150,6 +150,26 @@ def test_ctrl_c_in_one_run_of_a_tick_leaves_the_others_of_that_tick_exact(engine
             session.close()
 
 
+def test_a_processor_raising_stop_iteration_fails_the_call_instead_of_ending_it(engine):
+    """StopIteration out of `next()` would end a stream as if it were done (and `generate` return None):
+    it is raised as a RuntimeError, as Python does for a generator (PEP 479), and the session is put back."""
+    def stray_next(logits, context):
+        if context.length - context.input_length == 2:
+            next(iter(()))  # a bug in the processor
+        return logits
+
+    prompt = tokens(8, seed=26)
+    with engine.session() as session:
+        with pytest.raises(RuntimeError, match="a processor raised StopIteration") as caught:
+            session.generate(token_ids=prompt, max_new_tokens=8, processors=[stray_next])
+        assert isinstance(caught.value.__cause__, StopIteration)
+        stream = session.stream(token_ids=prompt, max_new_tokens=8, processors=[stray_next])
+        with pytest.raises(RuntimeError):
+            list(stream)
+        assert isinstance(stream.error, RuntimeError) and stream.result is None
+        assert session.history == [] and not session.busy
+
+
 def test_a_failed_stream_raises_once_and_keeps_its_error(engine):
     def nan_at_the_second_step(logits, context):
         return logits + float("nan") if context.length - context.input_length >= 1 else logits
