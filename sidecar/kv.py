@@ -318,8 +318,15 @@ class KVCache:
         self._replace(lambda old: old[:, :, : self.length], self.rows, capacity)
 
     def select(self, index: torch.Tensor) -> None:
-        """Keeps the rows `index` names, in that order (repeats allowed): beams reordered, rows dropped."""
-        self._replace(lambda old: old.index_select(0, index), len(index), self.capacity)
+        """Keeps the rows `index` names, in that order (repeats allowed): beams reordered, rows dropped.
+        Only the tokens held are copied, and beams reordered stay in their buffers (beam search does it
+        every step: a new buffer of the whole capacity each time cost more than the step's attention)."""
+        length = self.length
+        if len(index) != self.rows:
+            self._replace(lambda old: old[:, :, :length].index_select(0, index), len(index), self.capacity)
+            return
+        for buffer in (*self.keys, *self.values):
+            buffer[:, :, :length] = buffer[:, :, :length].index_select(0, index)
 
     def _replace(self, kept, rows: int, capacity: int) -> None:
         store, length = self.store, self.length
