@@ -13,6 +13,16 @@ from numbers import Integral, Real
 from .errors import InvalidOption
 
 
+def lone_surrogate(text: str) -> int | None:
+    """Where a Python string holds a lone surrogate (None: nowhere), which it may, but which no UTF-8 text,
+    nor a tokenizer or constraint compiler reading one, can take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return error.start
+    return None
+
+
 def _is_int(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 

@@ -8,6 +8,8 @@ pieces never contain text that a later stop would remove.
 
 from __future__ import annotations
 
+from processors.checks import lone_surrogate
+
 from .errors import InvalidArgument
 
 REPLACEMENT = "\ufffd"
@@ -20,11 +22,9 @@ MAX_HELD = 32
 def check_unicode(text: str, option: str, what: str | None = None, **detail) -> str:
     """`text`, refused with `InvalidArgument` naming `option` when it holds a lone surrogate: a Python
     string may, but no UTF-8 can spell it, and the tokenizer would fail on it deep inside."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise InvalidArgument(f"{what or option} is not valid Unicode text: a lone surrogate at index {error.start}",
-                              option=option, **detail) from error
+    if (at := lone_surrogate(text)) is not None:
+        raise InvalidArgument(f"{what or option} is not valid Unicode text: a lone surrogate at index {at}",
+                              option=option, **detail)
     return text
 
 

@@ -43,11 +43,8 @@ def _pattern(name, value) -> str:
 
 
 def _check_unicode(name: str, text: str) -> None:
-    """A Python string may hold a lone surrogate, which no UTF-8 text (nor any compiler of it) can take."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise InvalidOption(f"option {name!r} is not valid Unicode text: a lone surrogate at index {error.start}") from None
+    if (at := checks.lone_surrogate(text)) is not None:
+        raise InvalidOption(f"option {name!r} is not valid Unicode text: a lone surrogate at index {at}")
 
 
 @checks._with_schema({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1,
