@@ -62,8 +62,8 @@ class ArrayProcessor:
         elif ids.shape[1] <= self._length:
             raise InvalidInput(f"input_ids holds {ids.shape[1]} tokens, no more than the {self._length} of the last call: "
                                "a new sequence? call reset() first")
-        self._length = ids.shape[1]
         context = Context(ids, ids.shape[1], self._prompt_length, scores.shape[-1])
         states = self.chain.init(context) if starting else self.states
         self.states, out = self.chain.process(states, scores, context)
+        self._length = ids.shape[1]  # once the step held: a failed one may be tried again
         return from_torch(out[0] if rank == 1 else out, logits)

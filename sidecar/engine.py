@@ -54,7 +54,9 @@ class Engine:
 
     Sessions may be used from several threads (a threaded web server's): every change to the engine's
     state (a step, a call starting, a session opened, closed, forked, saved or restored) holds `lock`,
-    so the threads take turns step by step, and each step serves the generations of every thread.
+    so the threads take turns step by step, and each step serves the generations of every thread. A
+    step holds it while processors run: a processor that waits for another thread's use of an engine
+    (this one, or another engine whose own step waits for this one) waits for ever.
     """
 
     def __init__(self, model, tokenizer, *, path: Path | None = None,
@@ -119,7 +121,8 @@ class Engine:
     @property
     def sessions(self) -> list[Session]:
         """The open sessions, least recently used first."""
-        return list(self._sessions.values())
+        with self.lock:
+            return list(self._sessions.values())
 
     @property
     def default_eos_token_ids(self) -> frozenset[int]:
@@ -132,22 +135,19 @@ class Engine:
 
     def stats(self) -> dict:
         with self.lock:
-            return self._stats()
-
-    def _stats(self) -> dict:
-        sessions = self.sessions
-        shared = self.store.shared
-        return {
-            "sessions": len(sessions),
-            "cached_sessions": sum(s.cached > 0 for s in sessions),
-            "cached_tokens": sum(s.cached for s in sessions),
-            "shared_prefixes": len(shared),
-            "shared_bytes": sum(entry.nbytes for entry in shared),
-            "cache_bytes": self.store.used_bytes,
-            "cache_peak_bytes": self.store.peak_bytes,
-            "cache_budget_bytes": self.cache_budget_bytes,
-            "evictions": self.store.evictions,
-        }
+            sessions = self.sessions
+            shared = self.store.shared
+            return {
+                "sessions": len(sessions),
+                "cached_sessions": sum(s.cached > 0 for s in sessions),
+                "cached_tokens": sum(s.cached for s in sessions),
+                "shared_prefixes": len(shared),
+                "shared_bytes": sum(entry.nbytes for entry in shared),
+                "cache_bytes": self.store.used_bytes,
+                "cache_peak_bytes": self.store.peak_bytes,
+                "cache_budget_bytes": self.cache_budget_bytes,
+                "evictions": self.store.evictions,
+            }
 
     @property
     def chat_templates(self) -> list[str]:

@@ -432,9 +432,10 @@ class Generation:
 
     def take_events(self) -> list[TokenEvent]:
         """The events queued since the last call (the server sends them after each tick)."""
-        events = list(self._run.events)
-        self._run.events.clear()
-        return events
+        with self.session.engine.lock:
+            events = list(self._run.events)
+            self._run.events.clear()
+            return events
 
     def cancel(self) -> None:
         """Stops before the next forward pass; the result keeps the tokens so far, finish_reason 'cancelled'.
@@ -447,9 +448,18 @@ class Generation:
 
     def __del__(self):
         run = getattr(self, "_run", None)
-        if run is not None and not run.done:
-            try:
-                self.cancel()
-            except Exception:  # interpreter shutdown: nothing left to put back
-                pass
+        if run is None or run.done:
+            return
+        lock = self.session.engine.lock
+        # The collector may run this in any thread, one whose step or call holds the lock included: never
+        # wait for it. Marked, the run is cancelled by the next step (or the one under way) instead.
+        if not lock.acquire(blocking=False):
+            run.cancelled = True
+            return
+        try:
+            self.cancel()
+        except Exception:  # interpreter shutdown: nothing left to put back
+            pass
+        finally:
+            lock.release()
 

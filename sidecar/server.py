@@ -113,7 +113,7 @@ class Server:
         self.allowed_paths: set[Path] = set()
         # The operator's chat template for a model directory, replacing the model's own whenever that directory
         # is loaded, after an unload and a new load too (`use_chat_template`).
-        self.chat_templates: dict[Path, str] = {}
+        self.operator_templates: dict[Path, str] = {}
         self.trust_remote_code = trust_remote_code
         # the rows a generation may decode are the protocol's limit (the engine's own default is lower)
         self.engine_options = {"max_rows": limits.max_sequences, **(engine_options or {})}
@@ -446,7 +446,7 @@ class Server:
     def use_chat_template(self, engine: Engine, template: str) -> None:
         """Makes `template` the chat template of the model directory `engine` was loaded from: of the engines
         loaded from it now, and of every later load of it (the CLI's --chat-template)."""
-        self.chat_templates[_directory(engine)] = template
+        self.operator_templates[_directory(engine)] = template
         for loaded in self.engines.values():
             if _directory(loaded) == _directory(engine):
                 loaded.tokenizer.chat_template = template
@@ -462,8 +462,8 @@ class Server:
         if params["device"] is not None:
             options["device"] = params["device"]
         engine = Engine.load(params["path"], dtype=params["dtype"], trust_remote_code=params["trust_remote_code"], **options)
-        if _directory(engine) in self.chat_templates:
-            engine.tokenizer.chat_template = self.chat_templates[_directory(engine)]
+        if _directory(engine) in self.operator_templates:
+            engine.tokenizer.chat_template = self.operator_templates[_directory(engine)]
         self.engines[name] = engine
         return model_info(name, engine)
 

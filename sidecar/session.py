@@ -222,15 +222,23 @@ class Session:
         from .generation import Generation
 
         with self.engine.lock:
-            if self.closed:
-                raise SessionClosed(f"session {self.id} is closed")
-            if self.busy:
-                raise SessionBusy(f"session {self.id} is already generating; finish or cancel that generation first")
-            self.engine.scheduler.check_outside_tick()
-            request = self.engine.validate(prompt, **options)
+            self._check_free()
+        # Outside the lock, as it changes nothing: rendering a chat or compiling a constraint may take long,
+        # and other threads' steps go on meanwhile.
+        request = self.engine.validate(prompt, **options)
+        with self.engine.lock:
+            self._check_free()  # again: another thread may have closed it, or started a call, meanwhile
             generation = Generation(self, request)
             self._running = weakref.ref(generation)
             return generation
+
+    def _check_free(self) -> None:
+        """Refuses a call on a closed or busy session, or from a processor of a step under way."""
+        if self.closed:
+            raise SessionClosed(f"session {self.id} is closed")
+        if self.busy:
+            raise SessionBusy(f"session {self.id} is already generating; finish or cancel that generation first")
+        self.engine.scheduler.check_outside_tick()
 
     def continuation(self, sequence: int = 0, tokens: int | None = None, chars: int | None = None,
                      append: str | None = None, append_token_ids: list[int] | None = None) -> Tokens:

@@ -153,6 +153,19 @@ defmodule Sidecar do
     :exit, _ -> lost(nil)
   end
 
+  # The connection's incarnation (the sessions it opens carry it), within a call's timeout.
+  defp incarnation(conn, timeout) do
+    Options.timeout!(timeout)
+    limit = hand_over_limit(timeout)
+    {:ok, GenServer.call(conn, :info, limit)["incarnation"]}
+  catch
+    :exit, {:timeout, _} ->
+      {:error, Error.new(:timeout, "the connection did not answer within #{hand_over_limit(timeout)} ms")}
+
+    :exit, _ ->
+      lost(nil)
+  end
+
   @doc """
   Opens a session on `model` (default `\"default\"`); `name:` lets you choose its name, `timeout:`
   overrides the connection's `:call_timeout`.
@@ -162,10 +175,11 @@ defmodule Sidecar do
     Options.known!(opts, [:model, :name, :timeout], "open_session")
 
     params = %{"model" => Keyword.get(opts, :model, "default"), "session" => Keyword.get(opts, :name)}
+    started = System.monotonic_time(:millisecond)
 
-    with {:ok, %{"incarnation" => incarnation}} <- info(conn),
+    with {:ok, incarnation} <- incarnation(conn, opts[:timeout]),
          {:ok, %{"session" => name, "model" => model}} <-
-           call(conn, "open_session", params, nil, opts[:timeout]),
+           call(conn, "open_session", params, nil, left(opts[:timeout], started)),
          do: {:ok, new_session(name, model, incarnation)}
   end
 
@@ -231,9 +245,11 @@ defmodule Sidecar do
       "session" => Keyword.get(opts, :session)
     }
 
-    with {:ok, %{"incarnation" => incarnation}} <- info(conn),
+    started = System.monotonic_time(:millisecond)
+
+    with {:ok, incarnation} <- incarnation(conn, opts[:timeout]),
          {:ok, %{"session" => session, "model" => model}} <-
-           call(conn, "restore_session", params, nil, opts[:timeout]),
+           call(conn, "restore_session", params, nil, left(opts[:timeout], started)),
          do: {:ok, new_session(session, model, incarnation)}
   end
 
@@ -257,7 +273,7 @@ defmodule Sidecar do
     started = System.monotonic_time(:millisecond)
 
     with {:ok, request} <- start_request(conn, session, input, opts, false) do
-      await_until(request, deadline(opts[:timeout] || request.timeout, started))
+      await_until(request, give_up_at(opts[:timeout], request, started))
     end
   end
 
@@ -291,7 +307,7 @@ defmodule Sidecar do
 
   def await(%Request{} = request, timeout) do
     Options.timeout!(timeout)
-    await_until(request, deadline(timeout || request.timeout, System.monotonic_time(:millisecond)))
+    await_until(request, give_up_at(timeout, request, System.monotonic_time(:millisecond)))
   end
 
   defp await_until(request, deadline) do
@@ -530,10 +546,8 @@ defmodule Sidecar do
     started = System.monotonic_time(:millisecond)
 
     with {:ok, request} <- request(conn, op, params, incarnation, timeout) do
-      timeout = timeout || request.timeout
-
-      case receive_reply(request, deadline(timeout, started)) do
-        :timeout -> {:error, Error.new(:timeout, "no reply within #{timeout} ms")}
+      case receive_reply(request, give_up_at(timeout, request, started)) do
+        :timeout -> {:error, Error.new(:timeout, "no reply within #{timeout || request.timeout} ms")}
         reply -> reply
       end
     end
@@ -570,17 +584,31 @@ defmodule Sidecar do
     flush(ref)
   end
 
-  # The moment a call that started at `started` gives up: its timeout counts from the call, so the time
-  # spent handing the request over (a restart under way, say) is part of it.
+  # The moment a call that started at `started` gives up. Its own timeout counts from the call, so the
+  # time spent handing the request over (a restart under way, say) is part of it; the connection's
+  # :call_timeout (no timeout given) counts from the hand-over, the one moment it is known (the
+  # hand-over itself waits at most @hand_over_ms).
+  defp give_up_at(nil, request, _started), do: deadline(request.timeout, System.monotonic_time(:millisecond))
+  defp give_up_at(timeout, _request, started), do: deadline(timeout, started)
+
   defp deadline(:infinity, _started), do: :infinity
   defp deadline(timeout, started), do: started + timeout
+
+  # What is left of a call's timeout at this moment (nil and :infinity stay what they are).
+  defp left(timeout, started) when is_integer(timeout),
+    do: max(0, timeout - (System.monotonic_time(:millisecond) - started))
+
+  defp left(timeout, _started), do: timeout
+
+  defp hand_over_limit(timeout) when is_integer(timeout), do: min(timeout, @hand_over_ms)
+  defp hand_over_limit(_timeout), do: @hand_over_ms
 
   # Handing a request over takes no longer than the connection takes to queue it (it never waits for
   # the sidecar to read), or to start (a restart under way); a connection that does not take it within
   # the call's own timeout, or @hand_over_ms, is given up on, the request withdrawn.
   defp request(conn, op, params, incarnation, timeout) do
-    limit = if is_integer(timeout), do: min(timeout, @hand_over_ms), else: @hand_over_ms
-    until = System.monotonic_time(:millisecond) + limit
+    limit = hand_over_limit(timeout)
+    handing = System.monotonic_time(:millisecond)
 
     case whereis(conn) do
       nil ->
@@ -594,7 +622,7 @@ defmodule Sidecar do
         try do
           with {:ok, body} <- Connection.encode_params(GenServer.call(pid, :encoding, limit), params),
                {:ok, id, call_timeout} <-
-                 GenServer.call(pid, {:request, op, body, incarnation, ref}, left(until)) do
+                 GenServer.call(pid, {:request, op, body, incarnation, ref}, left(limit, handing)) do
             {:ok, %Request{conn: pid, ref: ref, id: id, timeout: call_timeout, owner: self()}}
           else
             {:error, error} -> Process.demonitor(ref, [:flush]) && {:error, error}
@@ -612,8 +640,6 @@ defmodule Sidecar do
         end
     end
   end
-
-  defp left(until), do: max(0, until - System.monotonic_time(:millisecond))
 
   defp lost(nil), do: {:error, Error.new(:not_running, "the sidecar connection is not running")}
 

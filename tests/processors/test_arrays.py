@@ -95,3 +95,20 @@ def test_a_new_sequence_without_reset_is_refused_saying_so():
         processor(np.array([5, 1]), logits)
     processor.reset()
     assert processor(np.array([5, 1]), logits).tolist() == [1.0, 0.5, 1.0, 1.0, 1.0, 0.5]  # the new sequence's tokens only
+
+
+def test_a_step_that_failed_may_be_tried_again():
+    failures = []
+
+    def flaky(logits, context):
+        if failures:
+            raise failures.pop()
+        return logits
+
+    processor = ArrayProcessor([P.RepetitionPenalty(2.0), flaky])
+    logits = np.ones(6, dtype=np.float32)
+    processor(np.array([1, 2]), logits)
+    failures.append(ValueError("once more"))
+    with pytest.raises(ValueError):
+        processor(np.array([1, 2, 3]), logits)
+    assert processor(np.array([1, 2, 3]), logits).tolist() == [1.0, 0.5, 0.5, 0.5, 1.0, 1.0]

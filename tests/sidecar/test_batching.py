@@ -1,6 +1,9 @@
 """The batched engine against independent references: solo runs, `model.generate` (greedy, sampling and
 beam search), and the memory budget measured by the store itself."""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -563,8 +566,6 @@ def test_a_failure_that_cannot_put_the_cache_back_keeps_the_history_and_empties_
 def test_sessions_used_from_several_threads_take_turns_and_equal_their_solo_runs(engine):
     """A threaded web server's use: each thread generates on its own session, greedy and seeded, at once;
     the threads take turns step by step (each step serving all of them), and nobody's call is refused."""
-    import threading
-
     cases = [dict(token_ids=tokens(n, seed=60 + n), max_new_tokens=12, eos_token_ids=[]) for n in (5, 9, 14, 20)]
     cases[1].update(strategy="sample", seed=3)
     cases[3].update(strategy="beam", num_beams=3)
@@ -594,9 +595,6 @@ def test_sessions_used_from_several_threads_take_turns_and_equal_their_solo_runs
 
 
 def test_a_generation_streaming_in_one_thread_is_cancelled_by_a_close_in_another(engine):
-    import threading
-    import time
-
     session = engine.session()
     stream = session.stream(token_ids=tokens(6, seed=70), max_new_tokens=1_000, eos_token_ids=[])
     first = next(stream)
@@ -610,3 +608,18 @@ def test_a_generation_streaming_in_one_thread_is_cancelled_by_a_close_in_another
     assert not reader.is_alive() and stream.result.finish_reason == "cancelled"
     assert stream.result.token_ids == [first.token_id] + [event.token_id for event in seen]
     assert not engine.scheduler.busy
+
+
+def test_a_generation_collected_while_another_thread_holds_the_engine_is_marked_not_waited_for(engine):
+    """The collector may finalise an unfinished generation in any thread, one that holds the lock or that
+    the holder waits for: it never waits for the lock, and the next step cancels the run instead."""
+    with engine.session() as session:
+        generation = session.stream(token_ids=tokens(6, seed=71), max_new_tokens=50, eos_token_ids=[])
+        next(generation)
+        with engine.lock:  # another thread's step or call under way
+            finaliser = threading.Thread(target=generation.__del__)
+            finaliser.start()
+            finaliser.join(10)
+            assert not finaliser.is_alive() and not generation.done
+        engine.scheduler.tick()
+        assert generation.result.finish_reason == "cancelled" and not session.busy

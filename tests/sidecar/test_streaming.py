@@ -120,8 +120,9 @@ def test_ctrl_c_during_generate_cancels_it_and_frees_the_session(engine):
 
 
 def test_ctrl_c_in_one_run_of_a_tick_leaves_the_others_of_that_tick_exact(engine):
-    """Runs of one tick after the interrupted one get no logits that tick: planning a step changes nothing,
-    so they run it again at the next tick, and every stream still gives its solo tokens."""
+    """A KeyboardInterrupt out of the first run of a step leaves the runs after it without their logits:
+    planning a step changes nothing, so they run it again at the next step, and every stream still
+    gives its solo tokens."""
     steps = []
 
     def interrupted(logits, context):
@@ -137,13 +138,18 @@ def test_ctrl_c_in_one_run_of_a_tick_leaves_the_others_of_that_tick_exact(engine
             solo.append(session.generate(token_ids=prompt, max_new_tokens=6, eos_token_ids=[]).token_ids)
     sessions = [engine.session() for _ in range(4)]
     try:
-        streams = [s.stream(token_ids=p, max_new_tokens=6, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
-        first = [next(stream) for stream in streams]  # all three decoding, side by side
         victim = sessions[3].stream(token_ids=prompts[0], max_new_tokens=6, eos_token_ids=[], processors=[interrupted])
-        with pytest.raises(KeyboardInterrupt):
-            list(victim)
+        streams = [s.stream(token_ids=p, max_new_tokens=6, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
+        got = [[next(stream).token_id] for stream in streams]
+        assert engine.scheduler.running[0] is victim._run  # admitted first: the others take their logits after it
+        with pytest.raises(KeyboardInterrupt):  # out of whichever stream's step it comes
+            for _ in range(6):
+                for stream, ids in zip(streams, got):
+                    ids.append(next(stream).token_id)
+        assert len(steps) == 3
         victim.close()
-        got = [[event.token_id] + [e.token_id for e in stream] for event, stream in zip(first, streams)]
+        for stream, ids in zip(streams, got):
+            ids += [event.token_id for event in stream]
         assert got == solo
     finally:
         for session in sessions:
