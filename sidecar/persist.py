@@ -6,6 +6,13 @@ all). safetensors checks that the header and the tensors fit the file, so a trun
 the checksum catches bytes changed inside the tensors or the history, which nothing else would. A file
 written for another model (weights, config or tokenizer) or dtype is refused: its keys and values would
 be silently wrong for this one.
+
+A restore reads the file through one descriptor, opened without following a link or waiting (a FIFO
+swapped in for the file would block the process for good), and with read(), never a memory map (a
+file cut short while mapped kills the process with SIGBUS). The checksum guards against damage, not
+forgery: whoever can write the file can write a valid one, whose keys its session, and the sessions
+sharing a prefix with it, then read. Saved sessions are trusted as model directories are: a server's
+clients name them, and only the server writes them (`save_session`).
 """
 
 from __future__ import annotations
@@ -13,30 +20,38 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
+import struct
 import tempfile
 import zlib
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import load, save_file
 
 from . import sharing
 from .errors import CacheBudgetExceeded, InvalidArgument, InvalidSessionFile, SaveFailed, SessionBusy, SessionClosed
 from .text import check_unicode
 
-FORMAT = "beam-sidecar-session/2"  # 2: "exact", the tokens whose keys a shift has not moved
+FORMAT = "beam-sidecar-session/3"  # 2: "exact", the tokens whose keys a shift has not moved; 3: the fingerprint
+# A file's header: its metadata holds the history, a few bytes a token; a model's context of a million tokens
+# fits many times (a larger one is refused before it is parsed).
+MAX_HEADER_BYTES = 32 << 20
 
 
 def model_fingerprint(model, vocabulary_fingerprint: str) -> str:
-    """What identifies a model for its caches: its config, its vocabulary, and a sample of every weight
-    (names, shapes and first values: a different checkpoint differs there, and reading it all would take
-    as long as loading it)."""
-    digest = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    """What identifies a model for its caches: its config (but the path it was loaded from: a copy or a
+    link to the same directory is the same model), its vocabulary, and a sample of every weight (names,
+    shapes and 64 values spread over it: a different checkpoint differs there, and reading it all would
+    take as long as loading it)."""
+    config = {key: value for key, value in model.config.to_dict().items() if key != "_name_or_path"}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     digest.update(vocabulary_fingerprint.encode())
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(tensor.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+        flat = tensor.detach().reshape(-1)
+        digest.update(flat[:: max(1, flat.numel() // 64)][:64].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:32]
 
 
@@ -90,25 +105,24 @@ def restore(engine, path):
     and the budget next, so a file that lies about its size is refused before its tensors are read.
     """
     path = _file_path(path)
-    try:
-        exists, regular = path.exists(), path.is_file()
-    except OSError as error:  # a name too long, a loop of links
-        raise InvalidSessionFile(f"cannot read the saved session {path.name[:60]}: {error.strerror or error}") from None
-    if not exists:
-        raise InvalidSessionFile(f"no saved session {path.name}")
-    if not regular:  # a directory, a FIFO or a device under a session's name would block or mislead
-        raise InvalidSessionFile(f"the saved session {path.name} is not a regular file")
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as file:
-            metadata = json.loads((file.metadata() or {}).get("session", "null"))
-            history, cached = _check_header(engine, metadata, path.name)
-            _check_layout(engine, file, cached, path.name)
+    name = path.name[:60]
+    with _open_saved(path) as file:
+        try:
+            header, size = _read_header(file, name)
+            metadata = json.loads((header.get("__metadata__") or {}).get("session", "null"))
+            history, cached = _check_header(engine, metadata, name)
+            _check_layout(engine, header, cached, name)
             extra = cached * engine.store.bytes_per_token
             if not engine.store.could_fit(extra):
                 raise _over_budget(engine, "restoring", cached, extra)
-            tensors = {name: file.get_tensor(name) for name in file.keys()}
-    except (OSError, SafetensorError, ValueError, RecursionError) as error:
-        raise InvalidSessionFile(f"cannot read the saved session {path.name}: {str(error)[:200]}") from None
+            file.seek(0)
+            content = file.read(size + 1)  # one byte more than the header says the file holds tells of a longer one
+            if len(content) != size:
+                raise InvalidSessionFile(f"the saved session {name} is {'truncated' if len(content) < size else 'too long'}")
+            tensors = load(content)
+            del content
+        except (OSError, SafetensorError, ValueError, RecursionError, AttributeError, TypeError) as error:
+            raise InvalidSessionFile(f"cannot read the saved session {name}: {str(error)[:200]}") from None
     if metadata.get("digest") != _digest(metadata, tensors):
         raise InvalidSessionFile(f"{path.name} is corrupted: its contents do not match their checksum")
     if not engine.store.make_room(extra):  # only now, for a file known good, are idle caches evicted
@@ -129,6 +143,43 @@ def restore(engine, path):
         session.close()
         raise
     return session
+
+
+def _open_saved(path: Path):
+    """The saved file, open for reading: a regular file, not a link (a server's session directory is
+    not left through one, as `save` does not write through one), never waited for."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InvalidSessionFile(f"no saved session {path.name[:60]}") from None
+    except OSError as error:  # ELOOP: a link; a name too long, a directory we may not read...
+        problem = "it is a symbolic link" if path.is_symlink() else (error.strerror or str(error))
+        raise InvalidSessionFile(f"cannot read the saved session {path.name[:60]}: {problem}") from None
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # a directory, a FIFO or a device would block or mislead
+        os.close(descriptor)
+        raise InvalidSessionFile(f"the saved session {path.name[:60]} is not a regular file")
+    return os.fdopen(descriptor, "rb")
+
+
+def _read_header(file, name: str) -> tuple[dict, int]:
+    """A safetensors file's header, and the size the whole file has by it (its tensors end the file)."""
+    prefix = file.read(8)
+    if len(prefix) < 8:
+        raise InvalidSessionFile(f"the saved session {name} is truncated")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES:
+        raise InvalidSessionFile(f"the saved session {name} has a header of {length} bytes, more than the "
+                                 f"{MAX_HEADER_BYTES} a saved session's can take")
+    text = file.read(length)
+    if len(text) < length:
+        raise InvalidSessionFile(f"the saved session {name} is truncated")
+    header = json.loads(text)
+    if not isinstance(header, dict):
+        raise InvalidSessionFile(f"{name} is not a safetensors file")
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    if not all(type(end) is int and end >= 0 for end in ends):
+        raise InvalidSessionFile(f"{name} is not a safetensors file")
+    return header, 8 + length + max(ends, default=0)
 
 
 def _over_budget(engine, doing: str, cached: int, extra: int) -> CacheBudgetExceeded:
@@ -185,12 +236,12 @@ def _check_header(engine, metadata, name: str) -> tuple[list[int], int]:
     """The history and cached length of a file's metadata, once the metadata has been checked."""
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT:
         raise InvalidSessionFile(f"{name} is not a saved session of this format ({FORMAT})")
+    if metadata.get("dtype") != str(engine.store.dtype):  # before the model, whose fingerprint covers the dtype too
+        raise InvalidSessionFile(f"{name} holds a cache in {str(metadata.get('dtype'))[:32]}, this model runs in "
+                                 f"{engine.store.dtype}")
     if metadata.get("model") != engine.fingerprint:
         raise InvalidSessionFile(f"{name} was saved from another model (fingerprint {str(metadata.get('model'))[:32]}, "
                                  f"this model's is {engine.fingerprint})")
-    if metadata.get("dtype") != str(engine.store.dtype):
-        raise InvalidSessionFile(f"{name} holds a cache in {str(metadata.get('dtype'))[:32]}, this model runs in "
-                                 f"{engine.store.dtype}")
     history, cached = metadata.get("history"), metadata.get("cached")
     if not (isinstance(history, list) and all(type(t) is int and 0 <= t < engine.vocab_size for t in history)
             and type(cached) is int and 0 <= cached <= len(history)
@@ -202,12 +253,11 @@ def _check_header(engine, metadata, name: str) -> tuple[list[int], int]:
     return history, cached
 
 
-def _check_layout(engine, file, cached: int, name: str) -> None:
+def _check_layout(engine, header: dict, cached: int, name: str) -> None:
     """The file holds exactly this model's keys and values for `cached` tokens (read from its header only)."""
     expected = {f"{kind}.{layer}": [shape.kv_heads, cached, shape.head_dim]
                 for layer, shape in enumerate(engine.store.layers) for kind in ("keys", "values")}
     dtype = SAFETENSORS_DTYPES.get(engine.store.dtype)
-    if set(file.keys()) != set(expected) or any(
-            list(file.get_slice(key).get_shape()) != shape or file.get_slice(key).get_dtype() != dtype
-            for key, shape in expected.items()):
+    if set(header) - {"__metadata__"} != set(expected) or any(
+            header[key].get("shape") != shape or header[key].get("dtype") != dtype for key, shape in expected.items()):
         raise InvalidSessionFile(f"{name} does not hold this model's cache layout for {cached} tokens")

@@ -2,6 +2,7 @@
 fresh session computing everything gives, and every broken file is refused, changing nothing."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -96,9 +97,12 @@ def retoken(path):
 
 @pytest.mark.parametrize("damage, message", [
     (retoken, "corrupted"),
-    (lambda p: p.write_bytes(p.read_bytes()[:-100]), "cannot read"),
-    (lambda p: p.write_bytes(p.read_bytes()[:40]), "cannot read"),
-    (lambda p: p.write_bytes(b"not a safetensors file at all"), "cannot read"),
+    (lambda p: p.write_bytes(p.read_bytes()[:-100]), "is truncated"),
+    (lambda p: p.write_bytes(p.read_bytes()[:40]), "is truncated"),
+    (lambda p: p.write_bytes(p.read_bytes() + b"\0"), "is too long"),
+    (lambda p: p.write_bytes(b"not a safetensors file at all"), "has a header of .* bytes, more than"),
+    (lambda p: p.write_bytes(b"\x10\0\0\0\0\0\0\0" + b"[1, 2, 3]       "), "is not a safetensors file"),
+    (lambda p: p.write_bytes(b"\x10\0\0\0\0\0\0\0" + b"{not json}      "), "cannot read"),
     (lambda p: corrupt(p, 10), "corrupted"),
 ])
 def test_a_broken_file_is_refused_and_changes_nothing(engine, saved, damage, message):
@@ -114,8 +118,8 @@ def test_another_model_or_dtype_is_refused(engine, gpt2_engine, default_dir, sav
     with pytest.raises(InvalidSessionFile, match="another model"):
         gpt2_engine.restore(saved[0])
     half = Engine.load(default_dir, dtype="bfloat16")
-    with pytest.raises(InvalidSessionFile, match="another model"):  # its weights differ
-        half.restore(saved[0])
+    with pytest.raises(InvalidSessionFile, match="holds a cache in torch.float32, this model runs in torch.bfloat16"):
+        half.restore(saved[0])  # the dtype is named (the fingerprint differs too: it covers the weights' dtype)
     # the same model's fingerprint over a cache of another dtype: refused by the dtype itself
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
@@ -259,3 +263,43 @@ def test_a_save_into_a_missing_directory_is_save_failed(engine, tmp_path):
         session.generate(token_ids=PROMPT[:6], max_new_tokens=1, eos_token_ids=[])
         with pytest.raises(SaveFailed, match="cannot write"):
             session.save(tmp_path / "missing" / "x.safetensors")
+
+
+def test_a_link_is_not_followed_out_of_where_sessions_are_saved(engine, saved, tmp_path):
+    """As `save` does not write through a link, `restore` does not read through one (out of a server's
+    session directory); a loop of links is a link too."""
+    path = saved[0]
+    (tmp_path / "link.safetensors").symlink_to(path)
+    (tmp_path / "loop.safetensors").symlink_to(tmp_path / "loop.safetensors")
+    for name in ("link.safetensors", "loop.safetensors"):
+        with pytest.raises(InvalidSessionFile, match="it is a symbolic link"):
+            engine.restore(tmp_path / name)
+
+
+def test_a_file_cut_short_while_it_is_restored_is_refused(engine, saved, monkeypatch):
+    """A file rewritten in place (`cp` over it) may shrink between its header and its tensors: read, not
+    mapped, it is refused as truncated (mapped, the process died of SIGBUS)."""
+    path, history, cached = saved
+    could_fit = engine.store.could_fit
+
+    def cut_then_check(extra, keep=()):  # called once the header is read, before the tensors are
+        os.truncate(path, 8192)
+        return could_fit(extra, keep)
+
+    monkeypatch.setattr(engine.store, "could_fit", cut_then_check)
+    before = engine.stats()
+    with pytest.raises(InvalidSessionFile, match="is truncated"):
+        engine.restore(path)
+    assert engine.stats() == before
+
+
+def test_the_same_model_loaded_through_a_link_or_a_copy_restores_what_it_saved(engine, saved, default_dir, tmp_path):
+    """The fingerprint is the model's, not the path's it was loaded from."""
+    import shutil
+
+    path, history, cached = saved
+    (tmp_path / "link").symlink_to(default_dir, target_is_directory=True)
+    shutil.copytree(default_dir, tmp_path / "copy")
+    for directory in (tmp_path / "link", tmp_path / "copy"):
+        with Engine.load(directory).restore(path) as restored:
+            assert restored.history == history and restored.cached == cached
