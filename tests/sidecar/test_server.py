@@ -481,7 +481,7 @@ def test_fork_save_and_restore_sessions_by_name(default_dir, tmp_path):
     path.write_bytes(path.read_bytes()[:-64])
     with Peer(server, stderr=subprocess.DEVNULL) as peer:
         reply = peer.call("restore_session", name="chat-1")
-        assert reply["error"]["code"] == "invalid_session_file" and "cannot read" in reply["error"]["message"]
+        assert reply["error"]["code"] == "invalid_session_file" and "is truncated" in reply["error"]["message"]
         assert peer.call("stats")["result"]["sessions"] == 0
 
 
