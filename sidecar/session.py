@@ -16,7 +16,6 @@ Keys a shift moved are never shared with other sessions (`KVCache.exact`).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -153,9 +152,9 @@ class Session:
         self.last: Result | None = None  # of the last call that ran (not failed ones): what `continuation` reads
         self.cache = engine.store.cache()  # KV of history[:cached]
         self.closed = False
-        # The generation under way, weakly: a stream its caller dropped unfinished is cancelled where
-        # it stood instead of keeping the session busy for ever.
-        self._running: weakref.ref | None = None
+        # The run of the last call. Its `Generation` may be dropped unfinished: the run is then cancelled
+        # where it stood, at once, or by the next step or call when another thread held the engine.
+        self._run = None
 
     def __enter__(self) -> "Session":
         return self
@@ -165,9 +164,8 @@ class Session:
 
     def close(self) -> None:
         with self.engine.lock:
-            running = self.running
-            if running is not None:
-                running.cancel()
+            if self.busy:
+                self.engine.scheduler.cancel(self._run)
             self.closed = True
             self.engine.store.release(self.cache)
             self.engine._forget(self)
@@ -180,12 +178,7 @@ class Session:
     @property
     def busy(self) -> bool:
         """A generation of this session has started and not finished."""
-        running = self.running
-        return running is not None and not running.done
-
-    @property
-    def running(self):
-        return self._running() if self._running is not None else None
+        return self._run is not None and not self._run.done
 
     @property
     def cache_bytes(self) -> int:
@@ -229,13 +222,15 @@ class Session:
         with self.engine.lock:
             self._check_free()  # again: another thread may have closed it, or started a call, meanwhile
             generation = Generation(self, request)
-            self._running = weakref.ref(generation)
+            self._run = generation._run
             return generation
 
     def _check_free(self) -> None:
         """Refuses a call on a closed or busy session, or from a processor of a step under way."""
         if self.closed:
             raise SessionClosed(f"session {self.id} is closed")
+        if self.busy and self._run.cancelled:  # a stream dropped while another thread held the engine: over now
+            self.engine.scheduler.cancel(self._run)
         if self.busy:
             raise SessionBusy(f"session {self.id} is already generating; finish or cancel that generation first")
         self.engine.scheduler.check_outside_tick()

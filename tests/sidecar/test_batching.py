@@ -623,3 +623,30 @@ def test_a_generation_collected_while_another_thread_holds_the_engine_is_marked_
             assert not finaliser.is_alive() and not generation.done
         engine.scheduler.tick()
         assert generation.result.finish_reason == "cancelled" and not session.busy
+
+
+def test_a_stream_dropped_while_another_thread_holds_the_engine_leaves_its_session_free_for_the_next_call(engine):
+    """Dropped then, the stream's run is only marked; the session stays busy with it until the next call
+    ends it (it said free, and the next call ran beside the old run on the same cache: IndexError)."""
+    prompt, follow = tokens(7, seed=72), tokens(9, seed=73)
+    with engine.session() as fresh:
+        expected = fresh.generate(token_ids=follow, max_new_tokens=8, eos_token_ids=[]).token_ids
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with engine.lock:  # another thread's call under way: stats(), a fork, a save...
+            holding.set()
+            release.wait(30)
+
+    with engine.session() as session:
+        stream = session.stream(token_ids=prompt, max_new_tokens=20, eos_token_ids=[])
+        next(stream), next(stream)
+        holder = threading.Thread(target=hold)
+        holder.start()
+        holding.wait(30)
+        del stream  # collected here, while the other thread holds the engine
+        assert session.busy
+        release.set()
+        holder.join(30)
+        assert session.generate(token_ids=follow, max_new_tokens=8, eos_token_ids=[]).token_ids == expected
+        assert session.last.finish_reason == "length" and not engine.scheduler.busy
