@@ -126,6 +126,27 @@ defmodule Sidecar.SupervisionTest do
     refute out =~ "Broken pipe"
   end
 
+  test "a connection killed while its sidecar starts leaves no FIFO behind" do
+    fifos = fn -> Path.wildcard(Path.join(System.tmp_dir!(), "sidecar-stderr-*-#{:os.getpid()}")) end
+    before = fifos.()
+    marker = Path.join(System.tmp_dir!(), "starting-#{System.unique_integer([:positive])}")
+    wrapper = marker <> ".sh"
+    # a sidecar that takes its time to start (a large model loading), once its stderr is the FIFO
+    File.write!(wrapper, ~s(#!/bin/sh\ntouch "#{marker}"\nsleep 2\nexec "#{sidecar_opts()[:python]}" "$@"\n))
+    File.chmod!(wrapper, 0o700)
+
+    on_exit(fn ->
+      File.rm(wrapper)
+      File.rm(marker)
+    end)
+
+    Task.start(fn -> Sidecar.start_link(sidecar_opts(name: :killed_starting, python: wrapper)) end)
+    assert eventually(fn -> File.exists?(marker) end)
+    Process.exit(Process.whereis(:killed_starting), :kill)
+    # the FIFO went once the sidecar's stderr was open (it stayed in the temporary directory until hello)
+    assert fifos.() -- before == []
+  end
+
   test "info and ping on a connection that is not there are errors, not exits" do
     assert {:error, %Error{reason: :not_running}} = Sidecar.info(:no_such_sidecar)
     assert {:error, %Error{reason: :not_running}} = Sidecar.ping(:no_such_sidecar)

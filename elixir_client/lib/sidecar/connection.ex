@@ -82,8 +82,6 @@ defmodule Sidecar.Connection do
 
     case await_hello(state, deadline(opts[:startup_timeout]), []) do
       {:ok, hello} ->
-        # The sidecar's stderr is open by now; only the open file is needed any more.
-        if relay, do: File.rm(relay.fifo)
         {:ok, %{state | hello: hello, incarnation: make_ref()}}
 
       {:error, failure, tail} ->
@@ -117,9 +115,10 @@ defmodule Sidecar.Connection do
 
       # A Port cannot redirect the stderr of a :nouse_stdio child, so a shell does it and then
       # becomes Python (same OS pid): Python's stderr is the FIFO from its first line on, and even
-      # an argparse error or a failed import reaches us. The FIFO is the script's $0.
+      # an argparse error or a failed import reaches us. The FIFO is the script's $0, removed once
+      # open (`cat` and we hold it too): a connection killed while the sidecar starts leaves no FIFO.
       %{sh: sh, fifo: fifo} ->
-        script = ~S(exec "$@" 2>"$0")
+        script = ~S(exec 2>"$0"; rm -f "$0"; exec "$@")
         Port.open({:spawn_executable, sh}, [{:args, ["-c", script, fifo, opts[:python] | args]} | port_opts])
     end
   end
