@@ -17,6 +17,7 @@ clients name them, and only the server writes them (`save_session`).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -109,7 +110,7 @@ def restore(engine, path):
     with _open_saved(path) as file:
         try:
             header, size = _read_header(file, name)
-            metadata = json.loads((header.get("__metadata__") or {}).get("session", "null"))
+            metadata = json.loads(header.get("__metadata__", {}).get("session", "null"))
             history, cached = _check_header(engine, metadata, name)
             _check_layout(engine, header, cached, name)
             extra = cached * engine.store.bytes_per_token
@@ -121,10 +122,10 @@ def restore(engine, path):
                 raise InvalidSessionFile(f"the saved session {name} is {'truncated' if len(content) < size else 'too long'}")
             tensors = load(content)
             del content
-        except (OSError, SafetensorError, ValueError, RecursionError, AttributeError, TypeError) as error:
+        except (OSError, SafetensorError, ValueError, RecursionError) as error:
             raise InvalidSessionFile(f"cannot read the saved session {name}: {str(error)[:200]}") from None
     if metadata.get("digest") != _digest(metadata, tensors):
-        raise InvalidSessionFile(f"{path.name} is corrupted: its contents do not match their checksum")
+        raise InvalidSessionFile(f"{name} is corrupted: its contents do not match their checksum")
     if not engine.store.make_room(extra):  # only now, for a file known good, are idle caches evicted
         raise _over_budget(engine, "restoring", cached, extra)
     session = engine.session()
@@ -152,8 +153,8 @@ def _open_saved(path: Path):
         descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise InvalidSessionFile(f"no saved session {path.name[:60]}") from None
-    except OSError as error:  # ELOOP: a link; a name too long, a directory we may not read...
-        problem = "it is a symbolic link" if path.is_symlink() else (error.strerror or str(error))
+    except OSError as error:  # ELOOP: a link (O_NOFOLLOW); a name too long, a directory we may not read...
+        problem = "it is a symbolic link" if error.errno == errno.ELOOP else (error.strerror or str(error))
         raise InvalidSessionFile(f"cannot read the saved session {path.name[:60]}: {problem}") from None
     if not stat.S_ISREG(os.fstat(descriptor).st_mode):  # a directory, a FIFO or a device would block or mislead
         os.close(descriptor)
@@ -162,7 +163,9 @@ def _open_saved(path: Path):
 
 
 def _read_header(file, name: str) -> tuple[dict, int]:
-    """A safetensors file's header, and the size the whole file has by it (its tensors end the file)."""
+    """A safetensors file's header, and the size the whole file has by it (its tensors end the file). The
+    header's shape is checked here, where it is read: a map of string metadata, and of tensors, each
+    with its two data offsets."""
     prefix = file.read(8)
     if len(prefix) < 8:
         raise InvalidSessionFile(f"the saved session {name} is truncated")
@@ -174,12 +177,19 @@ def _read_header(file, name: str) -> tuple[dict, int]:
     if len(text) < length:
         raise InvalidSessionFile(f"the saved session {name} is truncated")
     header = json.loads(text)
-    if not isinstance(header, dict):
+    tensors = [entry for key, entry in header.items() if key != "__metadata__"] if isinstance(header, dict) else None
+    if not (tensors is not None and _is_metadata(header.get("__metadata__", {}))
+            and all(isinstance(entry, dict) and _is_offsets(entry.get("data_offsets")) for entry in tensors)):
         raise InvalidSessionFile(f"{name} is not a safetensors file")
-    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-    if not all(type(end) is int and end >= 0 for end in ends):
-        raise InvalidSessionFile(f"{name} is not a safetensors file")
-    return header, 8 + length + max(ends, default=0)
+    return header, 8 + length + max((entry["data_offsets"][1] for entry in tensors), default=0)
+
+
+def _is_metadata(value) -> bool:
+    return isinstance(value, dict) and all(isinstance(text, str) for text in value.values())
+
+
+def _is_offsets(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(type(end) is int and end >= 0 for end in value)
 
 
 def _over_budget(engine, doing: str, cached: int, extra: int) -> CacheBudgetExceeded:

@@ -85,6 +85,12 @@ def corrupt(path, offset_from_end, new=b"\x7f"):
     path.write_bytes(bytes(data))
 
 
+def framed(header: dict) -> bytes:
+    """A safetensors file of this header and no tensors."""
+    text = json.dumps(header).encode()
+    return len(text).to_bytes(8, "little") + text
+
+
 def retoken(path):
     """Changes one token of the history in the header, keeping its length: a well-formed, lying file."""
     data = path.read_bytes()
@@ -103,6 +109,10 @@ def retoken(path):
     (lambda p: p.write_bytes(b"not a safetensors file at all"), "has a header of .* bytes, more than"),
     (lambda p: p.write_bytes(b"\x10\0\0\0\0\0\0\0" + b"[1, 2, 3]       "), "is not a safetensors file"),
     (lambda p: p.write_bytes(b"\x10\0\0\0\0\0\0\0" + b"{not json}      "), "cannot read"),
+    # safetensors headers of the wrong shape: refused by name (the first escaped as a KeyError)
+    (lambda p: p.write_bytes(framed({"keys.0": {"dtype": "F32"}})), "is not a safetensors file"),
+    (lambda p: p.write_bytes(framed({"keys.0": {"data_offsets": [0, "8"]}})), "is not a safetensors file"),
+    (lambda p: p.write_bytes(framed({"__metadata__": {"session": 5}})), "is not a safetensors file"),
     (lambda p: corrupt(p, 10), "corrupted"),
 ])
 def test_a_broken_file_is_refused_and_changes_nothing(engine, saved, damage, message):
@@ -134,6 +144,8 @@ def test_another_model_or_dtype_is_refused(engine, gpt2_engine, default_dir, sav
         engine.restore(relabelled)
     with pytest.raises(InvalidSessionFile, match="no saved session missing.safetensors"):
         engine.restore(saved[0].with_name("missing.safetensors"))
+    with pytest.raises(InvalidSessionFile, match="File name too long"):  # it escaped as an OSError
+        engine.restore(saved[0].with_name("x" * 300))
 
 
 def test_what_is_not_a_regular_file_is_never_read(engine, tmp_path):
