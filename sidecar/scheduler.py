@@ -41,6 +41,13 @@ class Scheduler:
     def submit(self, run: Run) -> None:
         self.waiting.append(run)
 
+    def run_of(self, session) -> Run | None:
+        """The session's generation that has started and not finished, waiting or running (one at most):
+        what makes it busy, found here rather than kept beside (a finished run, kept, would hold its
+        processors' states until the session's next call)."""
+        with self.engine.lock:
+            return next((run for run in (*self.running, *self.waiting) if run.session is session and not run.done), None)
+
     def cancel(self, run: Run) -> None:
         """Cancels a run now, or at the end of the tick under way (a processor cancelling)."""
         with self.engine.lock:

@@ -152,9 +152,6 @@ class Session:
         self.last: Result | None = None  # of the last call that ran (not failed ones): what `continuation` reads
         self.cache = engine.store.cache()  # KV of history[:cached]
         self.closed = False
-        # The run of the last call. Its `Generation` may be dropped unfinished: the run is then cancelled
-        # where it stood, at once, or by the next step or call when another thread held the engine.
-        self._run = None
 
     def __enter__(self) -> "Session":
         return self
@@ -164,8 +161,9 @@ class Session:
 
     def close(self) -> None:
         with self.engine.lock:
-            if self.busy:
-                self.engine.scheduler.cancel(self._run)
+            run = self.engine.scheduler.run_of(self)
+            if run is not None:
+                self.engine.scheduler.cancel(run)
             self.closed = True
             self.engine.store.release(self.cache)
             self.engine._forget(self)
@@ -177,8 +175,9 @@ class Session:
 
     @property
     def busy(self) -> bool:
-        """A generation of this session has started and not finished."""
-        return self._run is not None and not self._run.done
+        """A generation of this session has started and not finished (one whose stream was dropped while
+        another thread held the engine, too: the next step or call ends it)."""
+        return self.engine.scheduler.run_of(self) is not None
 
     @property
     def cache_bytes(self) -> int:
@@ -221,17 +220,16 @@ class Session:
         request = self.engine.validate(prompt, **options)
         with self.engine.lock:
             self._check_free()  # again: another thread may have closed it, or started a call, meanwhile
-            generation = Generation(self, request)
-            self._run = generation._run
-            return generation
+            return Generation(self, request)
 
     def _check_free(self) -> None:
         """Refuses a call on a closed or busy session, or from a processor of a step under way."""
         if self.closed:
             raise SessionClosed(f"session {self.id} is closed")
-        if self.busy and self._run.cancelled:  # a stream dropped while another thread held the engine: over now
-            self.engine.scheduler.cancel(self._run)
-        if self.busy:
+        run = self.engine.scheduler.run_of(self)
+        if run is not None and run.cancelled:  # a stream dropped while another thread held the engine: over now
+            self.engine.scheduler.cancel(run)
+        elif run is not None:
             raise SessionBusy(f"session {self.id} is already generating; finish or cancel that generation first")
         self.engine.scheduler.check_outside_tick()
 

@@ -157,13 +157,16 @@ defmodule Sidecar do
   defp incarnation(conn, timeout) do
     Options.timeout!(timeout)
     limit = hand_over_limit(timeout)
-    {:ok, GenServer.call(conn, :info, limit)["incarnation"]}
-  catch
-    :exit, {:timeout, _} ->
-      {:error, Error.new(:timeout, "the connection did not answer within #{hand_over_limit(timeout)} ms")}
 
-    :exit, _ ->
-      lost(nil)
+    try do
+      {:ok, GenServer.call(conn, :info, limit)["incarnation"]}
+    catch
+      :exit, {:timeout, _} ->
+        {:error, Error.new(:timeout, "the connection did not answer within #{limit} ms")}
+
+      :exit, _ ->
+        lost(nil)
+    end
   end
 
   @doc """

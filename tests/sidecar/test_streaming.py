@@ -1,6 +1,8 @@
 """Streaming, incremental detokenization, stop strings and EOS."""
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 
@@ -93,18 +95,23 @@ def test_a_stream_closes_as_a_generator_does(engine):
         assert not session.busy
 
 
+def interrupting(at: int, steps: list):
+    """A processor that raises KeyboardInterrupt (as Ctrl-C would) at its `at`-th step, counting its steps in `steps`."""
+    def interrupted(logits, context):
+        steps.append(context.length)
+        if len(steps) == at:
+            raise KeyboardInterrupt
+        return logits
+
+    return interrupted
+
+
 def test_ctrl_c_during_generate_cancels_it_and_frees_the_session(engine):
     """A KeyboardInterrupt in the middle of `generate` (here from a processor, at its fourth step) ends the
     call as a cancel does: the session is free, its last result the tokens so far; an interactive shell
     that keeps the traceback (and the generation in it) alive does not keep the generation running."""
     steps = []
-
-    def interrupted(logits, context):
-        steps.append(context.length)
-        if len(steps) == 4:
-            raise KeyboardInterrupt
-        return logits
-
+    interrupted = interrupting(at=4, steps=steps)
     prompt = tokens(8, seed=25)
     with engine.session() as session:
         with pytest.raises(KeyboardInterrupt) as caught:
@@ -124,13 +131,7 @@ def test_ctrl_c_in_one_run_of_a_tick_leaves_the_others_of_that_tick_exact(engine
     planning a step changes nothing, so they run it again at the next step, and every stream still
     gives its solo tokens."""
     steps = []
-
-    def interrupted(logits, context):
-        steps.append(context.length)
-        if len(steps) == 3:
-            raise KeyboardInterrupt
-        return logits
-
+    interrupted = interrupting(at=3, steps=steps)
     prompts = [tokens(n, seed=40 + n) for n in (6, 9, 13)]
     solo = []
     for prompt in prompts:
@@ -186,3 +187,16 @@ def test_a_failed_stream_raises_once_and_keeps_its_error(engine):
             list(stream)
         assert list(stream) == []  # exhausted, as a generator that raised is
         assert isinstance(stream.error, InvalidLogits)
+
+
+def test_a_finished_call_is_not_kept_by_its_session(engine):
+    """What makes a session busy is found in the scheduler, not kept beside: a finished call's run (its
+    processors' states, its sequences) goes with its stream."""
+    with engine.session() as session:
+        stream = session.stream(token_ids=tokens(6, seed=27), max_new_tokens=3, eos_token_ids=[],
+                                processors=[lambda logits, context: logits])
+        list(stream)
+        run = weakref.ref(stream._run)
+        del stream
+        gc.collect()
+        assert run() is None and not session.busy and len(session.last.token_ids) == 3
