@@ -202,9 +202,8 @@ def main(argv=None) -> int:
         if args.chat_template:
             engine = server.engines["default"]
             try:
-                engine.tokenizer.chat_template = _read_template(args.chat_template)
+                server.use_chat_template(engine, _read_template(args.chat_template))
                 chat.check_template(engine.tokenizer)
-                server.use_chat_template(engine, engine.tokenizer.chat_template)
             except OSError as problem:
                 logging.getLogger("sidecar").error("cannot read --chat-template %s: %s", args.chat_template, problem.strerror)
                 return 2

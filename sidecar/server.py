@@ -444,12 +444,9 @@ class Server:
         self.allowed_paths.add(Path(path).resolve())
 
     def use_chat_template(self, engine: Engine, template: str) -> None:
-        """Makes `template` the chat template of the model directory `engine` was loaded from: of the engines
-        loaded from it now, and of every later load of it (the CLI's --chat-template)."""
-        self.operator_templates[_directory(engine)] = template
-        for loaded in self.engines.values():
-            if _directory(loaded) == _directory(engine):
-                loaded.tokenizer.chat_template = template
+        """Makes `template` the chat template of `engine` and of every later load of the model directory it
+        was loaded from (the CLI's --chat-template, for the startup model)."""
+        self.operator_templates[_directory(engine)] = engine.tokenizer.chat_template = template
 
     def op_load_model(self, params, rid):
         name = params["name"]
