@@ -333,10 +333,10 @@ class AutomatonProcessor(LogitsProcessor):
                           device=context.sequence.device)
 
     def process(self, state, logits, context):
-        if state.shape[0] == 1 and state.device.type == "cpu":  # one row: Python ints, no per-row tensor ops
+        if state.is_cpu and state.shape[0] == 1:  # one row: Python ints, no per-row tensor ops
             current = int(state)
-            if context.length > context.input_length:
-                current = self.automaton.step(current, context.sequence[0, context.length - 1].item())
+            if context.length > context.input_length:  # the last token read through numpy: half the cost of torch's
+                current = self.automaton.step(current, context.sequence.numpy().item(context.length - 1))
                 state = self.automaton.one_row(current)
             bias = self.masks.row(current)  # float32: a conversion costs about a microsecond even when a no-op
             logits = logits + (bias if bias.dtype == logits.dtype else bias.to(logits.dtype))

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 import processors as P
 from processors import Chain, Context, configure
 from processors.structured import AutomatonProcessor, Choice, Dfa, Grammar, JsonSchema, Regex, Vocabulary
+from processors.structured import automaton as automaton_module
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 2
@@ -118,15 +119,21 @@ def test_regex_masks_equal_partial_fullmatch(pattern, vocab):
             state = bound.automaton.advance(state, torch.tensor([token]))
 
 
-def test_one_row_and_many_rows_take_the_same_steps(vocab):
-    """The one-row path (Python ints) and the batched one (tensors) agree on every transition and mask."""
+def test_one_row_and_many_rows_take_the_same_steps(vocab, monkeypatch):
+    """The one-row path (Python ints) and the batched one (tensors) agree on every transition and mask,
+    looked up or remembered (a second pass reads the one-row steps from its memo, which is forgotten
+    when full)."""
+    monkeypatch.setattr(automaton_module, "MAX_MEMO_STEPS", 1000)
     bound = configure(Regex, pattern=r'"[^"]{0,5}"|[0-9]+').bind(vocab, [EOS])
     automaton, masks = bound.automaton, bound.masks
     g = torch.Generator().manual_seed(0)
     states = torch.randint(0, automaton.dead + 1, (4000,), generator=g)
     tokens = torch.randint(0, 1024, (4000,), generator=g)
     batched = automaton.advance(states, tokens)
-    assert batched.tolist() == [automaton.step(s, t) for s, t in zip(states.tolist(), tokens.tolist())]
+    for _ in range(2):
+        assert batched.tolist() == [automaton.step(s, t) for s, t in zip(states.tolist(), tokens.tolist())]
+        assert 0 < len(automaton.memo) <= 1000
+    assert [automaton.step(s, t) for s, t in zip(states[:900].tolist(), tokens[:900].tolist())] == batched[:900].tolist()
     assert (batched != automaton.dead).sum() > 100  # real transitions, not only dead ends
     assert all(torch.equal(masks.rows(states[i : i + 1])[0], masks.row(int(states[i]))) for i in range(0, 4000, 37))
 
