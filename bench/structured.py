@@ -128,6 +128,7 @@ class Ours(Backend):
     def __init__(self, tokenizer, size: int):
         started = time.perf_counter()
         self.vocabulary = Vocabulary.from_tokenizer(tokenizer, size=size)
+        structured_compile._token_trie(self.vocabulary)  # per vocabulary, what every compile walks
         self.setup_s = time.perf_counter() - started
         self.size, self.eos = size, tokenizer.eos_token_id
 

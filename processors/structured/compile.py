@@ -1,6 +1,8 @@
 """Compiling a regular constraint into a `TokenAutomaton`, bounded in time and memory, and cached.
 
-outlines-core turns a regex and a vocabulary into a token-level automaton. Its regex engine follows
+outlines-core turns a regex into a byte-level automaton (its index over a vocabulary of the 256 single
+bytes), and walking every token of the model's vocabulary through it gives the token-level automaton
+(`trie.token_transitions`). Its regex engine follows
 leftmost-first semantics: once an earlier alternative has matched, later ones are dropped, so on its own
 `(no|none)` would never let "none" through, and `([0-9]|1[0-9]{2})` would stop after one digit. We
 compile `(?:pattern)` followed by a sentinel character instead, so that no match happens inside the
@@ -21,6 +23,7 @@ compile says nothing about the constraint, so it is neither cached nor remembere
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing
 import os
@@ -35,22 +38,24 @@ from outlines_core import Index, Vocabulary as OutlinesVocabulary
 
 from ..errors import InvalidOption, ProcessorError
 from .automaton import TokenAutomaton
+from .trie import TokenTrie, token_transitions
 from .vocabulary import Vocabulary
 
 COMPILE_MEMORY_BYTES = 2 * 2**30  # what the compiling child may allocate beyond what it inherits
 CACHE_BYTES = 512 * 2**20  # compiled automata kept for reuse, least recently used dropped first
 
 SENTINEL, SENTINEL_REGEX = "\U0010FFFF", r"\x{10FFFF}"  # a noncharacter: no real text ends with it
+SENTINEL_ID = 256  # its token id in the vocabulary of single bytes
 
 MAX_FAILURES = 1024  # constraints remembered as impossible to compile
 MAX_REGEX_CHARS = 4_000_000  # a schema's regex, built in the child
-MAX_VOCABULARIES = 4  # vocabularies kept in outlines-core's form (a server loads at most a few models)
+MAX_VOCABULARIES = 4  # vocabularies whose token trie is kept (a server loads at most a few models)
 POLL_S = 0.05  # how often a waiting parent asks `cancelled`: a stopped compile's child lives this long at most
 
 _cache: OrderedDict[tuple, TokenAutomaton] = OrderedDict()
 _failures: OrderedDict[tuple, tuple[InvalidOption, float]] = OrderedDict()  # (the error, the timeout it had)
 _cache_lock = threading.Lock()
-_outlines_vocabularies: OrderedDict[str, OutlinesVocabulary] = OrderedDict()  # by vocabulary fingerprint
+_tries: OrderedDict[str, TokenTrie] = OrderedDict()  # by vocabulary fingerprint
 
 
 class CompileTimedOut(InvalidOption):
@@ -139,72 +144,87 @@ def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: floa
     return failed is not None and not _retried(failed, timeout_s)
 
 
-def _outlines_vocabulary(vocabulary: Vocabulary) -> OutlinesVocabulary:
-    """The vocabulary as outlines-core takes it, the sentinel included (its id is `vocabulary.size`, and
-    the end token's the next one, ids no token has). Made once per vocabulary, in the parent, so that each
-    compiling child inherits it: at 32k tokens making it took a tenth of a second of every compile."""
+def _token_trie(vocabulary: Vocabulary) -> TokenTrie:
+    """The trie of the vocabulary's text tokens, built once per vocabulary, in the parent, so that each
+    compiling child inherits it (at 32k tokens building it takes about a tenth of a second)."""
     with _cache_lock:
-        found = _outlines_vocabularies.get(vocabulary.fingerprint)
+        found = _tries.get(vocabulary.fingerprint)
     if found is None:
-        tokens_by_bytes = vocabulary.text_tokens()
-        tokens_by_bytes.setdefault(SENTINEL.encode(), []).append(vocabulary.size)
-        found = OutlinesVocabulary(vocabulary.size + 1, tokens_by_bytes)
+        found = TokenTrie.build(vocabulary.text_tokens())
         with _cache_lock:
-            _outlines_vocabularies[vocabulary.fingerprint] = found
-            while len(_outlines_vocabularies) > MAX_VOCABULARIES:
-                _outlines_vocabularies.popitem(last=False)
+            _tries[vocabulary.fingerprint] = found
+            while len(_tries) > MAX_VOCABULARIES:
+                _tries.popitem(last=False)
     return found
 
 
-def _live_transitions(index: Index, sentinel: int):
-    """outlines-core's index of the pattern and the sentinel as arrays: the transitions on text tokens
-    between states from which the pattern can still be ended, sorted by (state, token), so that the
-    tables need no sort; and the states where the pattern may end (the sentinel leads to a final state).
+@functools.cache
+def _bytes_vocabulary() -> OutlinesVocabulary:
+    """The 256 bytes, each a token of its own id, and the sentinel (id 256): over it, outlines-core's
+    index is the pattern's byte-level automaton."""
+    tokens = {bytes([byte]): [byte] for byte in range(256)}
+    tokens[SENTINEL.encode()] = [SENTINEL_ID]
+    return OutlinesVocabulary(SENTINEL_ID + 1, tokens)
 
-    Each state's moves are read as whole arrays (not token by token in Python): at 32k tokens a JSON
-    schema has two million transitions.
-    """
+
+def _byte_automaton(index: Index) -> tuple[int, np.ndarray, np.ndarray]:
+    """outlines-core's index over `_bytes_vocabulary` as (initial state, the table int64 [S + 1, 256] of
+    each state's next state on each byte, the dead state S last, where the pattern may end: bool [S]).
+
+    The sentinel is also an ordinary character where the pattern allows any (inside a JSON string): only
+    its transition into a final state says "the pattern may end here", and the bytes that lead into a final
+    state (the sentinel's last one) lead nowhere."""
     transitions, finals = index.get_transitions(), index.get_final_states()
-    moves = {state: (np.fromiter(move.keys(), dtype=np.int64, count=len(move)),
-                     np.fromiter(move.values(), dtype=np.int64, count=len(move)))
-             for state, move in transitions.items()}
-    top = 1 + max([*finals, *moves] + [int(targets.max()) for _, targets in moves.values() if len(targets)])
-    final = np.zeros(top, dtype=bool)
-    final[list(finals)] = True
-    accepting, text = [], {}
-    for state, (tokens, targets) in moves.items():
-        # the sentinel is also an ordinary character where the pattern allows any (inside a JSON string):
-        # only its transitions into a final state say "the pattern may end here"
-        into_final = final[targets]
-        if (into_final & (tokens == sentinel)).any():
-            accepting.append(state)
-        kept = (tokens < sentinel) & ~into_final
-        text[state] = (tokens[kept], targets[kept])
+    labels = sorted({*transitions, *finals, *(t for move in transitions.values() for t in move.values())})
+    number = {label: n for n, label in enumerate(labels)}
+    dead = len(labels)
+    final = np.zeros(dead + 1, dtype=bool)
+    final[[number[f] for f in finals]] = True
+    table = np.full((dead + 1, 256), dead, dtype=np.int64)
+    accepting = np.zeros(dead, dtype=bool)
+    for state, move in transitions.items():
+        row = number[state]
+        for byte, target in move.items():
+            target = number[target]
+            if byte == SENTINEL_ID:
+                accepting[row] |= bool(final[target])
+            elif not final[target]:
+                table[row, byte] = target
+    return number[index.get_initial_state()], table, accepting
+
+
+def _live_transitions(initial: int, table: np.ndarray, accepting: np.ndarray, trie: TokenTrie, vocab_size: int):
+    """The transitions on text tokens from the states a text can reach from `initial`, between states from
+    which the pattern can still be ended, sorted by (state, token), so that the tables need no sort; and
+    the states where the pattern may end."""
+    states = np.arange(table.shape[0] - 1)
+    sources, tokens, targets = token_transitions(table, states, trie, vocab_size)
+    count = len(states)
+    edges = np.unique(sources * count + targets)
     into: dict[int, list[int]] = {}  # the graph of states, tokens merged, backwards
-    for state, (_, targets) in text.items():
-        for target in np.unique(targets).tolist():
-            into.setdefault(target, []).append(state)
-    live, frontier = set(accepting), list(accepting)
-    while frontier:
-        for state in into.get(frontier.pop(), ()):
-            if state not in live:
-                live.add(state)
-                frontier.append(state)
-    initial = index.get_initial_state()
+    out: dict[int, list[int]] = {}
+    for source, target in zip((edges // count).tolist(), (edges % count).tolist()):
+        into.setdefault(target, []).append(source)
+        out.setdefault(source, []).append(target)
+    live = _closure(np.flatnonzero(accepting).tolist(), into)
     if initial not in live:
         raise ValueError("the vocabulary cannot write any text that matches the constraint")
-    reaching = np.zeros(top, dtype=bool)
-    reaching[list(live)] = True
-    parts = []
-    for state in sorted(text):
-        tokens, targets = text[state]
-        kept = reaching[targets]
-        order = np.argsort(tokens[kept])
-        parts.append((np.full(len(order), state, dtype=np.int32), tokens[kept][order].astype(np.int32),
-                      targets[kept][order].astype(np.int32)))
-    sources, tokens, targets = (np.concatenate([part[i] for part in parts]) if parts else np.empty(0, np.int32)
-                                for i in range(3))
-    return initial, sources, tokens, targets, sorted(accepting)
+    kept = np.zeros(count, dtype=bool)
+    kept[list(_closure([initial], {s: [t for t in ts if t in live] for s, ts in out.items()}))] = True
+    keep = kept[sources] & kept[targets]
+    return (initial, sources[keep].astype(np.int32), tokens[keep].astype(np.int32), targets[keep].astype(np.int32),
+            sorted(np.flatnonzero(accepting & kept).tolist()))
+
+
+def _closure(start: list[int], graph: dict[int, list[int]]) -> set[int]:
+    """The states reachable from `start` in `graph` (state -> next states), `start` included."""
+    seen, frontier = set(start), list(start)
+    while frontier:
+        for state in graph.get(frontier.pop(), ()):
+            if state not in seen:
+                seen.add(state)
+                frontier.append(state)
+    return seen
 
 
 def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled):
@@ -215,8 +235,8 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
     context = multiprocessing.get_context("fork")
     receiver, sender = context.Pipe(duplex=False)
     # made here and handed over: the child takes no lock, which another thread may hold at the fork
-    outlines = _outlines_vocabulary(vocabulary)
-    child = context.Process(target=_compile_child, args=(source, outlines, vocabulary.size, timeout_s, sender),
+    trie, bytes_vocabulary = _token_trie(vocabulary), _bytes_vocabulary()
+    child = context.Process(target=_compile_child, args=(source, bytes_vocabulary, trie, vocabulary.size, timeout_s, sender),
                             daemon=True)
     child.start()
     sender.close()
@@ -242,10 +262,11 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
     return payload
 
 
-def _compile_child(source: tuple[str, str], outlines: OutlinesVocabulary, sentinel: int, timeout_s: float,
-                   sender) -> None:
-    """Runs in the child: outlines-core's index of the pattern and the sentinel, sent back as arrays of the
-    text tokens' transitions, and the states where the sentinel may come (where the pattern may end)."""
+def _compile_child(source: tuple[str, str], bytes_vocabulary: OutlinesVocabulary, trie: TokenTrie, vocab_size: int,
+                   timeout_s: float, sender) -> None:
+    """Runs in the child: outlines-core's byte-level index of the pattern and the sentinel, walked by every
+    token of the trie; sent back as arrays of the text tokens' transitions, and the states where the
+    sentinel may come (where the pattern may end)."""
     pattern = source[1]
     try:
         _detach(sender.fileno())
@@ -262,17 +283,13 @@ def _compile_child(source: tuple[str, str], outlines: OutlinesVocabulary, sentin
             if len(pattern) > MAX_REGEX_CHARS:
                 raise ValueError(f"the schema's regular expression has {len(pattern):,} characters, more than "
                                  f"{MAX_REGEX_CHARS:,} (limit max_regex_chars): nest less deeply")
-        index = Index(f"(?:{pattern}){SENTINEL_REGEX}", outlines)
-        sender.send(("ok", _live_transitions(index, sentinel)))
+        index = Index(f"(?:{pattern}){SENTINEL_REGEX}", bytes_vocabulary)
+        sender.send(("ok", _live_transitions(*_byte_automaton(index), trie, vocab_size)))
     except MemoryError:
         sender.send(("error", f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
                               f"(limit compile_memory)"))
-    except Exception as error:  # outlines-core reports unusable patterns and vocabularies as plain exceptions
-        message = str(error).replace(f"(?:{pattern}){SENTINEL_REGEX}", pattern)
-        if "vocabulary provided is incompatible" in message:
-            missing = message[message.find("missing tokens"):].split(". This")[0]
-            message = f"the vocabulary cannot write any text that matches the constraint ({missing})"
-        sender.send(("error", message))
+    except Exception as error:  # outlines-core reports unusable patterns as plain exceptions
+        sender.send(("error", str(error).replace(f"(?:{pattern}){SENTINEL_REGEX}", pattern)))
     finally:
         sender.close()
         os._exit(0)

@@ -1,0 +1,97 @@
+"""A token-level automaton from a byte-level one: every token walked through the byte automaton at once.
+
+outlines-core can build the token-level index itself, but at 32k tokens it hands it over as two million
+Python dict entries (a second of converting, twice its own compile), and its walk is per token. Here the
+regex is compiled over single bytes (a small automaton, the same for every vocabulary) and the vocabulary
+is a trie of its tokens' bytes, built once per vocabulary: one pass per trie level moves every live
+(state, prefix) pair one byte on, for all states together, in numpy. A pair whose byte leads nowhere is
+dropped at once, so the work is the live prefixes, not states x tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PAIRS_PER_CHUNK = 1 << 22  # (state, trie node) pairs a chunk of states may expand at one level, at most
+
+
+@dataclass(frozen=True)
+class Level:
+    """The trie nodes `depth` bytes deep, in order of their parents, then bytes: the children of node `p`
+    of the level above are nodes `child_start[p]` to `child_start[p + 1]`. The tokens ending at node `n`
+    are `ends[end_start[n]:end_start[n + 1]]` (several ids may write the same bytes)."""
+
+    byte: np.ndarray  # int64 [nodes]
+    child_start: np.ndarray  # int64 [nodes of the level above + 1]
+    end_start: np.ndarray  # int64 [nodes + 1]
+    ends: np.ndarray  # int64: token ids
+
+
+@dataclass(frozen=True)
+class TokenTrie:
+    levels: tuple[Level, ...]
+    nodes: int  # prefixes of text tokens, the empty one apart
+
+    @classmethod
+    def build(cls, tokens_by_bytes: dict[bytes, list[int]]) -> "TokenTrie":
+        """The trie of a vocabulary's text tokens (bytes -> the ids writing them)."""
+        strings = [s for s in tokens_by_bytes if s]
+        levels, above, depth = [], [b""], 0
+        while strings:
+            depth += 1
+            prefixes = sorted({s[:depth] for s in strings})
+            parent_of = {prefix: index for index, prefix in enumerate(above)}
+            parents = np.fromiter((parent_of[p[:-1]] for p in prefixes), dtype=np.int64, count=len(prefixes))
+            ids = [tokens_by_bytes.get(p, ()) for p in prefixes]
+            levels.append(Level(
+                byte=np.fromiter((p[-1] for p in prefixes), dtype=np.int64, count=len(prefixes)),
+                child_start=np.searchsorted(parents, np.arange(len(above) + 1)),
+                end_start=np.concatenate([[0], np.cumsum([len(i) for i in ids])]).astype(np.int64),
+                ends=np.fromiter((t for i in ids for t in i), dtype=np.int64),
+            ))
+            above = prefixes
+            strings = [s for s in strings if len(s) > depth]  # the longest tokens go 128 bytes deep
+        return cls(tuple(levels), sum(len(level.byte) for level in levels))
+
+
+def _expand(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ranges [starts[i], stops[i]): (i, k) for every k in range i, as two arrays."""
+    counts = stops - starts
+    owner = np.repeat(np.arange(len(starts)), counts)
+    offsets = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, starts[owner] + offsets
+
+
+def token_transitions(table: np.ndarray, states: np.ndarray, trie: TokenTrie, vocab_size: int):
+    """The token-level transitions of `states` (ascending) through the byte automaton `table` (int64
+    [S + 1, 256], the dead state S last, leading to itself): (sources, tokens, targets) for every token
+    whose bytes all lead somewhere, sorted by (source, token), as a searchsorted table wants them.
+
+    States go a chunk at a time; a chunk's transitions are laid out in a dense block of states x tokens
+    and read back in order, which costs less than sorting them (an argsort of two million keys)."""
+    dead = table.shape[0] - 1
+    flat = table.reshape(-1)
+    widest = max((len(level.byte) for level in trie.levels), default=1)
+    chunk = max(1, min(PAIRS_PER_CHUNK // max(1, widest), PAIRS_PER_CHUNK // max(1, vocab_size)))
+    found = []
+    for first in range(0, len(states), chunk):
+        origin = np.arange(len(states[first : first + chunk]))
+        current, node = states[first : first + chunk].copy(), np.zeros(len(origin), dtype=np.int64)
+        block = np.full((len(origin), vocab_size), dead, dtype=np.int32)
+        for level in trie.levels:
+            if not len(node):
+                break
+            pair, node = _expand(level.child_start[node], level.child_start[node + 1])
+            moved = flat[current[pair] * 256 + level.byte[node]]
+            live = moved != dead
+            origin, node, current = origin[pair[live]], node[live], moved[live]
+            ending, token = _expand(level.end_start[node], level.end_start[node + 1])
+            block[origin[ending], level.ends[token]] = current[ending]
+        rows, tokens = np.nonzero(block != dead)
+        found.append((states[first + rows], tokens, block[rows, tokens]))
+    if not found:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty
+    return tuple(np.concatenate([part[i] for part in found]) for i in range(3))

@@ -1,0 +1,58 @@
+"""The trie walk that turns a byte-level automaton into a token-level one, against walking each token's
+bytes one by one."""
+
+import numpy as np
+import pytest
+
+from processors.structured import trie as trie_module
+from processors.structured.trie import TokenTrie, token_transitions
+
+
+def naive(table, states, tokens_by_bytes, vocab_size):
+    """Each state, each token id in order, its bytes one at a time: what the trie walk must find."""
+    dead = table.shape[0] - 1
+    ids = {token: text for text, group in tokens_by_bytes.items() for token in group if text}
+    found = []
+    for state in states:
+        for token in range(vocab_size):
+            if token not in ids:
+                continue
+            current = state
+            for byte in ids[token]:
+                current = table[current, byte]
+                if current == dead:
+                    break
+            if current != dead:
+                found.append((state, token, current))
+    return found
+
+
+@pytest.mark.parametrize("pairs_per_chunk", [1, 50, 1 << 22])
+def test_the_trie_walk_finds_every_token_transition_in_order(pairs_per_chunk, monkeypatch):
+    """A random automaton over a few bytes (so that most walks go somewhere) and a vocabulary with shared
+    prefixes, ids writing the same bytes, single bytes and a special token; chunks from one state at a time
+    to all of them."""
+    monkeypatch.setattr(trie_module, "PAIRS_PER_CHUNK", pairs_per_chunk)
+    rng = np.random.default_rng(0)
+    states, alphabet = 40, [0x61, 0x62, 0x63, 0xC3, 0xA9]
+    table = np.full((states + 1, 256), states, dtype=np.int64)
+    for byte in alphabet:
+        table[:states, byte] = rng.integers(0, states + 1, states)  # some lead to the dead state
+    texts = {bytes(rng.choice(alphabet, size=rng.integers(1, 7)).tolist()) for _ in range(300)} | {bytes([b]) for b in alphabet}
+    tokens_by_bytes, next_id = {}, 0
+    for text in sorted(texts):
+        tokens_by_bytes[text] = [next_id] + ([next_id + 1] if next_id % 7 == 0 else [])  # some bytes written twice
+        next_id += len(tokens_by_bytes[text])
+    tokens_by_bytes[b""] = []  # a special token writes nothing and has no transition
+    vocab_size = next_id + 3
+    walked = token_transitions(table, np.arange(states), TokenTrie.build(tokens_by_bytes), vocab_size)
+    expected = naive(table, range(states), tokens_by_bytes, vocab_size)
+    assert list(zip(*(part.tolist() for part in walked))) == expected
+    assert 500 < len(expected) < states * next_id  # the walks both end and go on
+
+
+def test_an_automaton_no_token_can_enter_has_no_transitions():
+    table = np.full((3, 256), 2, dtype=np.int64)
+    table[0, ord("z")] = 1
+    walked = token_transitions(table, np.arange(2), TokenTrie.build({b"a": [0], b"ab": [1]}), 2)
+    assert all(len(part) == 0 for part in walked)
