@@ -5,7 +5,7 @@ Python dict entries (a second of converting, twice its own compile), and its wal
 regex is compiled over single bytes (a small automaton, the same for every vocabulary) and the vocabulary
 is a trie of its tokens' bytes, built once per vocabulary: one pass per trie level moves every live
 (state, prefix) pair one byte on, for all states together, in numpy. A pair whose byte leads nowhere is
-dropped at once, so the work is the live prefixes, not states x tokens.
+dropped at once, so the walk's work is the live prefixes, not states x tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ class Level:
 @dataclass(frozen=True)
 class TokenTrie:
     levels: tuple[Level, ...]
-    nodes: int  # prefixes of text tokens, the empty one apart
 
     @classmethod
     def build(cls, tokens_by_bytes: dict[bytes, list[int]]) -> "TokenTrie":
@@ -52,8 +51,8 @@ class TokenTrie:
                 ends=np.fromiter((t for i in ids for t in i), dtype=np.int64),
             ))
             above = prefixes
-            strings = [s for s in strings if len(s) > depth]  # the longest tokens go 128 bytes deep
-        return cls(tuple(levels), sum(len(level.byte) for level in levels))
+            strings = [s for s in strings if len(s) > depth]  # a vocabulary's runs of spaces go 100 bytes deep
+        return cls(tuple(levels))
 
 
 def _expand(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
