@@ -20,6 +20,7 @@ import torch
 from ..errors import InvalidOption
 
 MAX_MASK_BYTES = 256 * 2**20  # the distinct masks of one compiled constraint, as float32 bias rows x vocabulary
+MAX_TABLE_BYTES = 256 * 2**20  # its transitions, 16 bytes each: 16M (the benchmark's JSON schema has 2M over 32k tokens)
 MASK_CHUNK_STATES = 256  # states whose dense masks are built at once while finding the distinct ones
 MAX_MEMO_STEPS = 65_536  # one-row steps remembered per automaton (a dict entry each, about 100 bytes)
 
@@ -122,44 +123,55 @@ class TokenAutomaton:
 
     @classmethod
     def from_transitions(cls, initial: int, sources, tokens, targets, accepting, vocab_size: int) -> "TokenAutomaton":
-        """Builds the tables from transition triples whose states may be any integers (they are renumbered).
+        """Builds the tables from transition triples whose states may be any integers (see `tables`)."""
+        return cls.from_tables(**tables(initial, sources, tokens, targets, accepting, vocab_size))
 
-        Raises `InvalidOption` when two transitions leave one state on one token for different states, or
-        when the masks would exceed `MAX_MASK_BYTES`.
-        """
-        sources, tokens, targets = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (sources, tokens, targets))
-        accepting = np.asarray(sorted(accepting), dtype=np.int64)
-        labels, numbered = renumber(np.concatenate([[initial], sources, targets, accepting]))
-        count, n = len(labels), len(sources)
-        src, dst = numbered[1 : 1 + n], numbered[1 + n : 1 + 2 * n]
-        acc = numbered[1 + 2 * n :]
-        keys = src * vocab_size + tokens
-        repeated = []
-        if not (keys[1:] > keys[:-1]).all():  # a compiled constraint's come sorted, each once: no sort
-            order = np.argsort(keys)
-            keys, dst = keys[order], dst[order]
-            repeated = np.nonzero(keys[1:] == keys[:-1])[0]
-        if len(repeated):
-            conflict = repeated[dst[repeated] != dst[repeated + 1]]
-            if len(conflict):
-                at = conflict[0]
-                raise InvalidOption(f"the automaton is not deterministic: state {labels[keys[at] // vocab_size]} has two "
-                                    f"transitions on token {keys[at] % vocab_size}")
-            keep = np.ones(len(keys), dtype=bool)
-            keep[repeated + 1] = False
-            keys, dst = keys[keep], dst[keep]
-        mask_of, forbidden = _distinct_masks(keys // vocab_size, keys % vocab_size, count, vocab_size)
-        final = np.zeros(count + 1, dtype=bool)
-        final[acc] = True
-        return cls(
-            initial=int(numbered[0]),
-            vocab_size=vocab_size,
-            keys=torch.from_numpy(np.append(keys, np.iinfo(np.int64).max)),
-            targets=torch.from_numpy(np.append(dst.astype(np.int64), count)),
-            mask_of=torch.from_numpy(mask_of),
-            forbidden=torch.from_numpy(forbidden),
-            accepting=torch.from_numpy(final),
-        )
+    @classmethod
+    def from_tables(cls, initial: int, vocab_size: int, keys, targets, mask_of, forbidden, accepting) -> "TokenAutomaton":
+        """The automaton over the numpy arrays `tables` made (shared, not copied)."""
+        return cls(initial=initial, vocab_size=vocab_size, keys=torch.from_numpy(keys), targets=torch.from_numpy(targets),
+                   mask_of=torch.from_numpy(mask_of), forbidden=torch.from_numpy(forbidden),
+                   accepting=torch.from_numpy(accepting))
+
+
+def tables(initial: int, sources, tokens, targets, accepting, vocab_size: int) -> dict:
+    """The arrays of a `TokenAutomaton` (the keyword arguments of `from_tables`), from transition triples
+    whose states may be any integers (they are renumbered). Pure numpy, so that a compiling child can
+    make them within its memory cap and send them whole.
+
+    Raises `InvalidOption` when two transitions leave one state on one token for different states, or
+    when the tables would exceed `MAX_TABLE_BYTES` or the masks `MAX_MASK_BYTES`.
+    """
+    sources, tokens, targets = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (sources, tokens, targets))
+    if len(sources) * 16 > MAX_TABLE_BYTES:
+        raise InvalidOption(f"the constraint is too large: its {len(sources):,} transitions exceed {MAX_TABLE_BYTES >> 20} "
+                            f"MiB of tables (limit max_table_bytes)")
+    accepting = np.asarray(sorted(accepting), dtype=np.int64)
+    labels, numbered = renumber(np.concatenate([[initial], sources, targets, accepting]))
+    count, n = len(labels), len(sources)
+    src, dst = numbered[1 : 1 + n], numbered[1 + n : 1 + 2 * n]
+    acc = numbered[1 + 2 * n :]
+    keys = src * vocab_size + tokens
+    repeated = []
+    if not (keys[1:] > keys[:-1]).all():  # a compiled constraint's come sorted, each once: no sort
+        order = np.argsort(keys)
+        keys, dst = keys[order], dst[order]
+        repeated = np.nonzero(keys[1:] == keys[:-1])[0]
+    if len(repeated):
+        conflict = repeated[dst[repeated] != dst[repeated + 1]]
+        if len(conflict):
+            at = conflict[0]
+            raise InvalidOption(f"the automaton is not deterministic: state {labels[keys[at] // vocab_size]} has two "
+                                f"transitions on token {keys[at] % vocab_size}")
+        keep = np.ones(len(keys), dtype=bool)
+        keep[repeated + 1] = False
+        keys, dst = keys[keep], dst[keep]
+    mask_of, forbidden = _distinct_masks(keys // vocab_size, keys % vocab_size, count, vocab_size)
+    final = np.zeros(count + 1, dtype=bool)
+    final[acc] = True
+    return {"initial": int(numbered[0]), "vocab_size": vocab_size, "keys": np.append(keys, np.iinfo(np.int64).max),
+            "targets": np.append(dst.astype(np.int64), count), "mask_of": mask_of, "forbidden": forbidden,
+            "accepting": final}
 
 
 @dataclass(frozen=True)

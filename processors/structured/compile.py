@@ -13,7 +13,8 @@ language, as Python's `re.fullmatch` defines it.
 That work is polynomial for sane patterns but exponential for some (`(a|b)*a(a|b){30}`), and it runs in
 native code that a thread cannot interrupt, so it runs in a forked child: the parent waits `timeout_s`
 at most, then kills it, and the child's address space is capped so a pathological pattern fails instead
-of swapping the machine. Results, failures included, are cached by (constraint, vocabulary
+of swapping the machine. The child makes the automaton's tables too, within that cap, and sends them
+whole: the parent never holds more than the tables themselves. Results, failures included, are cached by (constraint, vocabulary
 fingerprint): every generation with the same constraint on the same model shares one automaton.
 
 A caller that may stop wanting the result passes `cancelled`, a callable the parent asks while it waits
@@ -37,7 +38,7 @@ import numpy as np
 from outlines_core import Index, Vocabulary as OutlinesVocabulary
 
 from ..errors import InvalidOption, ProcessorError
-from .automaton import TokenAutomaton
+from .automaton import TokenAutomaton, tables
 from .trie import TokenTrie, token_transitions
 from .vocabulary import Vocabulary
 
@@ -128,9 +129,8 @@ def _retried(failed: tuple[InvalidOption, float], timeout_s: float | None) -> bo
 
 
 def _build(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled) -> TokenAutomaton:
-    """Compiles in the child; builds the tables from the transitions it sends."""
-    initial, sources, tokens, targets, accepting = _in_child(source, vocabulary, timeout_s, cancelled)
-    return TokenAutomaton.from_transitions(initial, sources, tokens, targets, accepting, vocabulary.size)
+    """Compiles in the child, which sends the automaton's tables whole."""
+    return TokenAutomaton.from_tables(**_in_child(source, vocabulary, timeout_s, cancelled))
 
 
 def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float | None = None) -> bool:
@@ -249,6 +249,8 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
                 raise _timed_out(timeout_s, timeout_s)
         try:
             status, payload = receiver.recv()
+            if status == "ok":
+                payload = _receive_tables(receiver, payload)
         except EOFError:
             raise InvalidOption(f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
                                 f"(limit compile_memory) or crashed") from None
@@ -284,7 +286,7 @@ def _compile_child(source: tuple[str, str], bytes_vocabulary: OutlinesVocabulary
                 raise ValueError(f"the schema's regular expression has {len(pattern):,} characters, more than "
                                  f"{MAX_REGEX_CHARS:,} (limit max_regex_chars): nest less deeply")
         index = Index(f"(?:{pattern}){SENTINEL_REGEX}", bytes_vocabulary)
-        sender.send(("ok", _live_transitions(*_byte_automaton(index), trie, vocab_size)))
+        _send_tables(sender, tables(*_live_transitions(*_byte_automaton(index), trie, vocab_size), vocab_size))
     except MemoryError:
         sender.send(("error", f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
                               f"(limit compile_memory)"))
@@ -293,6 +295,34 @@ def _compile_child(source: tuple[str, str], bytes_vocabulary: OutlinesVocabulary
     finally:
         sender.close()
         os._exit(0)
+
+
+def _send_tables(sender, made: dict) -> None:
+    """The tables as ("ok", their shapes and the plain values), then each array's bytes as they are: no
+    pickled copy on either side (the tables of a large constraint run to hundreds of MiB)."""
+    arrays = {name: value for name, value in made.items() if isinstance(value, np.ndarray)}
+    plain = {name: value for name, value in made.items() if name not in arrays}
+    sender.send(("ok", (plain, {name: (array.dtype.str, array.shape) for name, array in arrays.items()})))
+    for array in arrays.values():
+        sender.send_bytes(_as_bytes(np.ascontiguousarray(array)))
+
+
+def _receive_tables(receiver, header) -> dict:
+    """What `_send_tables` sent, each array read straight into its own buffer."""
+    plain, shapes = header
+    made = dict(plain)
+    for name, (dtype, shape) in shapes.items():
+        array = made[name] = np.empty(shape, dtype=np.dtype(dtype))
+        if array.nbytes:
+            receiver.recv_bytes_into(_as_bytes(array))
+        else:
+            receiver.recv_bytes()
+    return made
+
+
+def _as_bytes(array: np.ndarray) -> memoryview:
+    """A contiguous array's buffer as flat bytes (a connection slices what it sends by its first axis)."""
+    return array.reshape(-1).view(np.uint8).data
 
 
 def _detach(keep: int) -> None:

@@ -355,6 +355,20 @@ def test_what_only_compiling_can_tell_is_refused_when_bound_and_remembered(vocab
         configure(JsonSchema, schema={"1": "a", "b": 2}).bind(vocab, [EOS])
 
 
+def test_a_constraint_whose_tables_pass_their_limit_is_refused_by_the_child(vocab, monkeypatch):
+    """The tables are made in the compiling child, within its memory cap, and bounded there: the forked
+    child sees the limit the parent set."""
+    from processors.structured import compile as structured_compile
+
+    monkeypatch.setattr(structured_compile, "_cache", type(structured_compile._cache)())  # nothing compiled yet
+    monkeypatch.setattr(structured_compile, "_failures", type(structured_compile._failures)())
+    monkeypatch.setattr(automaton_module, "MAX_TABLE_BYTES", 16 * 100)
+    with pytest.raises(P.InvalidOption, match=r"transitions exceed 0 MiB of tables \(limit max_table_bytes\)"):
+        configure(Regex, pattern="[a-z]{1,3}").bind(vocab, [EOS])
+    automaton = configure(Regex, pattern="[0-9]").bind(vocab, [EOS]).automaton
+    assert 0 < len(automaton.keys) - 1 <= 100
+
+
 def test_anchors_mean_what_fullmatch_means_already(vocab, tokenizer):
     for pattern in (r"^[0-9]{3}$", r"\A[0-9]{3}\z"):
         chain = Chain([configure(Regex, pattern=pattern)]).bind(vocab, [EOS])
