@@ -22,7 +22,8 @@ from ..errors import InvalidOption
 MAX_MASK_BYTES = 256 * 2**20  # the distinct masks of one compiled constraint, as float32 bias rows x vocabulary
 MAX_TABLE_BYTES = 256 * 2**20  # its transitions, 16 bytes each: 16M (the benchmark's JSON schema has 2M over 32k tokens)
 MASK_CHUNK_STATES = 256  # states whose dense masks are built at once while finding the distinct ones
-MAX_MEMO_STEPS = 65_536  # one-row steps remembered per automaton (a dict entry each, about 100 bytes)
+MAX_MEMO_STEPS = 65_536  # one-row steps remembered per automaton
+MEMO_STEP_BYTES = 100  # what one remembered step holds: a dict slot and two ints
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,10 @@ class TokenAutomaton:
 
     @property
     def nbytes(self) -> int:
-        """Its tables and the masks bound from them (what the compile cache holds on to)."""
+        """Its tables, the masks bound from them and the steps it remembers (what the compile cache holds on to)."""
         tensors = [self.keys, self.targets, self.mask_of, self.forbidden, self.accepting]
         tensors += [t for masks in self.bound.values() for t in (masks.mask_of, masks.bias)]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in tensors) + len(self.memo) * MEMO_STEP_BYTES
 
     def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The state after each row's token: one `searchsorted` for all rows; a token with no transition leads to the dead state."""

@@ -250,8 +250,8 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
         try:
             status, payload = receiver.recv()
             if status == "ok":
-                payload = _receive_tables(receiver, payload)
-        except EOFError:
+                payload = _receive_tables(receiver, payload, deadline)
+        except (EOFError, OSError, multiprocessing.BufferTooShort):  # the child ended, or ended mid-message
             raise InvalidOption(f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
                                 f"(limit compile_memory) or crashed") from None
     finally:
@@ -286,12 +286,17 @@ def _compile_child(source: tuple[str, str], bytes_vocabulary: OutlinesVocabulary
                 raise ValueError(f"the schema's regular expression has {len(pattern):,} characters, more than "
                                  f"{MAX_REGEX_CHARS:,} (limit max_regex_chars): nest less deeply")
         index = Index(f"(?:{pattern}){SENTINEL_REGEX}", bytes_vocabulary)
-        _send_tables(sender, tables(*_live_transitions(*_byte_automaton(index), trie, vocab_size), vocab_size))
+        made = tables(*_live_transitions(*_byte_automaton(index), trie, vocab_size), vocab_size)
     except MemoryError:
         sender.send(("error", f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
                               f"(limit compile_memory)"))
     except Exception as error:  # outlines-core reports unusable patterns as plain exceptions
-        sender.send(("error", str(error).replace(f"(?:{pattern}){SENTINEL_REGEX}", pattern)))
+        message = str(error).replace(f"(?:{pattern}){SENTINEL_REGEX}", pattern)
+        if "vocabulary provided is incompatible" in message:  # over every byte: no text can begin a match
+            message = "the constraint matches no text at all"
+        sender.send(("error", message))
+    else:  # once its first part is out, nothing else is sent: a failure ends the child, which the parent reads as a crash
+        _send_tables(sender, made)
     finally:
         sender.close()
         os._exit(0)
@@ -307,16 +312,17 @@ def _send_tables(sender, made: dict) -> None:
         sender.send_bytes(_as_bytes(np.ascontiguousarray(array)))
 
 
-def _receive_tables(receiver, header) -> dict:
-    """What `_send_tables` sent, each array read straight into its own buffer."""
+def _receive_tables(receiver, header, deadline: float) -> dict:
+    """What `_send_tables` sent, each array read straight into its own buffer, whole (a child that ends
+    before is an `EOFError` or an `OSError`, one that sends more a `BufferTooShort`), by `deadline`."""
     plain, shapes = header
     made = dict(plain)
     for name, (dtype, shape) in shapes.items():
         array = made[name] = np.empty(shape, dtype=np.dtype(dtype))
-        if array.nbytes:
-            receiver.recv_bytes_into(_as_bytes(array))
-        else:
-            receiver.recv_bytes()
+        if not receiver.poll(max(0.0, deadline - time.monotonic())):
+            raise EOFError(f"no {name} came before the deadline")
+        if receiver.recv_bytes_into(_as_bytes(array)) != array.nbytes:
+            raise EOFError(f"{name} came short")
     return made
 
 

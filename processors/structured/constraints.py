@@ -12,6 +12,7 @@ exactly in the states that may end: accepting ones, and any the vocabulary canno
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import ClassVar
@@ -377,7 +378,8 @@ def _check_syntax(pattern: str, name: str) -> None:
     """Rejects a pattern Rust's regex syntax does not accept, at configure time and without a vocabulary."""
     import llguidance
 
-    ok, problem = _validate_lark(llguidance.LLMatcher.grammar_from_regex(pattern))
+    with rust_panics_as(InvalidOption, f"option {name!r} cannot be checked"):
+        ok, problem = _validate_lark(llguidance.LLMatcher.grammar_from_regex(pattern))
     if not ok:
         raise InvalidOption(f"option {name!r} is not a valid regular expression: {problem}")
 
@@ -387,3 +389,16 @@ def _validate_lark(grammar: str) -> tuple[bool, str]:
 
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     return (not is_error, "; ".join(messages))
+
+
+@contextlib.contextmanager
+def rust_panics_as(kind: type[ProcessorError], what: str):
+    """A panic in Rust code (llguidance's: some patterns make its regex simplifier unwrap nothing) comes
+    out of pyo3 as `PanicException`, a `BaseException`, which `except Exception` lets through, the
+    server's too: it is raised as `kind`, saying `what` failed."""
+    try:
+        yield
+    except BaseException as error:
+        if type(error).__module__ != "pyo3_runtime":
+            raise
+        raise kind(f"{what}: llguidance failed on it ({str(error)[:200]})") from None

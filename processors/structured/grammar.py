@@ -15,7 +15,7 @@ import torch
 
 from ..contract import LogitsProcessor, option
 from ..errors import InvalidInput, InvalidOption
-from .constraints import NEG_INF, Constraint, _pattern, _validate_lark
+from .constraints import NEG_INF, Constraint, _pattern, _validate_lark, rust_panics_as
 
 _BIT = torch.arange(32, dtype=torch.int32)
 
@@ -31,7 +31,8 @@ class Grammar(Constraint):
     def validate(self):
         import llguidance
 
-        ok, problem = _validate_lark(llguidance.LLMatcher.grammar_from_lark(self.grammar))
+        with rust_panics_as(InvalidOption, "option 'grammar' cannot be checked"):
+            ok, problem = _validate_lark(llguidance.LLMatcher.grammar_from_lark(self.grammar))
         if not ok:
             raise InvalidOption(f"option 'grammar' is not a valid Lark grammar: {problem}")
 
@@ -41,8 +42,9 @@ class Grammar(Constraint):
         eos = self.end_tokens(eos_token_ids)
         tokenizer = vocabulary.llguidance_tokenizer()
         # a grammar whose language the vocabulary cannot begin is refused now, as a regex's is when it compiles
-        start = _matcher(tokenizer, self.grammar)
-        llg.fill_next_token_bitmask(start, llg.allocate_token_bitmask(1, tokenizer.vocab_size), 0)
+        with rust_panics_as(InvalidOption, "the grammar cannot be bound to the vocabulary"):
+            start = _matcher(tokenizer, self.grammar)
+            llg.fill_next_token_bitmask(start, llg.allocate_token_bitmask(1, tokenizer.vocab_size), 0)
         if start.is_error():
             raise InvalidOption(f"the vocabulary cannot write any text that the grammar accepts ({_reason(start)})")
         return GrammarProcessor(self, tokenizer, torch.tensor(eos, dtype=torch.long, device=device), start)
@@ -66,6 +68,10 @@ class GrammarProcessor(LogitsProcessor):
         return {"slot": torch.arange(rows, device=context.sequence.device), "pool": pool}
 
     def process(self, state, logits, context):
+        with rust_panics_as(InvalidInput, "grammar: the parser failed"):
+            return self._process(state, logits, context)
+
+    def _process(self, state, logits, context):
         import llguidance.torch as llg
 
         pool = state["pool"]

@@ -8,6 +8,7 @@ import random
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import regex
 import torch
@@ -130,9 +131,11 @@ def test_one_row_and_many_rows_take_the_same_steps(vocab, monkeypatch):
     states = torch.randint(0, automaton.dead + 1, (4000,), generator=g)
     tokens = torch.randint(0, 1024, (4000,), generator=g)
     batched = automaton.advance(states, tokens)
+    tables = automaton.nbytes - len(automaton.memo) * automaton_module.MEMO_STEP_BYTES
     for _ in range(2):
         assert batched.tolist() == [automaton.step(s, t) for s, t in zip(states.tolist(), tokens.tolist())]
         assert 0 < len(automaton.memo) <= 1000
+        assert automaton.nbytes == tables + len(automaton.memo) * automaton_module.MEMO_STEP_BYTES  # the cache counts it
     assert [automaton.step(s, t) for s, t in zip(states[:900].tolist(), tokens[:900].tolist())] == batched[:900].tolist()
     assert (batched != automaton.dead).sum() > 100  # real transitions, not only dead ends
     assert all(torch.equal(masks.rows(states[i : i + 1])[0], masks.row(int(states[i]))) for i in range(0, 4000, 37))
@@ -293,6 +296,30 @@ def test_grammar_texts_are_balanced_through_reorders(vocab, tokenizer):
     assert any(t.count("(") > 1 for t in texts)  # nesting happened: this is not a finite pattern
 
 
+PANICKING = "(((é|[é-ü])|(( |.|中)|[é-ü])|\\w)){3,}"  # llguidance's regex simplifier panics on it (derivre 0.3.13)
+
+
+def test_a_panic_in_llguidance_is_a_typed_error(vocab, monkeypatch):
+    """pyo3 raises a Rust panic as a BaseException, which `except Exception` misses: at configure time
+    and in a grammar's step, it is the processor's error."""
+    with pytest.raises(P.InvalidOption, match="option 'pattern' cannot be checked: llguidance failed on it") as caught:
+        configure(Regex, pattern=PANICKING)
+    panic = type(caught.value.__context__)
+    assert panic.__module__ == "pyo3_runtime" and not issubclass(panic, Exception)
+    chain = Chain([configure(Grammar, grammar='start: "a"+')]).bind(vocab, [EOS])
+    context = Context(torch.zeros(1, 4, dtype=torch.long), 1, 1, 1024)
+    states = chain.init(context)
+
+    def panicking(*args):
+        raise panic("called `Option::unwrap()` on a `None` value")
+
+    import llguidance.torch
+
+    monkeypatch.setattr(llguidance.torch, "fill_next_token_bitmask", panicking)
+    with pytest.raises(P.InvalidInput, match="grammar: the parser failed: llguidance failed on it"):
+        chain.process(states, torch.zeros(1, 1024), context)
+
+
 @pytest.mark.parametrize("cls, options, message", [
     (Regex, {"pattern": "a(?=b)"}, "look-around"),
     (Regex, {"pattern": "a(b"}, "unclosed group"),
@@ -331,6 +358,8 @@ def test_what_only_binding_can_tell_is_refused_when_bound(vocab):
         configure(Dfa, initial_state=0, transitions=[[0, 5, 1], [0, 5, 2]]).bind(vocab, [EOS])
     with pytest.raises(P.InvalidOption, match="eos_token_ids is empty"):
         configure(Regex, pattern="a").bind(vocab, [])
+    with pytest.raises(P.InvalidOption, match="the constraint matches no text at all"):
+        configure(Regex, pattern=r"[^\x00-\x{10FFFF}]").bind(vocab, [EOS])
     tiny = Vocabulary((b"a", b"b", None))
     with pytest.raises(P.InvalidOption, match="cannot write any text"):
         configure(Regex, pattern="c+").bind(tiny, [2])
@@ -355,9 +384,7 @@ def test_what_only_compiling_can_tell_is_refused_when_bound_and_remembered(vocab
         configure(JsonSchema, schema={"1": "a", "b": 2}).bind(vocab, [EOS])
 
 
-def test_a_constraint_whose_tables_pass_their_limit_is_refused_by_the_child(vocab, monkeypatch):
-    """The tables are made in the compiling child, within its memory cap, and bounded there: the forked
-    child sees the limit the parent set."""
+def test_a_constraint_whose_tables_pass_their_limit_is_refused(vocab, monkeypatch):
     from processors.structured import compile as structured_compile
 
     monkeypatch.setattr(structured_compile, "_cache", type(structured_compile._cache)())  # nothing compiled yet
@@ -367,6 +394,42 @@ def test_a_constraint_whose_tables_pass_their_limit_is_refused_by_the_child(voca
         configure(Regex, pattern="[a-z]{1,3}").bind(vocab, [EOS])
     automaton = configure(Regex, pattern="[0-9]").bind(vocab, [EOS]).automaton
     assert 0 < len(automaton.keys) - 1 <= 100
+
+
+class Cut:
+    """A child's end of the pipe that fails its last message (the header, then each array: the last
+    array): by raising, or by sending more bytes than the parent's array has."""
+
+    def __init__(self, sender, longer: bool, messages: int):
+        self.sender, self.longer, self.sent, self.messages = sender, longer, 0, messages
+
+    def send(self, message):
+        self.sent += 1
+        self.sender.send(message)
+
+    def send_bytes(self, data):
+        self.sent += 1
+        if self.sent < self.messages:
+            return self.sender.send_bytes(data)
+        if self.longer:
+            return self.sender.send_bytes(bytes(len(data) + 64))
+        raise MemoryError
+
+
+@pytest.mark.parametrize("longer", [False, True])
+def test_a_child_failing_while_it_sends_its_tables_is_a_crash_not_an_automaton(vocab, monkeypatch, longer):
+    """Once the tables' header is out, a child that fails (or sends what does not fit) must not leave
+    the parent with a half-filled automaton: the compile fails as a crash."""
+    from processors.structured import compile as structured_compile
+
+    monkeypatch.setattr(structured_compile, "_cache", type(structured_compile._cache)())
+    monkeypatch.setattr(structured_compile, "_failures", type(structured_compile._failures)())
+    send = structured_compile._send_tables
+    monkeypatch.setattr(structured_compile, "_send_tables", lambda sender, made: send(
+        Cut(sender, longer, 1 + sum(isinstance(value, np.ndarray) for value in made.values())), made))
+    with pytest.raises(P.InvalidOption, match="or crashed"):
+        configure(Regex, pattern="[0-9]{150}").bind(vocab, [EOS])
+    assert not structured_compile._cache
 
 
 def test_anchors_mean_what_fullmatch_means_already(vocab, tokenizer):

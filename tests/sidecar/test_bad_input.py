@@ -649,6 +649,11 @@ PROTOCOL_ROWS = [
      "invalid_processor", "index"),
     # constraints: refused when configured or compiled, before anything runs
     ("regex with look-around", gen(prompt="a", processors=[processor("regex", pattern="a(?=b)")]), "invalid_processor", "index"),
+    ("regex on which llguidance's syntax check panics",  # a Rust panic is a BaseException in Python
+     gen(prompt="a", processors=[processor("regex", pattern="(((é|[é-ü])|(( |.|中)|[é-ü])|\\w)){3,}")]),
+     "invalid_processor", "index"),
+    ("regex that matches no text", gen(prompt="a", processors=[processor("regex", pattern="[^\\x00-\\x{10FFFF}]")]),
+     "invalid_processor", "index"),
     ("regex that never compiles in time",
      gen(prompt="a", processors=[processor("regex", pattern="(a|b)*a(a|b){40}", compile_timeout_s=0.3)]),
      "invalid_processor", "index"),
