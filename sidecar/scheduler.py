@@ -44,9 +44,12 @@ class Scheduler:
     def run_of(self, session) -> Run | None:
         """The session's generation that has started and not finished, waiting or running (one at most):
         what makes it busy, found here rather than kept beside (a finished run, kept, would hold its
-        processors' states until the session's next call)."""
-        with self.engine.lock:
-            return next((run for run in (*self.running, *self.waiting) if run.session is session and not run.done), None)
+        processors' states until the session's next call).
+
+        Read without the engine's lock: asking whether a session is busy never waits for another thread's
+        step. The two lists are copied in one go (no other thread runs meanwhile); a caller that acts on
+        the answer holds the lock already."""
+        return next((run for run in (*self.running, *self.waiting) if run.session is session and not run.done), None)
 
     def cancel(self, run: Run) -> None:
         """Cancels a run now, or at the end of the tick under way (a processor cancelling)."""

@@ -631,12 +631,12 @@ def test_a_stream_dropped_while_another_thread_holds_the_engine_leaves_its_sessi
     prompt, follow = tokens(7, seed=72), tokens(9, seed=73)
     with engine.session() as fresh:
         expected = fresh.generate(token_ids=follow, max_new_tokens=8, eos_token_ids=[]).token_ids
-    holding, release = threading.Event(), threading.Event()
+    holding, release, released = threading.Event(), threading.Event(), []
 
     def hold():
         with engine.lock:  # another thread's call under way: stats(), a fork, a save...
             holding.set()
-            release.wait(30)
+            released.append(release.wait(30))  # False: `busy` below waited for this thread to give up
 
     with engine.session() as session:
         stream = session.stream(token_ids=prompt, max_new_tokens=20, eos_token_ids=[])
@@ -648,5 +648,6 @@ def test_a_stream_dropped_while_another_thread_holds_the_engine_leaves_its_sessi
         assert session.busy
         release.set()
         holder.join(30)
+        assert released == [True]  # asking `busy` did not wait for the engine
         assert session.generate(token_ids=follow, max_new_tokens=8, eos_token_ids=[]).token_ids == expected
         assert session.last.finish_reason == "length" and not engine.scheduler.busy
