@@ -201,7 +201,7 @@ def _live_transitions(initial: int, table: np.ndarray, accepting: np.ndarray, tr
     sources, tokens, targets = token_transitions(table, states, trie, vocab_size)
     count = len(states)
     edges = np.unique(sources * count + targets)
-    into: dict[int, list[int]] = {}  # the graph of states, tokens merged, backwards
+    into: dict[int, list[int]] = {}  # the graph of states, tokens merged, both ways
     out: dict[int, list[int]] = {}
     for source, target in zip((edges // count).tolist(), (edges % count).tolist()):
         into.setdefault(target, []).append(source)
@@ -209,11 +209,12 @@ def _live_transitions(initial: int, table: np.ndarray, accepting: np.ndarray, tr
     live = _closure(np.flatnonzero(accepting).tolist(), into)
     if initial not in live:
         raise ValueError("the vocabulary cannot write any text that matches the constraint")
+    # what a state the pattern cannot end from leads to cannot end it either: reachable and live is
+    # reachable through live states
     kept = np.zeros(count, dtype=bool)
-    kept[list(_closure([initial], {s: [t for t in ts if t in live] for s, ts in out.items()}))] = True
+    kept[list(_closure([initial], out) & live)] = True
     keep = kept[sources] & kept[targets]
-    return (initial, sources[keep].astype(np.int32), tokens[keep].astype(np.int32), targets[keep].astype(np.int32),
-            sorted(np.flatnonzero(accepting & kept).tolist()))
+    return initial, sources[keep], tokens[keep], targets[keep], sorted(np.flatnonzero(accepting & kept).tolist())
 
 
 def _closure(start: list[int], graph: dict[int, list[int]]) -> set[int]:

@@ -73,7 +73,7 @@ def token_transitions(table: np.ndarray, states: np.ndarray, trie: TokenTrie, vo
     dead = table.shape[0] - 1
     flat = table.reshape(-1)
     widest = max((len(level.byte) for level in trie.levels), default=1)
-    chunk = max(1, min(PAIRS_PER_CHUNK // max(1, widest), PAIRS_PER_CHUNK // max(1, vocab_size)))
+    chunk = max(1, PAIRS_PER_CHUNK // max(widest, vocab_size, 1))  # pairs of a level, or the block of states x tokens
     found = []
     for first in range(0, len(states), chunk):
         origin = np.arange(len(states[first : first + chunk]))
