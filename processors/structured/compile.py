@@ -208,13 +208,46 @@ def _live_transitions(initial: int, table: np.ndarray, accepting: np.ndarray, tr
         out.setdefault(source, []).append(target)
     live = _closure(np.flatnonzero(accepting).tolist(), into)
     if initial not in live:
-        raise ValueError("the vocabulary cannot write any text that matches the constraint")
+        raise ValueError(f"the vocabulary cannot write any text that matches the constraint{_unwritable(initial, table, accepting, trie)}")
     # what a state the pattern cannot end from leads to cannot end it either: reachable and live is
     # reachable through live states
     kept = np.zeros(count, dtype=bool)
     kept[list(_closure([initial], out) & live)] = True
     keep = kept[sources] & kept[targets]
     return initial, sources[keep], tokens[keep], targets[keep], sorted(np.flatnonzero(accepting & kept).tolist())
+
+
+def _unwritable(initial: int, table: np.ndarray, accepting: np.ndarray, trie: TokenTrie) -> str:
+    """What the refusal of a constraint no token path can end adds: the shortest text the pattern accepts
+    (bytes in ascending order among the shortest), and its first character that no token holds a byte
+    of, when there is one (the usual cause: a vocabulary without byte fallback lacks a character)."""
+    parent = {initial: (-1, 0)}  # state -> (the state before it, the byte between)
+    frontier, end = [initial], None
+    while frontier and end is None:
+        following = []
+        for state in frontier:
+            if accepting[state]:
+                end = state
+                break
+            for byte in np.flatnonzero(table[state] != table.shape[0] - 1).tolist():
+                target = int(table[state, byte])
+                if target not in parent:
+                    parent[target] = (state, byte)
+                    following.append(target)
+        frontier = following
+    if end is None:
+        return ""
+    text = bytearray()
+    while end != initial:
+        end, byte = parent[end]
+        text.append(byte)
+    example = bytes(reversed(text)).decode("utf-8", errors="replace")
+    held = set(np.unique(np.concatenate([level.byte for level in trie.levels])).tolist()) if trie.levels else set()
+    missing = next((c for c in example if not set(c.encode()) <= held), None)
+    shown = repr(example) if len(example) <= 40 else repr(example[:40])[:-1] + "...'"
+    if missing is None:
+        return f": its tokens cannot spell the shortest text the constraint accepts, {shown}, nor any other"
+    return f": no token holds {missing!r} (U+{ord(missing):04X}), which the shortest text it accepts, {shown}, needs"
 
 
 def _closure(start: list[int], graph: dict[int, list[int]]) -> set[int]:

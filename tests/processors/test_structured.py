@@ -361,8 +361,16 @@ def test_what_only_binding_can_tell_is_refused_when_bound(vocab):
     with pytest.raises(P.InvalidOption, match="the constraint matches no text at all"):
         configure(Regex, pattern=r"[^\x00-\x{10FFFF}]").bind(vocab, [EOS])
     tiny = Vocabulary((b"a", b"b", None))
-    with pytest.raises(P.InvalidOption, match="cannot write any text"):
-        configure(Regex, pattern="c+").bind(tiny, [2])
+    # the refusal names a character the shortest accepted text needs and no token holds, when there is one
+    with pytest.raises(P.InvalidOption, match=r"cannot write any text .*: no token holds 'c' \(U\+0063\), which the "
+                                              r"shortest text it accepts, 'abc', needs"):
+        configure(Regex, pattern="a(b|c)c|cccc+").bind(tiny, [2])
+    with pytest.raises(P.InvalidOption, match=r"no token holds 'é' \(U\+00E9\), which the shortest text it accepts, "
+                                              r"'aé', needs"):
+        configure(Regex, pattern="aé").bind(tiny, [2])
+    with pytest.raises(P.InvalidOption, match=r"cannot write any text .*: its tokens cannot spell the shortest text "
+                                              r"the constraint accepts, 'ba', nor any other"):
+        configure(Regex, pattern="ba").bind(Vocabulary((b"ab", b"b", None)), [2])
     with pytest.raises(P.ProcessorError, match="not bound to a vocabulary"):
         Chain([configure(Regex, pattern="a")]).init(Context(torch.zeros(1, 2, dtype=torch.long), 1, 1, 1024))
 
@@ -430,6 +438,24 @@ def test_a_child_failing_while_it_sends_its_tables_is_a_crash_not_an_automaton(v
     with pytest.raises(P.InvalidOption, match="or crashed"):
         configure(Regex, pattern="[0-9]{150}").bind(vocab, [EOS])
     assert not structured_compile._cache
+
+
+def test_the_sentinel_is_written_only_where_the_text_cannot_end_before_it():
+    """U+10FFFF marks where a pattern may end (README): where the text could also end right before it,
+    it cannot be written; elsewhere it is an ordinary character."""
+    byte_vocab = Vocabulary(tuple(bytes([b]) for b in range(256)) + (None,))
+    sentinel = list("\U0010FFFF".encode())
+
+    def walk(pattern, ids):
+        automaton = configure(Regex, pattern=pattern).bind(byte_vocab, [256]).automaton
+        state = automaton.initial
+        for token in ids:
+            state = automaton.step(state, token)
+        return state != automaton.dead and bool(automaton.accepting[state])
+
+    assert walk(r'"[^"]*"', [34, *sentinel, 34]) and walk(r"\x{10FFFF}", sentinel)
+    assert not walk(".*", sentinel) and not walk(".*", [*sentinel, 97])
+    assert walk(".*", [97, 98])
 
 
 def test_anchors_mean_what_fullmatch_means_already(vocab, tokenizer):
