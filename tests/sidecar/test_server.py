@@ -94,11 +94,14 @@ def test_other_sessions_and_pings_are_not_held_up(peer):
     generate(peer, 102, session="short", token_ids=[7, 8], max_new_tokens=4, eos_token_ids=[])
     peer.send({"id": 103, "op": "tokenize", "text": "hi"})
     order = []
-    while len(order) < 4:
+    while len(order) < 3:
         message = peer.read_message()
         if "event" not in message:
             order.append(message["id"])
-    assert order[:3] == [101, 103, 102] and order[3] == 100
+    assert order == [101, 103, 102]
+    peer.send({"id": 104, "op": "cancel", "target": 100})  # still running: the others did not wait for it
+    assert peer.reply_for(100)[1]["error"]["code"] == "cancelled"
+    assert peer.reply_for(104)[1]["result"] == {"cancelled": True}
 
 
 def test_requests_for_one_session_run_in_arrival_order(peer):
