@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .chain import Chain
+from .chain import Chain, check_token_ids
 from .contract import Context
 from .errors import InvalidInput
 
@@ -50,20 +50,26 @@ class ArrayProcessor:
     def __call__(self, input_ids, logits):
         ids, scores = to_torch(input_ids), to_torch(logits)
         rank = scores.dim()
+        if rank not in (1, 2):
+            raise InvalidInput(f"logits must be a 1-D or 2-D array, got shape {tuple(scores.shape)}")
         if rank == 1:
             ids, scores = ids.unsqueeze(0), scores.unsqueeze(0)
-        if ids.dim() != 2 or ids.dtype.is_floating_point:
-            raise InvalidInput(f"input_ids must be a 1-D or 2-D integer array, got shape {tuple(ids.shape)}")
+        if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise InvalidInput(f"input_ids must be a 1-D or 2-D integer array, got shape {tuple(ids.shape)} of {ids.dtype}")
         if ids.dtype != torch.long:
             ids = ids.long()
         starting = self.states is None
         if starting:
             self._prompt_length = ids.shape[1] if self.input_length is None else self.input_length
-        elif ids.shape[1] <= self._length:
-            raise InvalidInput(f"input_ids holds {ids.shape[1]} tokens, no more than the {self._length} of the last call: "
-                               "a new sequence? call reset() first")
+        elif not (ids.shape[0] == self._ids.shape[0] and ids.shape[1] > self._ids.shape[1]
+                  and torch.equal(ids[:, : self._ids.shape[1]], self._ids)):
+            raise InvalidInput(f"input_ids ({ids.shape[0]} rows of {ids.shape[1]} tokens) does not extend every row of "
+                               f"the last call's ({self._ids.shape[0]} of {self._ids.shape[1]}): a new sequence? call "
+                               "reset() first (rows reordered, as in beam search? drive the Chain, with reorder)")
         context = Context(ids, ids.shape[1], self._prompt_length, scores.shape[-1])
+        if not starting:  # `init` checks a new sequence's tokens; these are the ones added since the last call
+            check_token_ids(context, self._ids.shape[1])
         states = self.chain.init(context) if starting else self.states
         self.states, out = self.chain.process(states, scores, context)
-        self._length = ids.shape[1]  # once the step held: a failed one may be tried again
+        self._ids = ids.clone()  # once the step held: a failed one may be tried again
         return from_torch(out[0] if rank == 1 else out, logits)

@@ -64,6 +64,7 @@ class Chain:
 
     def init(self, context: Context) -> tuple:
         check_context(context)
+        check_token_ids(context)
         states = tuple(p.init(context) for p in self.processors)
         rows = context.sequence.shape[0]
         for index, (processor, state) in enumerate(zip(self.processors, states)):
@@ -73,6 +74,7 @@ class Chain:
     def process(self, states: tuple, logits: torch.Tensor, context: Context) -> tuple[tuple, torch.Tensor]:
         """Runs one step. Inputs are checked first and never modified, so a rejected step changes nothing."""
         check_step(logits, context, self.max_token_id)
+        self._check_states(states)
         new_states = []
         for position, (processor, state) in enumerate(zip(self.processors, states)):
             try:
@@ -90,6 +92,7 @@ class Chain:
 
     def reorder(self, states: tuple, index: torch.Tensor) -> tuple:
         """Selects or reorders batch rows of every state (beam search, dropping finished rows)."""
+        self._check_states(states)
         reordered = []
         for position, (processor, state) in enumerate(zip(self.processors, states)):
             try:
@@ -99,6 +102,13 @@ class Chain:
                                    f"({str(error)[:200]}); a state keeps the shape `init` gave it, per-row tensors "
                                    f"leading with the rows", index=position) from error
         return tuple(reordered)
+
+    def _check_states(self, states) -> None:
+        """One state per processor, as `init` returned them: a shorter tuple would skip processors silently."""
+        if not isinstance(states, (tuple, list)) or len(states) != len(self.processors):
+            got = f"{len(states)} states" if isinstance(states, (tuple, list)) else _kind(states)
+            raise InvalidInput(f"the chain has {len(self.processors)} processors and was given {got}: pass the "
+                               f"states `init` returned (or the last step's), one per processor")
 
 
 def check_state(state, rows: int, owner: str, path: str = "state") -> None:
@@ -125,13 +135,31 @@ def check_state(state, rows: int, owner: str, path: str = "state") -> None:
 
 def check_context(context: Context) -> None:
     seq = context.sequence
-    if not isinstance(seq, torch.Tensor) or seq.dim() != 2 or seq.dtype.is_floating_point:
-        raise InvalidInput("context.sequence must be a B x T integer tensor")
+    if (not isinstance(seq, torch.Tensor) or seq.dim() != 2 or seq.dtype.is_floating_point or seq.dtype.is_complex
+            or seq.dtype == torch.bool):
+        got = f"{tuple(seq.shape)} {seq.dtype}" if isinstance(seq, torch.Tensor) else type(seq).__name__
+        raise InvalidInput(f"context.sequence must be a B x T integer tensor, got {got}")
+    for field in ("length", "input_length", "vocab_size"):
+        value = getattr(context, field)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise InvalidInput(f"context.{field} must be an integer, got {type(value).__name__} {value!r}")
+    if context.vocab_size < 1:
+        raise InvalidInput(f"context.vocab_size must be at least 1, got {context.vocab_size}")
     if not 0 <= context.input_length <= context.length <= seq.shape[1]:
         raise InvalidInput(
             f"context lengths must satisfy 0 <= input_length ({context.input_length}) <= length "
             f"({context.length}) <= sequence width ({seq.shape[1]})"
         )
+
+
+def check_token_ids(context: Context, start: int = 0) -> None:
+    """The sequence's tokens from `start` to `length` are ids of the vocabulary (a processor indexing its
+    per-token state with one outside would fail deep inside torch). Once per generation, at `init`: a step
+    trusts the tokens its caller appended."""
+    tokens = context.sequence[:, start : context.length]
+    if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < context.vocab_size):
+        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
+        raise InvalidInput(f"context.sequence holds token id {bad}, outside the vocabulary of {context.vocab_size}")
 
 
 def check_step(logits: torch.Tensor, context: Context, max_token_id: int) -> None:

@@ -26,17 +26,19 @@ def forward(model, token_ids: list[int], positions: list[int], plan, keep: list[
     ).logits[0].float()
 
 
-def check_logits(logits, chain, shape: torch.Size) -> None:
-    """Raises `InvalidLogits` unless the processed logits are a tensor of the model's `shape` with a finite
-    maximum to sample or argmax from.
+def check_logits(logits, chain, shape: torch.Size, device: torch.device) -> None:
+    """Raises `InvalidLogits` unless the processed logits are a tensor of the model's `shape`, on its
+    `device`, with a finite maximum to sample or argmax from.
 
     One reduction per step, then two over the rows: a row's maximum is -inf when every token of it was
     removed, and +inf or NaN when any logit is (NaN propagates through max).
     """
-    if not isinstance(logits, torch.Tensor) or logits.shape != shape or not logits.dtype.is_floating_point:
-        got = f"{tuple(logits.shape)} {logits.dtype}" if isinstance(logits, torch.Tensor) else type(logits).__name__
+    if (not isinstance(logits, torch.Tensor) or logits.shape != shape or not logits.dtype.is_floating_point
+            or logits.device != device):
+        got = (f"{tuple(logits.shape)} {logits.dtype} on {logits.device}" if isinstance(logits, torch.Tensor)
+               else type(logits).__name__)
         names = _names(chain)
-        raise InvalidLogits(f"the processors ({names}) returned {got}, not logits of shape {tuple(shape)}",
+        raise InvalidLogits(f"the processors ({names}) returned {got}, not logits of shape {tuple(shape)} on {device}",
                             processors=names)
     tops = logits.amax(dim=-1)  # per row: one row with nothing left must not hide behind the others
     top, bottom = float(tops.max()), float(tops.min())

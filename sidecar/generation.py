@@ -250,7 +250,7 @@ class Run:
         processed = logits
         if chain.processors:
             self.states, processed = chain.process(self.states, logits, self.context)
-        check_logits(processed, chain, logits.shape)
+        check_logits(processed, chain, logits.shape, logits.device)
         if self.stats.ttft_s is None:
             self.stats.ttft_s = time.perf_counter() - self.started
         if self.beams is not None:

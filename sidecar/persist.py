@@ -192,11 +192,14 @@ def _is_offsets(value) -> bool:
     return isinstance(value, list) and len(value) == 2 and all(type(end) is int and end >= 0 for end in value)
 
 
-def _over_budget(engine, doing: str, cached: int, extra: int) -> CacheBudgetExceeded:
+def _over_budget(engine, doing: str, cached: int, extra: int, keep: tuple = ()) -> CacheBudgetExceeded:
+    """The refusal of `extra` bytes, saying what the budget leaves with every idle cache (but `keep`) evicted."""
+    store = engine.store
+    held = store.unevictable_bytes(keep)
     return CacheBudgetExceeded(
-        f"{doing} {cached} cached tokens needs {extra} bytes, more than the cache budget leaves "
-        f"({engine.cache_budget_bytes} bytes)", limit="cache_budget_bytes", max=engine.cache_budget_bytes,
-        value=engine.store.used_bytes + extra)
+        f"{doing} {cached} cached tokens needs {extra} bytes, more than the cache budget leaves: "
+        f"{max(0, store.budget_bytes - held)} of its {store.budget_bytes} bytes (cache_budget_bytes) once idle "
+        f"caches are evicted", limit="cache_budget_bytes", max=store.budget_bytes, value=held + extra)
 
 
 def fork(session):
@@ -208,7 +211,7 @@ def fork(session):
     if cache.length and (cache.depth >= sharing.MAX_DEPTH or not engine.share_prefixes):
         extra = cache.end * engine.store.bytes_per_token
         if not engine.store.make_room(extra, keep=(cache,)):
-            raise _over_budget(engine, "forking", cache.end, extra)
+            raise _over_budget(engine, "forking", cache.end, extra, keep=(cache,))
     twin = engine.session()
     twin.history = list(session.history)
     twin.last = session.last

@@ -86,17 +86,30 @@ def _schema(name, value) -> str:
         raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message[:300]}") from None
     except RecursionError:
         raise InvalidOption(f"option {name!r} nests too deeply to be checked") from None
-    _check_property_names(name, value)
+    _check_miscompiled(name, value)
     return _pattern(name, text)
 
 
 def _check_keys(name: str, schema) -> None:
     """Refuses a map anywhere in the schema with a key that is not a string (msgpack allows them, JSON does
-    not), naming where it is as a JSON pointer. Paths are built only for the key refused: a node holds its
+    not), naming where it is as a JSON pointer; and, from Python, a schema that contains itself (a cycle
+    that JSON cannot write) or that written as JSON would pass `max_pattern_chars` (objects shared many
+    times over are written out each time). Paths are built only for the key refused: a node holds its
     parent's link, not a copy of its path."""
-    stack = [(schema, None)]
+    stack, inside, nodes = [(schema, None, False)], set(), 0  # inside: the containers on the path walked
     while stack:
-        node, link = stack.pop()
+        node, link, leaving = stack.pop()
+        if leaving:
+            inside.discard(id(node))
+            continue
+        if id(node) in inside:
+            raise InvalidOption(f"option {name!r} contains itself at {_pointer(link)}: JSON cannot write a cycle")
+        nodes += 1 + len(node)  # each written as one character at least
+        if nodes > MAX_PATTERN_CHARS:
+            raise InvalidOption(f"option {name!r} is more than {MAX_PATTERN_CHARS} characters written as JSON "
+                                f"(limit max_pattern_chars)")
+        inside.add(id(node))
+        stack.append((node, link, True))
         if isinstance(node, dict):
             for key, child in node.items():
                 if not isinstance(key, str):
@@ -104,9 +117,9 @@ def _check_keys(name: str, schema) -> None:
                     raise InvalidOption(f"option {name!r}: JSON object keys must be strings, got {checks._shown(key)} "
                                         f"({type(key).__name__}) {where}")
                 if isinstance(child, (dict, list)):
-                    stack.append((child, (link, key)))
-        elif isinstance(node, list):
-            stack.extend((child, (link, index)) for index, child in enumerate(node) if isinstance(child, (dict, list)))
+                    stack.append((child, (link, key), False))
+        else:
+            stack.extend((child, (link, index), False) for index, child in enumerate(node) if isinstance(child, (dict, list)))
 
 
 def _pointer(link) -> str:
@@ -120,22 +133,33 @@ def _pointer(link) -> str:
     return path if len(path) <= 200 else "..." + path[-197:]
 
 
-def _check_property_names(name: str, schema) -> None:
-    """outlines-core writes property names into its regex unescaped: a quote, a backslash or a control
-    character in one would make every generated object invalid JSON, so such names are refused."""
-    stack = [schema]
+# Keywords whose values map names to schemas, and keywords whose values are JSON instances, not schemas.
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+INSTANCES = frozenset({"const", "default", "enum", "examples"})
+
+
+def _check_miscompiled(name: str, schema) -> None:
+    """What outlines-core compiles into a wrong automaton rather than refusing. It writes property names
+    into its regex unescaped: a quote, a backslash or a control character in one would make every
+    generated object invalid JSON. And it writes an empty `enum` as the empty text, where no value
+    matches: either is refused. Walks the schemas only (not `default` values, say)."""
+    stack = [(schema, False)]  # (node, whether its keys are names, each of a schema)
     while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
+        node, named = stack.pop()
+        if isinstance(node, dict) and named:
+            stack.extend((child, False) for child in node.values())
+        elif isinstance(node, dict):
             properties = node.get("properties")
             if isinstance(properties, dict):
                 bad = [key for key in properties if any(c in key for c in '"\\') or any(ord(c) < 32 for c in key)]
                 if bad:
                     raise InvalidOption(f"option {name!r}: property name {bad[0][:40]!r} holds a quote, a backslash or "
                                         f"a control character, which the JSON-schema compiler does not escape")
-            stack.extend(node.values())
+            if node.get("enum") == []:
+                raise InvalidOption(f"option {name!r}: an empty enum matches no value at all")
+            stack.extend((child, key in NAMED_SCHEMAS) for key, child in node.items() if key not in INSTANCES)
         elif isinstance(node, list):
-            stack.extend(node)
+            stack.extend((child, False) for child in node)
 
 
 STATE_ID = {"type": "integer", "minimum": 0, "maximum": checks.MAX_TOKEN_ID}

@@ -82,8 +82,9 @@ def test_jax_arrays_when_installed():
 def test_rejects_what_it_cannot_read():
     with pytest.raises(P.InvalidInput, match="numpy array"):
         ArrayProcessor([identity])([1, 2], [0.5, 0.5])
-    with pytest.raises(P.InvalidInput, match="integer"):
-        ArrayProcessor([identity])(np.ones(2), np.ones(5, dtype=np.float32))
+    for ids in (np.ones(2), np.ones(2, dtype=bool)):
+        with pytest.raises(P.InvalidInput, match=f"integer array, got shape .1, 2. of torch.{'float64' if ids.dtype != bool else 'bool'}"):
+            ArrayProcessor([identity])(ids, np.ones(5, dtype=np.float32))
 
 
 def test_a_new_sequence_without_reset_is_refused_saying_so():
@@ -91,8 +92,15 @@ def test_a_new_sequence_without_reset_is_refused_saying_so():
     logits = np.ones(6, dtype=np.float32)
     processor(np.array([1, 2, 3]), logits)
     processor(np.array([1, 2, 3, 4]), logits)
-    with pytest.raises(P.InvalidInput, match=r"no more than the 4 of the last call: a new sequence\? call reset\(\) first"):
-        processor(np.array([5, 1]), logits)
+    refused = r"does not extend every row of the last call's \(1 of 4\): a new sequence\? call reset\(\) first"
+    for other in ([5, 1], [5, 6, 7, 8, 9], [1, 2, 3, 5, 9], [[1, 2, 3, 4, 5], [1, 2, 3, 4, 5]]):  # shorter, or longer
+        with pytest.raises(P.InvalidInput, match=refused):  # but another sequence, or another number of rows
+            processor(np.array(other), np.ones((len(other), 6) if isinstance(other[0], list) else 6, dtype=np.float32))
+    processor(np.array([1, 2, 3, 4, 5, 5]), logits)  # two tokens on at once: a continuation
+    for ids, scores, message in ((np.array([1, 2, 3, 4, 5, 5, 99]), logits, "token id 99, outside the vocabulary of 6"),
+                                 (np.array([1, 2, 3, 4, 5, 5, 1]), np.ones((1, 1, 6), dtype=np.float32), "1-D or 2-D")):
+        with pytest.raises(P.InvalidInput, match=message):
+            processor(ids, scores)
     processor.reset()
     assert processor(np.array([5, 1]), logits).tolist() == [1.0, 0.5, 1.0, 1.0, 1.0, 0.5]  # the new sequence's tokens only
 

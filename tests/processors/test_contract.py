@@ -104,6 +104,31 @@ def test_bad_input_raises_and_mutates_nothing(bad, message):
     assert all(torch.equal(a, s["tally"]) for a, s in zip(before[2], [s for s in states if s]))
 
 
+@pytest.mark.parametrize("context, message", [
+    (P.Context(torch.tensor([[1, 2, 30]]), 3, 3, 16), "token id 30, outside the vocabulary of 16"),
+    (P.Context(torch.tensor([[1, -2, 3]]), 3, 3, 16), "token id -2, outside the vocabulary of 16"),
+    (P.Context(torch.tensor([[True, False]]), 2, 2, 16), r"B x T integer tensor, got \(1, 2\) torch.bool"),
+    (P.Context(torch.tensor([[1, 2]]), 2, 2, 16.0), "context.vocab_size must be an integer, got float 16.0"),
+    (P.Context(torch.tensor([[1, 2]]), 2.0, 2, 16), "context.length must be an integer"),
+    (P.Context(torch.tensor([[1, 2]]), 2, 2, 0), "vocab_size must be at least 1"),
+])
+def test_a_context_processors_cannot_index_with_is_refused_at_init(context, message):
+    """Raw torch errors from deep inside a processor (a scatter out of bounds, a bool sequence) before."""
+    chain = P.Chain([P.RepetitionPenalty(1.5), P.NoRepeatNGram(2)])
+    with pytest.raises(P.InvalidInput, match=message):
+        chain.init(context)
+
+
+@pytest.mark.parametrize("states", [lambda s: s[:1], lambda s: (), lambda s: None, lambda s: s + s])
+def test_states_that_are_not_one_per_processor_are_refused(states):
+    """zip would have run only the processors with a state (none, for an empty tuple), silently."""
+    chain, context, good, logits = _good_step()
+    with pytest.raises(P.InvalidInput, match="the chain has 2 processors and was given"):
+        chain.process(states(good), logits, context)
+    with pytest.raises(P.InvalidInput, match="the chain has 2 processors and was given"):
+        chain.reorder(states(good), torch.tensor([1, 0]))
+
+
 # One valid set of options per built-in, so that each option can be varied alone.
 VALID = {
     "temperature": {"temperature": 0.7}, "top_k": {"k": 5}, "top_p": {"p": 0.9}, "min_p": {"p": 0.1},

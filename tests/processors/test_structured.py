@@ -320,6 +320,15 @@ def test_a_panic_in_llguidance_is_a_typed_error(vocab, monkeypatch):
         chain.process(states, torch.zeros(1, 1024), context)
 
 
+# from Python: a schema that holds itself (json.dumps refuses it, but a walk before it never ended), and one
+# whose objects are shared so often that written out it doubles 40 times
+CYCLE = {"type": "object", "properties": {"a": {"type": "array"}}}
+CYCLE["properties"]["a"]["items"] = CYCLE
+SHARED_40_TIMES_OVER = {"type": "integer"}
+for _ in range(40):
+    SHARED_40_TIMES_OVER = {"anyOf": [SHARED_40_TIMES_OVER, SHARED_40_TIMES_OVER]}
+
+
 @pytest.mark.parametrize("cls, options, message", [
     (Regex, {"pattern": "a(?=b)"}, "look-around"),
     (Regex, {"pattern": "a(b"}, "unclosed group"),
@@ -338,6 +347,10 @@ def test_a_panic_in_llguidance_is_a_typed_error(vocab, monkeypatch):
     (JsonSchema, {"schema": {"type": "object", None: {}}}, "keys must be strings, got None .NoneType. at the top of the schema"),
     (JsonSchema, {"schema": {"anyOf": [{"const": "x"}, {"const": {"a/b": {2.5: 1}}}]}}, "in the map at /anyOf/1/const/a~1b$"),
     (JsonSchema, {"schema": {"properties": {b"k": {}}}}, "keys must be strings, got b'k' .bytes."),
+    (JsonSchema, {"schema": {"enum": []}}, "an empty enum matches no value at all"),  # outlines-core writes ''
+    (JsonSchema, {"schema": {"type": "object", "properties": {"a": {"enum": []}}}}, "an empty enum"),
+    (JsonSchema, {"schema": CYCLE}, "contains itself at /properties/a/items: JSON cannot write a cycle"),
+    (JsonSchema, {"schema": SHARED_40_TIMES_OVER}, "more than 100000 characters written as JSON .limit max_pattern_chars"),
     (JsonSchema, {"schema": "[" * 50_000 + "]" * 50_000}, "not valid JSON|nests too deeply"),
     (Dfa, {"initial_state": 0, "transitions": [[0, 1, 1]], "accepting_states": [2**63]}, "accepting_states"),
     (Grammar, {"grammar": "start: undefined_rule"}, "not a valid Lark grammar"),
@@ -351,6 +364,37 @@ def test_a_panic_in_llguidance_is_a_typed_error(vocab, monkeypatch):
 def test_bad_constraints_are_refused_at_configure_time(cls, options, message):
     with pytest.raises(P.InvalidOption, match=message):
         configure(cls, **options)
+
+
+def test_schemas_the_checks_must_not_refuse(vocab):
+    """A sub-schema shared by two properties (written out twice), an empty enum inside a `default` value (an
+    instance, not a schema), and a property named "enum" or "default" (a schema by that name) compile."""
+    integer = {"type": "integer"}
+    for schema in ({"type": "object", "properties": {"a": integer, "b": integer}, "required": ["a", "b"]},
+                   {"type": "object", "default": {"enum": []}, "properties": {"a": integer}, "required": ["a"]},
+                   {"type": "object", "properties": {"enum": integer, "default": {"enum": [1]}},
+                    "required": ["enum", "default"]}):
+        configure(JsonSchema, schema=schema).bind(vocab, [EOS])
+
+
+def test_refs_as_the_docs_say(vocab):
+    """README: a recursive $ref is unrolled 3 levels deep; a $ref to a $ref more than 3 times over is refused."""
+    node = {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"}}}
+    bound = configure(JsonSchema, schema={"$defs": {"node": node}, "$ref": "#/$defs/node"}).bind(vocab, [EOS])
+    state = bound.automaton.initial
+    for piece in ['{"child":'] * 3 + ["{}"] + ["}"] * 3:  # as deep as it goes, one level short of the cut
+        for token in (vocab.token_bytes.index(bytes([b])) for b in piece.encode()):
+            state = bound.automaton.step(state, token)
+    assert state != bound.automaton.dead and bool(bound.automaton.accepting[state])
+    deeper = bound.automaton.initial
+    for token in (vocab.token_bytes.index(bytes([b])) for b in ('{"child":' * 4).encode()):
+        deeper = bound.automaton.step(deeper, token)
+    assert deeper == bound.automaton.dead
+    chain = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/c"}, "c": {"$ref": "#/$defs/d"},
+                       "d": {"$ref": "#/$defs/e"}, "e": {"type": "integer"}}, "$ref": "#/$defs/a"}
+    with pytest.raises(P.InvalidOption, match="cannot be compiled"):
+        configure(JsonSchema, schema=chain).bind(vocab, [EOS])
+    configure(JsonSchema, schema={**chain, "$ref": "#/$defs/b"}).bind(vocab, [EOS])  # 3 times over
 
 
 def test_what_only_binding_can_tell_is_refused_when_bound(vocab):

@@ -352,7 +352,8 @@ def test_user_processors_may_edit_logits_in_place_and_may_cancel(engine):
 
 
 @pytest.mark.parametrize("wrong", [lambda logits, c: logits[0], lambda logits, c: logits[:, :-1], lambda logits, c: None,
-                                   lambda logits, c: logits.repeat(2, 1)])
+                                   lambda logits, c: logits.repeat(2, 1),
+                                   lambda logits, c: torch.empty_like(logits, device="meta")])  # another device
 def test_a_processor_that_returns_the_wrong_shape_is_invalid_logits(engine, wrong):
     with engine.session() as session:
         session.generate(token_ids=[5, 6, 7], max_new_tokens=2)
