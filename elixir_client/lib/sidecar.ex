@@ -293,8 +293,8 @@ defmodule Sidecar do
   @doc """
   Waits for a started generation; past `timeout` (default: the connection's `:call_timeout`) it is
   cancelled and its messages are no longer delivered. Only the process that started it receives its
-  messages, so only that process can await it, once: `await` in another process raises
-  `ArgumentError` (another process may `cancel/1` it). A starter that reads the messages itself
+  messages, so only that process can await it, once: `await` in another process, or a second time,
+  raises `ArgumentError` (another process may `cancel/1` it). A starter that reads the messages itself
   instead of awaiting ends with `{Sidecar, ref, {:reply, _}}`, after which it may demonitor `ref`
   (`Process.demonitor(ref, [:flush])`), as `await` does, or receive a `:DOWN` for it when the
   connection stops.
@@ -310,7 +310,36 @@ defmodule Sidecar do
 
   def await(%Request{} = request, timeout) do
     Options.timeout!(timeout)
-    await_until(request, give_up_at(timeout, request, System.monotonic_time(:millisecond)))
+    started = System.monotonic_time(:millisecond)
+
+    unless outstanding?(request) do
+      raise ArgumentError,
+            "request #{request.id} was awaited already (or given up on): its reply is taken, and a request " <>
+              "is awaited once"
+    end
+
+    await_until(request, give_up_at(timeout, request, started))
+  end
+
+  # Whether the request's reply is still to come, or in the mailbox: the connection holds the request
+  # still, or relayed its reply before answering this call (so that the reply is in the mailbox now), or
+  # went down while the request was out (its :DOWN is). Not so once the request was awaited: a second
+  # await would wait for nothing, for ever with :infinity.
+  defp outstanding?(%Request{conn: conn, id: id, ref: ref}) do
+    GenServer.call(conn, {:pending?, id}, @hand_over_ms) or in_mailbox?(ref)
+  catch
+    :exit, _ -> in_mailbox?(ref)
+  end
+
+  # Peeks for the request's reply or :DOWN: taken out and sent back to the end of the mailbox, behind the
+  # request's own events, which all came before it.
+  defp in_mailbox?(ref) do
+    receive do
+      {Sidecar, ^ref, {:reply, _}} = reply -> send(self(), reply) && true
+      {:DOWN, ^ref, :process, _, _} = down -> send(self(), down) && true
+    after
+      0 -> false
+    end
   end
 
   defp await_until(request, deadline) do
@@ -574,17 +603,26 @@ defmodule Sidecar do
       {:DOWN, ^ref, :process, _, _} ->
         {:error, Error.new(:sidecar_exited, "the sidecar connection went down")}
     after
-      wait -> forget(request) && :timeout
+      # a reply that came as the wait ended is the call's answer: dropped, it would be lost (a session
+      # made for the call left open, its name known to nobody)
+      wait ->
+        case forget(request) do
+          {:reply, reply} -> reply
+          :none -> :timeout
+        end
     end
   end
 
-  # Removing the monitor deactivates the alias the connection sends to; what it sent before is flushed.
-  # The request is withdrawn: still unsent (the sidecar not reading), it is never sent; a generation
-  # already sent is cancelled, since nobody will read it.
+  # Removing the monitor deactivates the alias the connection sends to; what it sent before is flushed,
+  # and returned if it was the reply (it is the call's answer then). The request is withdrawn: still
+  # unsent (the sidecar not reading), it is never sent; a generation already sent is cancelled, since
+  # nobody will read it; a session it made, or makes, is closed unless its reply was found here (nobody
+  # would know its name).
   defp forget(%Request{conn: conn, ref: ref}) do
     Process.demonitor(ref, [:flush])
-    GenServer.cast(conn, {:withdraw, ref})
-    flush(ref)
+    found = flush(ref, :none)
+    GenServer.cast(conn, {:withdraw, ref, found != :none})
+    found
   end
 
   # The moment a call that started at `started` gives up. Its own timeout counts from the call, so the
@@ -633,7 +671,7 @@ defmodule Sidecar do
         catch
           :exit, {:timeout, _} ->
             # the request may still be queued: withdrawn (casts follow the call), it is not sent
-            GenServer.cast(pid, {:withdraw, ref})
+            GenServer.cast(pid, {:withdraw, ref, false})
             Process.demonitor(ref, [:flush])
 
             {:error, Error.new(:timeout, "the connection did not take the request within #{limit} ms")}
@@ -693,11 +731,13 @@ defmodule Sidecar do
   defp put_sequence(chunk, nil), do: chunk
   defp put_sequence(chunk, index), do: Map.put(chunk, :sequence, index)
 
-  defp flush(ref) do
+  # Removes the request's messages from the mailbox; returns its reply if one was among them, else `found`.
+  defp flush(ref, found) do
     receive do
-      {Sidecar, ^ref, _} -> flush(ref)
+      {Sidecar, ^ref, {:reply, reply}} -> flush(ref, {:reply, reply})
+      {Sidecar, ^ref, _} -> flush(ref, found)
     after
-      0 -> :ok
+      0 -> found
     end
   end
 end

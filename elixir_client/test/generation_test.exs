@@ -54,9 +54,21 @@ defmodule Sidecar.GenerationTest do
           {[%{role: "user", content: "a"}, "b"], ~r/message 1 must be a map/},
           {[1, %{role: "user", content: "a"}],
            ~r/input must be a string, a list of token ids or a list of messages/},
-          {%{role: "user", content: "a"}, ~r/input must be/}
+          {%{role: "user", content: "a"}, ~r/input must be/},
+          # improper lists: a FunctionClauseError from deep inside before
+          {[1 | 2], ~r/input must be a proper list of token ids or messages, got \[1 \| 2\]/},
+          {[%{role: "user", content: "a"} | :x], ~r/input must be a proper list/}
         ] do
       assert_raise ArgumentError, pattern, fn -> Generation.params(bad, [], nil) end
+    end
+  end
+
+  test "an explicit nil :eos_token_id is the model's, which a %Sidecar.Session{} carries" do
+    # it raised ":min_new_tokens needs :eos_token_id when the session is given by name" for a struct too
+    assert %{"eos_token_ids" => [2]} = Generation.params("a", [min_new_tokens: 2, eos_token_id: nil], [2])
+
+    assert_raise ArgumentError, ~r/needs :eos_token_id when the session is given by name/, fn ->
+      Generation.params("a", [min_new_tokens: 2, eos_token_id: nil], nil)
     end
   end
 

@@ -10,6 +10,13 @@ defmodule Sidecar.OptionsTest do
       Sidecar.start_link(call_timeout: -1)
     end
 
+    # past what `receive ... after` takes: accepted before, then every call raised ErlangError :timeout_value
+    for key <- [:call_timeout, :startup_timeout] do
+      assert_raise ArgumentError, ~r/invalid value 4294967296 for Sidecar option #{inspect(key)}/, fn ->
+        Sidecar.start_link([{key, 4_294_967_296}])
+      end
+    end
+
     assert_raise ArgumentError, ~r/option :python: executable "no-such-python" not found/, fn ->
       Sidecar.start_link(python: "no-such-python")
     end

@@ -262,6 +262,25 @@ defmodule SidecarTest do
     assert {:ok, %{token_ids: ids, finish_reason: "length"}} = Sidecar.await(request)
     assert length(ids) == 8
     assert {:messages, []} = Process.info(self(), :messages)
+
+    # awaited once: a second await raises at once (it waited out its timeout, and with :infinity for ever)
+    for timeout <- [:infinity, 60_000] do
+      assert_raise ArgumentError, ~r/was awaited already/, fn -> Sidecar.await(request, timeout) end
+    end
+
+    # one that timed out is given up on: awaiting it again raises too
+    {:ok, long} = Sidecar.start_generate(conn, session, [5, 6], max_new_tokens: 1_900, eos_token_id: [])
+    assert {:error, %Error{reason: :timeout}} = Sidecar.await(long, 20)
+    assert_raise ArgumentError, ~r/was awaited already/, fn -> Sidecar.await(long, :infinity) end
+
+    # a reply already in the mailbox (read by nobody yet) is awaited as usual
+    {:ok, short} = Sidecar.start_generate(conn, session, [5, 6], max_new_tokens: 2, eos_token_id: [])
+    ref = short.ref
+    assert_receive {Sidecar, ^ref, {:reply, _}} = reply, 10_000
+    # the connection holds the request no more; its reply waits here
+    send(self(), reply)
+    assert {:ok, %{token_ids: [_, _]}} = Sidecar.await(short)
+    assert {:messages, []} = Process.info(self(), :messages)
   end
 
   test "a timeout cancels the generation", %{conn: conn} do
@@ -271,6 +290,54 @@ defmodule SidecarTest do
              Sidecar.generate(conn, session, [5, 6], max_new_tokens: 1_900, eos_token_id: [], timeout: 50)
 
     assert eventually(fn -> match?({:ok, %{"active_generations" => 0}}, Sidecar.stats(conn)) end)
+  end
+
+  test "a session made for a call that gave up is closed, not left open with a name nobody knows", %{
+    conn: conn
+  } do
+    {:ok, source} = Sidecar.open_session(conn)
+    {:ok, %{"sessions" => before}} = Sidecar.stats(conn)
+
+    # timeouts of 0 and 1 ms: some requests are withdrawn unsent, others are sent and their sessions made
+    outcomes =
+      for timeout <- List.duplicate(0, 10) ++ List.duplicate(1, 20) do
+        case Sidecar.open_session(conn, timeout: timeout) do
+          {:ok, session} -> Sidecar.close_session(conn, session) && :ok
+          {:error, %Error{reason: :timeout}} -> :timeout
+        end
+      end ++
+        for _ <- 1..20 do
+          case Sidecar.fork_session(conn, source, timeout: 1) do
+            {:ok, fork} -> Sidecar.close_session(conn, fork) && :ok
+            {:error, %Error{reason: :timeout}} -> :timeout
+          end
+        end
+
+    assert :timeout in outcomes
+
+    # before, every session made for a call that timed out stayed open (30 opens, 3 timed out: 3 + 30 sessions)
+    assert eventually(fn -> match?({:ok, %{"sessions" => ^before}}, Sidecar.stats(conn)) end),
+           "sessions left open: #{inspect(Sidecar.stats(conn))}, #{before} before"
+
+    assert sidecar_messages() == []
+    Sidecar.close_session(conn, source)
+  end
+
+  test "a stray message to the connection is logged and dropped; the connection and its sessions go on", %{
+    conn: conn
+  } do
+    {:ok, session} = Sidecar.open_session(conn)
+
+    log =
+      ExUnit.CaptureLog.capture_log(fn ->
+        send(conn, {:hello, :world})
+        send(conn, :junk)
+        assert :ok = Sidecar.ping(conn)
+      end)
+
+    assert log =~ "ignored an unexpected message: {:hello, :world}"
+    assert {:ok, %{text: _}} = Sidecar.generate(conn, session, "Hi", max_new_tokens: 2)
+    Sidecar.close_session(conn, session)
   end
 
   test "a call that gave up finds no late reply in its mailbox", %{conn: conn} do

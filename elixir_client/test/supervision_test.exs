@@ -147,6 +147,44 @@ defmodule Sidecar.SupervisionTest do
     assert fifos.() -- before == []
   end
 
+  test "a connection killed at any moment of its start leaves no process waiting on its FIFO, nor the FIFO" do
+    # found from outside: killed within milliseconds of starting, `cat` or the sidecar's shell could be left
+    # waiting in open() on the FIFO for ever (the shell holding the BEAM's stdout), and the FIFO on disk
+    mine = "sidecar-stderr-"
+    tag = "-#{:os.getpid()}"
+    fifos = fn -> Path.wildcard(Path.join(System.tmp_dir!(), "#{mine}*#{tag}")) end
+
+    # processes naming one of our FIFOs in their arguments (waiting to open it) or holding it open
+    holders = fn ->
+      for dir <- Path.wildcard("/proc/[0-9]*"),
+          {:ok, cmdline} <- [File.read(Path.join(dir, "cmdline"))],
+          links = for(fd <- Path.wildcard(Path.join(dir, "fd/*")), {:ok, l} <- [File.read_link(fd)], do: l),
+          Enum.any?([cmdline | links], &(&1 =~ mine and &1 =~ tag)),
+          do: dir
+    end
+
+    # a sidecar that only sleeps: what is tested is what runs before it
+    sleeper = Path.join(System.tmp_dir!(), "sleeper-#{System.unique_integer([:positive])}.sh")
+    File.write!(sleeper, "#!/bin/sh\nexec sleep 2\n")
+    File.chmod!(sleeper, 0o700)
+    on_exit(fn -> File.rm(sleeper) end)
+    {before_fifos, before_holders} = {fifos.(), holders.()}
+
+    for delay <- [0, 1, 2, 3, 5, 8, 12] do
+      Task.start(fn -> Sidecar.start_link(sidecar_opts(name: :killed_early, python: sleeper)) end)
+      pid = Stream.repeatedly(fn -> Process.whereis(:killed_early) end) |> Enum.find(& &1)
+      Process.sleep(delay)
+      Process.exit(pid, :kill)
+      assert eventually(fn -> Process.whereis(:killed_early) == nil end)
+    end
+
+    assert eventually(
+             fn -> fifos.() -- before_fifos == [] and holders.() -- before_holders == [] end,
+             10_000
+           ),
+           "left behind: #{inspect(fifos.() -- before_fifos)}, processes #{inspect(holders.() -- before_holders)}"
+  end
+
   test "info and ping on a connection that is not there are errors, not exits" do
     assert {:error, %Error{reason: :not_running}} = Sidecar.info(:no_such_sidecar)
     assert {:error, %Error{reason: :not_running}} = Sidecar.ping(:no_such_sidecar)

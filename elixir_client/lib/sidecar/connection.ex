@@ -27,10 +27,15 @@ defmodule Sidecar.Connection do
     pending: %{},
     outbox: :queue.new(),
     outbox_bytes: 0,
-    retrying: false
+    retrying: false,
+    made: []
   ]
 
   @hello_id 0
+
+  # Requests that make a session: when their caller stopped waiting, the session made is closed.
+  @making_sessions ["open_session", "fork_session", "restore_session"]
+  @made_remembered 64
 
   # The `stats` of a generation that ran nothing (cancelled before it was sent), as the sidecar gives
   # those of one cancelled before it started.
@@ -117,8 +122,12 @@ defmodule Sidecar.Connection do
       # becomes Python (same OS pid): Python's stderr is the FIFO from its first line on, and even
       # an argparse error or a failed import reaches us. The FIFO is the script's $0, removed once
       # open (`cat` and we hold it too): a connection killed while the sidecar starts leaves no FIFO.
+      # It is opened for reading and writing first, an open that never waits (were `cat` gone, this
+      # process killed, the shell would wait in open() for ever, holding the BEAM's stdout), and then
+      # for writing only, which that first end lets through at once: the sidecar holds no reading end,
+      # so its writes fail instead of blocking once `cat` is gone.
       %{sh: sh, fifo: fifo} ->
-        script = ~S(exec 2>"$0"; rm -f "$0"; exec "$@")
+        script = ~S(exec 2<>"$0" 2>"$0"; rm -f "$0"; exec "$@")
         Port.open({:spawn_executable, sh}, [{:args, ["-c", script, fifo, opts[:python] | args]} | port_opts])
     end
   end
@@ -133,28 +142,63 @@ defmodule Sidecar.Connection do
   # sidecar has exited and we have closed our end, having relayed every line. If this process dies,
   # the runtime closes our end all the same. `cat`'s own stderr goes into its port too, so a `cat`
   # that outlives the port ends quietly instead of printing "write error: Broken pipe" on the
-  # BEAM's stderr.
+  # BEAM's stderr. The FIFO is made, and removed, by the shell that runs `cat`, so that a connection
+  # killed at any moment of its start leaves no FIFO behind (made here, it would stay when this process
+  # is killed before the shell starts). The shell holds it open for reading and writing, an open that
+  # never waits, and says so with an empty line; once we hold our end too (a line on its stdin), it
+  # opens it for reading only as `cat`'s stdin, which our end lets through at once, and lets go of its
+  # own: `cat` meets EOF once every writer is gone. Were this process killed before, the shell reads
+  # EOF instead of that line and removes the FIFO; `cat` never waits in open() for a writer that is
+  # gone. SIGPIPE is ignored while the shell may write to a port that is gone.
   defp open_relay do
     fifo =
       Path.join(System.tmp_dir!(), "sidecar-stderr-#{System.unique_integer([:positive])}-#{:os.getpid()}")
 
+    script =
+      ~S(trap '' PIPE; mkfifo -m 600 "$0" || exit 1; exec 3<>"$0"; echo; read _ || { rm -f "$0"; exit 1; }; ) <>
+        ~S(exec 0<"$0" 3<&-; trap - PIPE; "$1"; rm -f "$0")
+
     with cat when is_binary(cat) <- System.find_executable("cat"),
-         sh when is_binary(sh) <- System.find_executable("sh"),
-         {_, 0} <- System.cmd("mkfifo", ["-m", "600", fifo], stderr_to_stdout: true),
-         {:ok, writer} <- File.open(fifo, [:read, :write, :raw]),
-         port_opts = [:binary, {:line, 16_384}, :exit_status, :stderr_to_stdout, args: [fifo]],
-         relay = %{port: Port.open({:spawn_executable, cat}, port_opts), fifo: fifo, writer: writer, sh: sh},
-         :ok <- relay_ready(relay) do
-      relay
+         sh when is_binary(sh) <- System.find_executable("sh") do
+      port_opts = [:binary, {:line, 16_384}, :exit_status, :stderr_to_stdout, args: ["-c", script, fifo, cat]]
+      port = Port.open({:spawn_executable, sh}, port_opts)
+
+      with :ok <- fifo_made(port),
+           {:ok, writer} <- File.open(fifo, [:read, :write, :raw]),
+           true <- Port.command(port, "\n"),
+           relay = %{port: port, fifo: fifo, writer: writer, sh: sh},
+           :ok <- relay_ready(relay) do
+        relay
+      else
+        _ ->
+          # its shell, if still waiting for our line, reads EOF and removes the FIFO
+          if Port.info(port), do: Port.close(port)
+          no_relay(fifo)
+      end
     else
-      _ ->
-        File.rm(fifo)
+      _ -> no_relay(fifo)
+    end
+  end
 
-        Logger.warning(
-          "Sidecar: cannot relay the sidecar's stderr through a FIFO; it goes to the BEAM's stderr"
-        )
+  defp no_relay(fifo) do
+    File.rm(fifo)
+    Logger.warning("Sidecar: cannot relay the sidecar's stderr through a FIFO; it goes to the BEAM's stderr")
+    nil
+  end
 
-        nil
+  # The relay's first line, empty, once its shell has made the FIFO; a shell that fails (mkfifo) exits.
+  defp fifo_made(port) do
+    receive do
+      {^port, {:data, {:eol, ""}}} ->
+        :ok
+
+      {^port, {:exit_status, _}} ->
+        :error
+    after
+      @relay_drain_ms ->
+        kill(port_os_pid(port))
+        if Port.info(port), do: Port.close(port)
+        :error
     end
   end
 
@@ -314,6 +358,8 @@ defmodule Sidecar.Connection do
   def handle_call(:encoding, _from, state),
     do: {:reply, %{codec: state.codec, max_depth: get_in(state.hello, ["limits", "max_depth"])}, state}
 
+  def handle_call({:pending?, id}, _from, state), do: {:reply, Map.has_key?(state.pending, id), state}
+
   def handle_call(:info, _from, state) do
     {:reply, Map.merge(state.hello, %{"os_pid" => state.os_pid, "incarnation" => state.incarnation}), state}
   end
@@ -338,10 +384,21 @@ defmodule Sidecar.Connection do
 
   # A caller that stopped waiting (its alias `ref` is gone): a request still unsent is not sent at all;
   # a generation already sent is cancelled, since nobody will read it.
-  def handle_cast({:withdraw, ref}, state) do
+  # A session made for it and relayed as the caller gave up (dropped at its deactivated alias, the caller
+  # says: `replied` false) is closed too.
+  def handle_cast({:withdraw, ref, replied}, state) do
     case Enum.find(state.pending, fn {_id, entry} -> entry.ref == ref end) do
       nil ->
-        {:noreply, state}
+        {made, recent} = List.keytake(state.made, ref, 0) || {nil, state.made}
+        state = %{state | made: recent}
+
+        case made do
+          {_, op, name} when not replied ->
+            {:noreply, close_unclaimed(state, op, {:ok, %{"session" => name}})}
+
+          _ ->
+            {:noreply, state}
+        end
 
       {id, entry} ->
         {:noreply, state |> forget_pending(id) |> abandon(id, entry)}
@@ -349,13 +406,40 @@ defmodule Sidecar.Connection do
   end
 
   # A request nobody will read (its entry already out of `pending`): still unsent, it never is; a
-  # generation already sent is cancelled; anything else runs, its reply dropped.
+  # generation already sent is cancelled; a session it makes is closed once made (nobody would know its
+  # name, and it would count against max_sessions for good); anything else runs, its reply dropped.
   defp abandon(state, id, entry) do
     case unqueue(state, id) do
-      {:sent, state} when entry.op == "generate" -> cancel_on_server(state, id)
-      {_, state} -> state
+      {:sent, state} when entry.op == "generate" ->
+        cancel_on_server(state, id)
+
+      {:sent, state} when entry.op in @making_sessions ->
+        %{state | pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: entry.op})}
+
+      {_, state} ->
+        state
     end
   end
+
+  defp close_unclaimed(state, op, {:ok, %{"session" => name}}) when op in @making_sessions do
+    id = state.next_id
+    {:ok, state} = send_message(state, Protocol.request(id, "close_session", %{"session" => name}))
+
+    %{
+      state
+      | next_id: id + 1,
+        pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: "close_session"})
+    }
+  end
+
+  defp close_unclaimed(state, _op, _result), do: state
+
+  # The last sessions made and relayed, should their callers have given up just then (`:withdraw`
+  # comes within moments of the reply, if at all; a few dozen cover every caller giving up at once).
+  defp remember_made(made, ref, op, {:ok, %{"session" => name}}) when op in @making_sessions,
+    do: Enum.take([{ref, op, name} | made], @made_remembered)
+
+  defp remember_made(made, _ref, _op, _result), do: made
 
   defp cancel_on_server(state, target) do
     case unqueue(state, target) do
@@ -451,6 +535,13 @@ defmodule Sidecar.Connection do
 
   def handle_info(:flush_outbox, state), do: {:noreply, flush_outbox(%{state | retrying: false})}
 
+  # A message that is none of ours (a stray `send` to a named connection): logged and dropped, as
+  # GenServer's default does, instead of crashing the connection, and its sidecar's sessions with it.
+  def handle_info(message, state) do
+    Logger.warning("Sidecar: the connection ignored an unexpected message: #{inspect(message, limit: 10)}")
+    {:noreply, state}
+  end
+
   defp sidecar_gone(state, message, status) do
     error = Error.new(:sidecar_exited, message, %{status: status})
 
@@ -467,13 +558,13 @@ defmodule Sidecar.Connection do
       {nil, _} ->
         state
 
-      {%{ref: nil}, pending} ->
-        %{state | pending: pending}
+      {%{ref: nil, op: op}, pending} ->
+        close_unclaimed(%{state | pending: pending}, op, result)
 
-      {%{ref: ref, monitor: monitor}, pending} ->
+      {%{ref: ref, monitor: monitor, op: op}, pending} ->
         Process.demonitor(monitor, [:flush])
         send(ref, {Sidecar, ref, {:reply, reply_value(result)}})
-        %{state | pending: pending}
+        %{state | pending: pending, made: remember_made(state.made, ref, op, result)}
     end
   end
 

@@ -141,10 +141,13 @@ defmodule Sidecar.Generation do
           ":processors must be a list of processor structs, got #{inspect(opts[:processors], limit: 5)}"
         )
 
-    eos_ids = Keyword.get(opts, :eos_token_id, model_eos_ids)
+    # nil, given or not, is the model's own end tokens, which a session given by name does not carry
+    eos_ids = Keyword.get(opts, :eos_token_id) || model_eos_ids
 
     if opts[:min_new_tokens] && eos_ids == nil do
-      raise ArgumentError, ":min_new_tokens needs :eos_token_id when the session is given by name"
+      raise ArgumentError,
+            ":min_new_tokens needs :eos_token_id when the session is given by name (the model's end tokens " <>
+              "come with a %Sidecar.Session{})"
     end
 
     {strategy, sequence_params, sampling} = strategy(Keyword.get(opts, :strategy, %{type: :greedy_search}))
@@ -165,6 +168,11 @@ defmodule Sidecar.Generation do
         opts[:temperature] && opts[:temperature] != 1.0 &&
           Processors.configure(Processors.Temperature, temperature: opts[:temperature])
       ] ++ sampling ++ Keyword.get(opts, :processors, [])
+
+    if is_list(input) and List.improper?(input) do
+      raise ArgumentError,
+            "input must be a proper list of token ids or messages, got #{inspect(input, limit: 8)}"
+    end
 
     input
     |> input_param(opts)

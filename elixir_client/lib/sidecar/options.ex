@@ -56,6 +56,9 @@ defmodule Sidecar.Options do
     log_stderr: [doc: "forward the Python process's stderr lines to Logger", default: true]
   ]
 
+  # the longest wait `receive ... after` takes (2^32 - 1 ms, 49.7 days)
+  @max_timeout 4_294_967_295
+
   @doc false
   def definitions, do: @definitions
 
@@ -115,7 +118,8 @@ defmodule Sidecar.Options do
   defp check!(:codec, v) when is_atom(v), do: codec!(v)
 
   defp check!(key, v)
-       when key in [:startup_timeout, :call_timeout] and ((is_integer(v) and v > 0) or v == :infinity),
+       when key in [:startup_timeout, :call_timeout] and
+              ((is_integer(v) and v > 0 and v <= @max_timeout) or v == :infinity),
        do: :ok
 
   defp check!(key, v) when key in [:log_stderr, :share_prefixes] and is_boolean(v), do: :ok
@@ -169,9 +173,6 @@ defmodule Sidecar.Options do
 
     :ok
   end
-
-  # the longest wait `receive ... after` takes
-  @max_timeout 4_294_967_295
 
   @doc false
   # A call's `timeout`: checked before anything is sent, so a bad one never leaves a request behind.

@@ -3,7 +3,7 @@ defmodule Sidecar.Processors do
   Logits-processor configs, one struct per built-in processor of the sidecar, mirroring Bumblebee.
 
       top_k = Sidecar.configure(Sidecar.Processors.TopK, k: 50)
-      Sidecar.generate(session, "Once upon", processors: [top_k])
+      Sidecar.generate(conn, session, "Once upon", processors: [top_k])
 
   Options without a default are required. An unknown option raises `ArgumentError`, as
   `Bumblebee.configure/2` does. Values are range-checked by the sidecar, which is the single authority
