@@ -421,16 +421,8 @@ defmodule Sidecar.Connection do
     end
   end
 
-  defp close_unclaimed(state, op, {:ok, %{"session" => name}}) when op in @making_sessions do
-    id = state.next_id
-    {:ok, state} = send_message(state, Protocol.request(id, "close_session", %{"session" => name}))
-
-    %{
-      state
-      | next_id: id + 1,
-        pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: "close_session"})
-    }
-  end
+  defp close_unclaimed(state, op, {:ok, %{"session" => name}}) when op in @making_sessions,
+    do: send_unread(state, "close_session", %{"session" => name})
 
   defp close_unclaimed(state, _op, _result), do: state
 
@@ -455,15 +447,15 @@ defmodule Sidecar.Connection do
         deliver(state, target, {:error_value, error})
 
       {:sent, state} ->
-        id = state.next_id
-        {:ok, state} = send_message(state, Protocol.request(id, "cancel", %{"target" => target}))
-        # Nobody waits for the cancel's own reply: a placeholder entry makes it be dropped quietly.
-        %{
-          state
-          | next_id: id + 1,
-            pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: "cancel"})
-        }
+        send_unread(state, "cancel", %{"target" => target})
     end
+  end
+
+  # A request of ours that nobody waits for: a placeholder entry makes its reply be dropped quietly.
+  defp send_unread(state, op, params) do
+    id = state.next_id
+    {:ok, state} = send_message(state, Protocol.request(id, op, params))
+    %{state | next_id: id + 1, pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: op})}
   end
 
   defp forget_pending(state, id) do
