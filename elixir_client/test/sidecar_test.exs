@@ -323,19 +323,23 @@ defmodule SidecarTest do
     Sidecar.close_session(conn, source)
   end
 
-  test "a stray message to the connection is logged and dropped; the connection and its sessions go on", %{
-    conn: conn
-  } do
+  test "a stray message, cast or call to the connection is logged and dropped; the connection and its sessions go on",
+       %{
+         conn: conn
+       } do
     {:ok, session} = Sidecar.open_session(conn)
 
     log =
       ExUnit.CaptureLog.capture_log(fn ->
         send(conn, {:hello, :world})
         send(conn, :junk)
+        GenServer.cast(conn, :junk)
+        assert {:error, %Error{reason: :invalid_argument}} = GenServer.call(conn, :junk)
         assert :ok = Sidecar.ping(conn)
       end)
 
     assert log =~ "ignored an unexpected message: {:hello, :world}"
+    assert log =~ "ignored an unexpected cast: :junk" and log =~ "refused an unexpected call: :junk"
     assert {:ok, %{text: _}} = Sidecar.generate(conn, session, "Hi", max_new_tokens: 2)
     Sidecar.close_session(conn, session)
   end

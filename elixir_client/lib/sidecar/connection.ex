@@ -364,6 +364,13 @@ defmodule Sidecar.Connection do
     {:reply, Map.merge(state.hello, %{"os_pid" => state.os_pid, "incarnation" => state.incarnation}), state}
   end
 
+  # Calls and casts that are none of ours (a stray GenServer.call or cast to a named connection) are
+  # refused and dropped, not a crash of the connection and of its sidecar's sessions with it.
+  def handle_call(request, _from, state) do
+    Logger.warning("Sidecar: the connection refused an unexpected call: #{inspect(request, limit: 10)}")
+    {:reply, {:error, Error.new(:invalid_argument, "not a call the Sidecar connection knows")}, state}
+  end
+
   defp take_request(op, body, ref, caller, state) do
     id = state.next_id
 
@@ -403,6 +410,11 @@ defmodule Sidecar.Connection do
       {id, entry} ->
         {:noreply, state |> forget_pending(id) |> abandon(id, entry)}
     end
+  end
+
+  def handle_cast(request, state) do
+    Logger.warning("Sidecar: the connection ignored an unexpected cast: #{inspect(request, limit: 10)}")
+    {:noreply, state}
   end
 
   # A request nobody will read (its entry already out of `pending`): still unsent, it never is; a
