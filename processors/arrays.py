@@ -61,6 +61,9 @@ class ArrayProcessor:
         starting = self.states is None
         if starting:
             self._prompt_length = ids.shape[1] if self.input_length is None else self.input_length
+        elif scores.shape[-1] != self._vocab_size:
+            raise InvalidInput(f"logits have {scores.shape[-1]} columns, the last call's {self._vocab_size}: a new "
+                               "sequence of another model? call reset() first")
         elif not (ids.shape[0] == self._ids.shape[0] and ids.shape[1] > self._ids.shape[1]
                   and torch.equal(ids[:, : self._ids.shape[1]], self._ids)):
             raise InvalidInput(f"input_ids ({ids.shape[0]} rows of {ids.shape[1]} tokens) does not extend every row of "
@@ -71,5 +74,5 @@ class ArrayProcessor:
             check_token_ids(context, self._ids.shape[1])
         states = self.chain.init(context) if starting else self.states
         self.states, out = self.chain.process(states, scores, context)
-        self._ids = ids.clone()  # once the step held: a failed one may be tried again
+        self._ids, self._vocab_size = ids.clone(), scores.shape[-1]  # once the step held: a failed one may be tried again
         return from_torch(out[0] if rank == 1 else out, logits)

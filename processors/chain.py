@@ -93,6 +93,9 @@ class Chain:
     def reorder(self, states: tuple, index: torch.Tensor) -> tuple:
         """Selects or reorders batch rows of every state (beam search, dropping finished rows)."""
         self._check_states(states)
+        if not isinstance(index, torch.Tensor) or index.dim() != 1 or index.dtype not in (torch.long, torch.int):
+            got = f"{tuple(index.shape)} {index.dtype}" if isinstance(index, torch.Tensor) else type(index).__name__
+            raise InvalidInput(f"the index of the rows to keep must be a 1-D int64 (or int32) tensor, got {got}")
         reordered = []
         for position, (processor, state) in enumerate(zip(self.processors, states)):
             try:

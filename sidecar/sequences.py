@@ -28,6 +28,10 @@ CUT_SLACK = 4
 class Continuable:
     """What can be continued: a subclass gives its `tokens`. Slicing, cutting and appending return `Tokens`."""
 
+    # Not iterable (`list(result)`, `3 in tokens` raise TypeError): without this, Python would iterate
+    # through `__getitem__(0)`, which refuses an index that is not a slice, as InvalidArgument.
+    __iter__ = None
+
     def __getitem__(self, index) -> "Tokens":
         return self.tokens[index]
 

@@ -98,7 +98,9 @@ def test_a_new_sequence_without_reset_is_refused_saying_so():
             processor(np.array(other), np.ones((len(other), 6) if isinstance(other[0], list) else 6, dtype=np.float32))
     processor(np.array([1, 2, 3, 4, 5, 5]), logits)  # two tokens on at once: a continuation
     for ids, scores, message in ((np.array([1, 2, 3, 4, 5, 5, 99]), logits, "token id 99, outside the vocabulary of 6"),
-                                 (np.array([1, 2, 3, 4, 5, 5, 1]), np.ones((1, 1, 6), dtype=np.float32), "1-D or 2-D")):
+                                 (np.array([1, 2, 3, 4, 5, 5, 1]), np.ones((1, 1, 6), dtype=np.float32), "1-D or 2-D"),
+                                 (np.array([1, 2, 3, 4, 5, 5, 1]), np.ones(8, dtype=np.float32),
+                                  "logits have 8 columns, the last call's 6")):
         with pytest.raises(P.InvalidInput, match=message):
             processor(ids, scores)
     processor.reset()

@@ -129,6 +129,14 @@ def test_states_that_are_not_one_per_processor_are_refused(states):
         chain.reorder(states(good), torch.tensor([1, 0]))
 
 
+@pytest.mark.parametrize("index", [torch.tensor([0.0, 1.0]), torch.tensor([True, False]), torch.tensor([[0, 1]]), [0, 1]])
+def test_a_reorder_index_that_is_not_1d_integers_is_refused(index):
+    """A float or bool index failed deep inside torch (RuntimeError) before."""
+    chain, _, states, _ = _good_step()
+    with pytest.raises(P.InvalidInput, match="the index of the rows to keep must be a 1-D int64"):
+        chain.reorder(states, index)
+
+
 # One valid set of options per built-in, so that each option can be varied alone.
 VALID = {
     "temperature": {"temperature": 0.7}, "top_k": {"k": 5}, "top_p": {"p": 0.9}, "min_p": {"p": 0.1},

@@ -220,3 +220,16 @@ def test_a_failed_generate_changes_nothing_a_cancelled_one_is_the_last_result(en
         assert resumed.stats.reused_tokens == len(session.history) - 1
         same(resumed, fresh(engine, session.history, **FREE))
         twin.close()
+
+
+def test_results_and_tokens_are_not_iterable(engine):
+    """list(result) and `3 in result.tokens` fell through to __getitem__(0), which refuses an index that is
+    not a slice: an InvalidArgument about a prompt, for a plain Python question."""
+    with engine.session() as session:
+        result = session.generate(token_ids=[5, 6, 7], max_new_tokens=2, eos_token_ids=[])
+    for value in (result, result.tokens, result.sequences[0]):
+        with pytest.raises(TypeError, match="not iterable"):
+            list(value)
+        with pytest.raises(TypeError, match="not iterable"):
+            3 in value  # noqa: B015
+    assert len(result.tokens) == 5 and result.tokens[:2].ids == (5, 6)
