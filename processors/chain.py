@@ -136,16 +136,23 @@ def check_state(state, rows: int, owner: str, path: str = "state") -> None:
         raise InvalidInput(f"{owner}: {path} is a {type(state).__name__}; a state is tensors, tuples or dicts of them")
 
 
+# What a sequence of token ids may be held in (bool, float and complex tensors are refused).
+INTEGER_DTYPES = frozenset(getattr(torch, name) for name in ("uint8", "int8", "int16", "int32", "int64", "uint16",
+                                                             "uint32", "uint64") if hasattr(torch, name))
+
+
 def check_context(context: Context) -> None:
+    """Checked at every step (Chain.process), so the usual case costs three type tests; the loop that names
+    a field runs only when one of them fails."""
     seq = context.sequence
-    if (not isinstance(seq, torch.Tensor) or seq.dim() != 2 or seq.dtype.is_floating_point or seq.dtype.is_complex
-            or seq.dtype == torch.bool):
+    if not isinstance(seq, torch.Tensor) or seq.dim() != 2 or seq.dtype not in INTEGER_DTYPES:
         got = f"{tuple(seq.shape)} {seq.dtype}" if isinstance(seq, torch.Tensor) else type(seq).__name__
         raise InvalidInput(f"context.sequence must be a B x T integer tensor, got {got}")
-    for field in ("length", "input_length", "vocab_size"):
-        value = getattr(context, field)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise InvalidInput(f"context.{field} must be an integer, got {type(value).__name__} {value!r}")
+    if not (type(context.length) is int and type(context.input_length) is int and type(context.vocab_size) is int):
+        for field in ("length", "input_length", "vocab_size"):
+            value = getattr(context, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise InvalidInput(f"context.{field} must be an integer, got {type(value).__name__} {value!r}")
     if context.vocab_size < 1:
         raise InvalidInput(f"context.vocab_size must be at least 1, got {context.vocab_size}")
     if not 0 <= context.input_length <= context.length <= seq.shape[1]:
@@ -160,9 +167,12 @@ def check_token_ids(context: Context, start: int = 0) -> None:
     per-token state with one outside would fail deep inside torch). Once per generation, at `init`: a step
     trusts the tokens its caller appended."""
     tokens = context.sequence[:, start : context.length]
-    if tokens.numel() and not (0 <= int(tokens.min()) and int(tokens.max()) < context.vocab_size):
-        bad = int(tokens.min()) if int(tokens.min()) < 0 else int(tokens.max())
-        raise InvalidInput(f"context.sequence holds token id {bad}, outside the vocabulary of {context.vocab_size}")
+    if not tokens.numel():
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= context.vocab_size:
+        raise InvalidInput(f"context.sequence holds token id {low if low < 0 else high}, outside the vocabulary of "
+                           f"{context.vocab_size}")
 
 
 def check_step(logits: torch.Tensor, context: Context, max_token_id: int) -> None:

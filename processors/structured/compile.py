@@ -221,7 +221,7 @@ def _unwritable(initial: int, table: np.ndarray, accepting: np.ndarray, trie: To
     """What the refusal of a constraint no token path can end adds: the shortest text the pattern accepts
     (bytes in ascending order among the shortest), and its first character that no token holds a byte
     of, when there is one (the usual cause: a vocabulary without byte fallback lacks a character)."""
-    parent = {initial: (-1, 0)}  # state -> (the state before it, the byte between)
+    parent = {initial: None}  # state -> (the state before it, the byte between)
     frontier, end = [initial], None
     while frontier and end is None:
         following = []

@@ -73,7 +73,9 @@ def _schema(name, value) -> str:
             raise InvalidOption(f"option {name!r} is not valid JSON: {str(error)[:200]}") from None
     if not isinstance(value, dict):  # a boolean schema (true: any JSON at all, false: none) has no automaton
         raise InvalidOption(f"option {name!r} must be a JSON schema (an object), got {checks._shown(value)}")
-    _check_keys(name, value)  # json.dumps would turn a key 1 into "1", silently (and next to a "1" of its own)
+    # before json.dumps, which would turn a key 1 into "1" silently (next to a "1" of its own), never end on
+    # a cycle, and write a much-shared object out every time
+    _check_writable_as_json(name, value)
     try:  # a map from msgpack may hold what JSON cannot (bytes, NaN)
         text = json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as error:
@@ -90,11 +92,11 @@ def _schema(name, value) -> str:
     return _pattern(name, text)
 
 
-def _check_keys(name: str, schema) -> None:
-    """Refuses a map anywhere in the schema with a key that is not a string (msgpack allows them, JSON does
-    not), naming where it is as a JSON pointer; and, from Python, a schema that contains itself (a cycle
-    that JSON cannot write) or that written as JSON would pass `max_pattern_chars` (objects shared many
-    times over are written out each time). Paths are built only for the key refused: a node holds its
+def _check_writable_as_json(name: str, schema) -> None:
+    """Refuses what JSON cannot write, or not within `max_pattern_chars`: a map anywhere in the schema with
+    a key that is not a string (msgpack allows them, JSON does not), named by its JSON pointer; and, from
+    Python, a schema that contains itself (a cycle) or whose objects are shared so often that, each written
+    out every time, it passes the limit. Paths are built only for the key refused: a node holds its
     parent's link, not a copy of its path."""
     stack, inside, nodes = [(schema, None, False)], set(), 0  # inside: the containers on the path walked
     while stack:

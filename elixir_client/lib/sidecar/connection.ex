@@ -154,29 +154,33 @@ defmodule Sidecar.Connection do
     fifo =
       Path.join(System.tmp_dir!(), "sidecar-stderr-#{System.unique_integer([:positive])}-#{:os.getpid()}")
 
+    with cat when is_binary(cat) <- System.find_executable("cat"),
+         sh when is_binary(sh) <- System.find_executable("sh") do
+      start_relay(fifo, sh, cat)
+    else
+      _ -> no_relay(fifo)
+    end
+  end
+
+  defp start_relay(fifo, sh, cat) do
     script =
       ~S(trap '' PIPE; mkfifo -m 600 "$0" || exit 1; exec 3<>"$0"; echo; read _ || { rm -f "$0"; exit 1; }; ) <>
         ~S(exec 0<"$0" 3<&-; trap - PIPE; "$1"; rm -f "$0")
 
-    with cat when is_binary(cat) <- System.find_executable("cat"),
-         sh when is_binary(sh) <- System.find_executable("sh") do
-      port_opts = [:binary, {:line, 16_384}, :exit_status, :stderr_to_stdout, args: ["-c", script, fifo, cat]]
-      port = Port.open({:spawn_executable, sh}, port_opts)
+    port_opts = [:binary, {:line, 16_384}, :exit_status, :stderr_to_stdout, args: ["-c", script, fifo, cat]]
+    port = Port.open({:spawn_executable, sh}, port_opts)
 
-      with :ok <- fifo_made(port),
-           {:ok, writer} <- File.open(fifo, [:read, :write, :raw]),
-           true <- Port.command(port, "\n"),
-           relay = %{port: port, fifo: fifo, writer: writer, sh: sh},
-           :ok <- relay_ready(relay) do
-        relay
-      else
-        _ ->
-          # its shell, if still waiting for our line, reads EOF and removes the FIFO
-          if Port.info(port), do: Port.close(port)
-          no_relay(fifo)
-      end
+    with :ok <- fifo_made(port),
+         {:ok, writer} <- File.open(fifo, [:read, :write, :raw]),
+         true <- Port.command(port, "\n"),
+         relay = %{port: port, fifo: fifo, writer: writer, sh: sh},
+         :ok <- relay_ready(relay) do
+      relay
     else
-      _ -> no_relay(fifo)
+      _ ->
+        # its shell, if still waiting for our line, reads EOF and removes the FIFO
+        if Port.info(port), do: Port.close(port)
+        no_relay(fifo)
     end
   end
 
@@ -396,14 +400,14 @@ defmodule Sidecar.Connection do
   def handle_cast({:withdraw, ref, replied}, state) do
     case Enum.find(state.pending, fn {_id, entry} -> entry.ref == ref end) do
       nil ->
-        {made, recent} = List.keytake(state.made, ref, 0) || {nil, state.made}
-        state = %{state | made: recent}
+        case List.keytake(state.made, ref, 0) do
+          {{_, name}, made} when not replied ->
+            {:noreply, send_unread(%{state | made: made}, "close_session", %{"session" => name})}
 
-        case made do
-          {_, op, name} when not replied ->
-            {:noreply, close_unclaimed(state, op, {:ok, %{"session" => name}})}
+          {_, made} ->
+            {:noreply, %{state | made: made}}
 
-          _ ->
+          nil ->
             {:noreply, state}
         end
 
@@ -441,7 +445,7 @@ defmodule Sidecar.Connection do
   # The last sessions made and relayed, should their callers have given up just then (`:withdraw`
   # comes within moments of the reply, if at all; a few dozen cover every caller giving up at once).
   defp remember_made(made, ref, op, {:ok, %{"session" => name}}) when op in @making_sessions,
-    do: Enum.take([{ref, op, name} | made], @made_remembered)
+    do: Enum.take([{ref, name} | made], @made_remembered)
 
   defp remember_made(made, _ref, _op, _result), do: made
 
