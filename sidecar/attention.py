@@ -63,6 +63,11 @@ class Plan:
     segments: list[Segment]
     _masks: dict = field(default_factory=dict)
 
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        """How many tokens of the batch each segment takes, in order."""
+        return [segment.tokens for segment in self.segments]
+
     def mask(self, start: int, length: int, device) -> torch.Tensor:
         """The causal mask of `length` queries after `start` cached tokens: query i sees keys 0..start+i."""
         key = (start, length)
@@ -88,38 +93,40 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout)
     layer = module.layer_idx
     gqa = getattr(module, "num_key_value_groups", 1) > 1
-    outputs = []
-    offset = 0
-    for segment in kv_plan.segments:
-        end = offset + segment.tokens
+    segments = kv_plan.segments
+    if len(segments) == 1:
+        parts = ((segments[0], query, key, value),)
+    else:  # one split a tensor, not three slices a segment: a decode step of many sessions has dozens a layer
+        sizes = kv_plan.sizes
+        parts = zip(segments, query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2))
+    outputs = []  # each [1, heads, tokens, head_dim]
+    for segment, q, k, v in parts:
         if segment.length == 1:
-            outputs.append(_decode(segment, layer, query[0, :, offset:end], key[0, :, offset:end], value[0, :, offset:end],
-                                   scaling, gqa))
+            outputs.append(_decode(segment, layer, q, k, v, scaling, gqa))
         else:
-            keys, values = segment.cache.write(layer, segment.row, segment.start, key[0, :, offset:end],
-                                               value[0, :, offset:end], segment.chain)
+            keys, values = segment.cache.write(layer, segment.row, segment.start, k[0], v[0], segment.chain)
             mask = None  # a whole prompt from position 0: SDPA's own causal flag
             if segment.position > 0:
                 mask = kv_plan.mask(segment.position, segment.length, query.device)
-            out, _ = sdpa_attention_forward(module, query[:, :, offset:end], keys, values, mask, scaling=scaling, dropout=dropout)
-            outputs.append(out)
-        offset = end
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+            out, _ = sdpa_attention_forward(module, q, keys, values, mask, scaling=scaling, dropout=dropout)
+            outputs.append(out.transpose(1, 2))
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)).transpose(1, 2), None
 
 
 def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool) -> torch.Tensor:
     """One new token for each of `segment.rows` rows that share a length: one SDPA call for all of them.
 
     The call transformers' SDPA attention makes for one query without a mask, batched over the rows:
-    `query` [heads, rows, head_dim] and the fresh `key`/`value` [kv_heads, rows, head_dim] of the
-    flattened batch become [rows, heads, 1, head_dim]; returns [1, rows, heads, head_dim].
+    `query` [1, heads, rows, head_dim] and the fresh `key`/`value` [1, kv_heads, rows, head_dim] of the
+    flattened batch become [rows, heads, 1, head_dim] (a transpose, no copy); returns
+    [1, heads, rows, head_dim].
     """
     keys, values = segment.cache.write_rows(layer, segment.row, segment.rows, segment.start,
-                                            key.transpose(0, 1), value.transpose(0, 1))
+                                            key.transpose(0, 2), value.transpose(0, 2))
     if segment.chain:
-        return _decode_after_prefix(segment.chain, layer, query, keys, values, scaling)
-    out = F.scaled_dot_product_attention(query.transpose(0, 1).unsqueeze(2), keys, values, scale=scaling, enable_gqa=gqa)
-    return out.transpose(1, 2).reshape(1, segment.rows, *out.shape[1:2], out.shape[3])
+        return _decode_after_prefix(segment.chain, layer, query[0], keys, values, scaling).transpose(1, 2)
+    out = F.scaled_dot_product_attention(query.transpose(0, 2), keys, values, scale=scaling, enable_gqa=gqa)
+    return out.transpose(0, 2)
 
 
 def _decode_after_prefix(chain, layer: int, query, keys, values, scaling) -> torch.Tensor:

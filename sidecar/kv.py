@@ -360,12 +360,14 @@ class KVCache:
                 torch.cat([c.values[layer][0, :, :n] for c, n in parts if n], dim=1))
 
     def write_rows(self, layer: int, row: int, rows: int, position: int, keys: torch.Tensor, values: torch.Tensor):
-        """Writes one token ([rows, heads, head_dim]) at `position` for rows `row`..`row + rows`; returns those
-        rows' keys and values up to it, as views [rows, heads, position + 1, head_dim]."""
+        """Writes one token ([rows, heads, 1, head_dim]) at `position` for rows `row`..`row + rows`; returns
+        those rows' keys and values up to it, as views [rows, heads, position + 1, head_dim]."""
         end = row + rows
-        self.keys[layer][row:end, :, position] = keys
-        self.values[layer][row:end, :, position] = values
-        return self.keys[layer][row:end, :, : position + 1], self.values[layer][row:end, :, : position + 1]
+        own_keys = self.keys[layer][row:end, :, : position + 1]
+        own_values = self.values[layer][row:end, :, : position + 1]
+        own_keys.narrow(2, position, 1).copy_(keys)
+        own_values.narrow(2, position, 1).copy_(values)
+        return own_keys, own_values
 
     def copy_prefix(self, prefix: "KVCache") -> None:
         """Fills every row with all the one-row `prefix` reads, its chain's tokens included (a prompt
