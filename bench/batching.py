@@ -1,17 +1,26 @@
 """The batched engine, side by side in one run: prints one table of medians, ratios and verdicts.
 
-    .venv/bin/python bench/batching.py [--runs 3] [--quick] [--baseline DIR] [--no-peer] [--threads 1]
+    .venv/bin/python bench/batching.py [--runs 3] [--quick] [--baseline DIR] [--no-peer] [--threads 1] [--model mid]
 
 Default model, CPU, one torch thread (--threads: more, for the server and the in-process rows alike),
-greedy unless said. Server rows run the real server
+greedy unless said. `--model mid` runs the same rows on MID, a random Llama of 50M parameters built like
+the default model (its tokenizer, 8 layers of width 768): a step of the default model is mostly the
+fixed cost of a few hundred small operations, one of MID mostly reading its 200 MB of weights, as a
+real model's is; the targets are the issue's, set for the default model. Server rows run the real server
 (`python -m sidecar --model default`) over pipes; in-process rows use the Python API. Compared
 measurements alternate run by run, so a noisy moment hits both sides.
 
 1. 8 sessions at once (prompts of 8 lengths, 96 new tokens each) through the server, against the same
    8 prompts one at a time: aggregate tokens/s (target >= 4x). Twice: prompts of 16-512 tokens, whose
    prefill (the same work either way) is a third of the batched run, and chat-sized ones of 8-96.
+   Under each, the same on decode steps alone, in process (engine ticks of the 8 sessions against ticks
+   of the middle prompt's session alone), beside the bound of item 2.
 2. The same 8 prompts through transformers' own continuous batching (`generate_batch`), as the peer
-   figure; it cannot carry our processors (--no-peer skips it: it takes about 16 s a run here).
+   figure; it cannot carry our processors (--no-peer skips it: it takes about 16 s a run here). And the
+   bound on what batching can give on this machine, with no engine at all: transformers' own forward
+   (`DynamicCache`, SDPA) decoding 8 rows of one length against 1 row, at the 8 prompts' mean context
+   halfway through their 96 tokens; ideal batching (no padding, no prefill), so row 1, whose prompts
+   differ in length and whose prefill is the same work either way, cannot reach it.
 3. 8 samples of 64 tokens from a 512-token prompt (one request, `num_samples: 8`) against 8 separate
    requests sent at once on 8 sessions (target >= 3x).
 4. Beam search, 4 beams and 64 tokens, against transformers' beam search on the same model (identical
@@ -26,7 +35,10 @@ measurements alternate run by run, so a noisy moment hits both sides.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import NO_TARGET, Target, judged, print_table, spread  # noqa: E402
+from bench.common import NO_TARGET, Target, judged, print_table, ratio_spread, spread  # noqa: E402
 from protocol.peer import Peer  # noqa: E402
 
 HERE = Path(__file__).resolve().parents[1]
@@ -51,15 +63,40 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 PROMPTS = [ids(n, 100 + n) for n in LENGTHS]
+MID = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12,
+       "num_key_value_heads": 4}
+
+
+def mid_model() -> Path:
+    """MID's directory (see the module docstring), built on first use beside the default model's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sidecar import default_model
+
+    source = default_model.materialise()
+    config = {**default_model.CONFIG, **MID}
+
+    def build(staging: Path) -> None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(source / name, staging / name)
+        vocab_size = json.loads((source / "config.json").read_text())["vocab_size"]
+        with torch.random.fork_rng():
+            torch.manual_seed(default_model.SEED)
+            model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"},
+                                                 vocab_size=vocab_size))
+        model.save_pretrained(staging)
+
+    digest = hashlib.sha256(json.dumps([config, default_model.fingerprint()], sort_keys=True).encode()).hexdigest()[:16]
+    return default_model.built_once(default_model.cache_root() / f"mid-{digest}", build)
 SHORT_PROMPTS = [ids(n, 200 + n) for n in SHORT_LENGTHS]
 
 
 class Server:
     """A server of one checkout, with a clock on every message it sends."""
 
-    def __init__(self, checkout: Path, threads: int):
+    def __init__(self, checkout: Path, threads: int, model: str = "default"):
         env = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": str(threads)}
-        self.peer = Peer([sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "ERROR"],
+        self.peer = Peer([sys.executable, "-m", "sidecar", "--model", model, "--log-level", "ERROR"],
                          env=env, stderr=subprocess.DEVNULL, cwd=checkout)
         self.sessions = 0
 
@@ -168,6 +205,58 @@ def beams(engine, prompt: list[int], rounds: int = 5) -> tuple[float, float]:
     return statistics.median(ours_s), statistics.median(theirs_s)
 
 
+def decode_steps(engine, prompts: list[list[int]], steps: int = 16) -> list[float]:
+    """Seconds of each of `steps` engine ticks (one forward pass for every row) once all `prompts`, each on a
+    session of its own, are past their prefill and decoding."""
+    scheduler = engine.scheduler
+    sessions = [engine.session() for _ in prompts]
+    streams = [s.stream(token_ids=p, max_new_tokens=steps + 8, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
+    while scheduler.waiting or any(run.prefilling or not run.rows for run in scheduler.running):
+        scheduler.tick()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        scheduler.tick()
+        times.append(time.perf_counter() - started)
+    for stream, session in zip(streams, sessions):
+        stream.cancel()
+        session.close()
+    return times
+
+
+def engine_batching(engine, prompts: list[list[int]]) -> tuple[float, float]:
+    """Median seconds of a decode step of 1 session (the middle prompt) and of all 8 together, alternating."""
+    one, eight = [], []
+    for _ in range(3):
+        one += decode_steps(engine, [prompts[len(prompts) // 2]])
+        eight += decode_steps(engine, prompts)
+    return statistics.median(one), statistics.median(eight)
+
+
+def ideal_batching(model, context: int, steps: int = 16) -> tuple[float, float]:
+    """Median seconds of one decode step of transformers' own forward at `context` tokens, 1 row and 8 rows
+    (see the module docstring, item 2), alternating."""
+    from transformers import DynamicCache
+
+    def step_times(rows: int) -> list[float]:
+        ids = torch.randint(3, 1000, (rows, context), generator=torch.Generator().manual_seed(rows))
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            token = model(ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            times = []
+            for _ in range(steps):
+                started = time.perf_counter()
+                token = model(token, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                times.append(time.perf_counter() - started)
+        return times
+
+    one, eight = [], []
+    for _ in range(3):
+        one += step_times(1)
+        eight += step_times(8)
+    return statistics.median(one), statistics.median(eight)
+
+
 def transformers_batch(model_dir: Path) -> float:
     """Seconds for the 8 prompts x 96 tokens through transformers' `generate_batch` (its paged cache on CPU)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -188,15 +277,18 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="a checkout of another revision: its solo decode side by side")
     parser.add_argument("--no-peer", action="store_true", help="skip transformers' generate_batch (about 16 s a run)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the server and of this process")
+    parser.add_argument("--model", choices=("default", "mid"), default="default",
+                        help="mid: the rows on a 50M-parameter random Llama (see above)")
     args = parser.parse_args()
     runs = 1 if args.quick else args.runs
     torch.set_num_threads(args.threads)
     from sidecar import Engine
     from sidecar.default_model import materialise
 
-    engine = Engine.load()
-    server = Server(HERE, args.threads)
-    baseline = Server(args.baseline.resolve(), args.threads) if args.baseline else None
+    model_dir = mid_model() if args.model == "mid" else materialise()
+    engine = Engine.load(model_dir)
+    server = Server(HERE, args.threads, str(model_dir))
+    baseline = Server(args.baseline.resolve(), args.threads, str(model_dir)) if args.baseline else None
     got: dict[str, list[float]] = {}
 
     def record(name, value):
@@ -213,7 +305,12 @@ def main() -> None:
         record("short_together", together)
         record("short_alone", alone)
         if not (args.quick or args.no_peer):
-            record("peer", transformers_batch(materialise()))
+            record("peer", transformers_batch(model_dir))
+        for name, prompts in (("", PROMPTS), ("short_", SHORT_PROMPTS)):
+            one, eight = engine_batching(engine, prompts)
+            record(f"{name}decode", 8 * one / eight)
+            one, eight = ideal_batching(engine.model, round(statistics.mean(map(len, prompts))) + NEW_TOKENS // 2)
+            record(f"{name}bound", 8 * one / eight)
         n_samples, separate = samples(server)
         record("n_samples", n_samples)
         record("separate", separate)
@@ -245,6 +342,12 @@ def main() -> None:
          rate("short_alone") + " (one at a time)", f"{med['short_together'] / med['short_alone']:.2f}x",
          *judged(med["short_together"] / med["short_alone"], Target(4, at_least=True, unit="x"))],
     ]
+    for at, name, prompts in ((1, "", PROMPTS), (3, "short_", SHORT_PROMPTS)):  # under the row of its prompts
+        context = round(statistics.mean(map(len, prompts))) + NEW_TOKENS // 2
+        rows.insert(at, [f"  decode steps only, in process: 8 sessions of prompts {len(prompts[0])}-{len(prompts[-1])} "
+                     f"vs the middle one alone: tok/s", ratio_spread(got[f"{name}decode"]),
+                     ratio_spread(got[f"{name}bound"]) + f" (bound: transformers, 8 equal rows of {context} tokens)",
+                     f"{med[f'{name}decode'] / med[f'{name}bound']:.2f} of the bound", *NO_TARGET])
     if "peer" in got:
         rows.append(["the same 8 through transformers' generate_batch (peer)", spread(got["peer"], scale=1, unit="s"),
                      f"{tokens / med['peer']:.0f} tok/s", f"{med['together'] * med['peer'] / tokens:.1f}x ours", *NO_TARGET])
@@ -265,7 +368,8 @@ def main() -> None:
          *(judged(med["solo"] / med["solo_baseline"], Target(1.05)) if baseline else NO_TARGET)],
     ]
     threads = f"{args.threads} thread" + ("s" if args.threads > 1 else "")
-    print_table(f"Batched engine, default model, CPU, {threads}, median of {runs} run(s) [min-max]",
+    model = "default model" if args.model == "default" else "MID (50M parameters, random)"
+    print_table(f"Batched engine, {model}, CPU, {threads}, median of {runs} run(s) [min-max]",
                 ["measure", "ours", "compared with", "ratio", "target", "verdict"], rows)
 
 
