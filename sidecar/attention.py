@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .kv import KVCache, KVStore
+from .kv import DecodeGroup, KVCache, KVStore
 
 NAME = "sidecar_rows"
 
@@ -60,8 +60,25 @@ class Segment:
 
 @dataclass
 class Plan:
+    """The segments of one forward pass, in the order of its tokens. With a `group` (`kv.DecodeGroup`),
+    the segments `lanes` names are its members' decode steps, in the order of its members."""
+
     segments: list[Segment]
+    group: DecodeGroup | None = None
+    lanes: tuple[int, ...] = ()
     _masks: dict = field(default_factory=dict)
+
+    @functools.cached_property
+    def lane_steps(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The group's step: where each member writes (lane, position), and the mask that keeps each
+        member's query to its own keys, bool [members, 1, 1, longest + 1]; made once a pass, and the
+        positions each lane then holds told to the group (`DecodeGroup.filled`)."""
+        device = self.group.keys[0].device
+        ends = [self.segments[i].start for i in self.lanes]
+        self.group.filled = [end + 1 for end in ends]
+        positions = torch.tensor(ends, device=device)
+        mask = torch.arange(max(ends) + 1, device=device) <= positions[:, None]
+        return torch.arange(len(ends), device=device), positions, mask[:, None, None, :]
 
     @functools.cached_property
     def sizes(self) -> list[int]:
@@ -99,18 +116,43 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
     else:  # one split a tensor, not three slices a segment: a decode step of many sessions has dozens a layer
         sizes = kv_plan.sizes
         parts = zip(segments, query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2))
-    outputs = []  # each [1, heads, tokens, head_dim]
-    for segment, q, k, v in parts:
+    lanes = kv_plan.lanes
+    if lanes and len(lanes) == len(segments):  # a step of sessions decoding alone: the common tick
+        return _decode_lanes(kv_plan, layer, query, key, value, scaling, gqa).transpose(1, 2), None
+    parts = list(parts)
+    outputs = [None] * len(parts)  # each [1, heads, tokens, head_dim]
+    if lanes:
+        together = [torch.cat([parts[i][n] for i in lanes], dim=2) for n in (1, 2, 3)]
+        for i, out in zip(lanes, _decode_lanes(kv_plan, layer, *together, scaling, gqa).split(1, dim=2)):
+            outputs[i] = out
+    for i, (segment, q, k, v) in enumerate(parts):
+        if outputs[i] is not None:
+            continue
         if segment.length == 1:
-            outputs.append(_decode(segment, layer, q, k, v, scaling, gqa))
+            outputs[i] = _decode(segment, layer, q, k, v, scaling, gqa)
         else:
             keys, values = segment.cache.write(layer, segment.row, segment.start, k[0], v[0], segment.chain)
             mask = None  # a whole prompt from position 0: SDPA's own causal flag
             if segment.position > 0:
                 mask = kv_plan.mask(segment.position, segment.length, query.device)
             out, _ = sdpa_attention_forward(module, q, keys, values, mask, scaling=scaling, dropout=dropout)
-            outputs.append(out.transpose(1, 2))
+            outputs[i] = out.transpose(1, 2)
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)).transpose(1, 2), None
+
+
+def _decode_lanes(plan: Plan, layer: int, query, key, value, scaling, gqa: bool) -> torch.Tensor:
+    """The decode step of the group's members, one token each: `query` [1, heads, members, head_dim] and
+    the fresh `key`/`value` [1, kv_heads, members, head_dim] in the order of its members. Their keys and
+    values are written to their lanes in one indexed write each, and attended in one SDPA call over the
+    lanes up to the longest, a mask keeping each member to its own; returns [1, heads, members, head_dim]."""
+    lanes, positions, mask = plan.lane_steps
+    keys, values = plan.group.keys[layer], plan.group.values[layer]
+    keys[lanes, :, positions] = key[0].transpose(0, 1)
+    values[lanes, :, positions] = value[0].transpose(0, 1)
+    longest = mask.shape[-1]
+    out = F.scaled_dot_product_attention(query.transpose(0, 2), keys[:, :, :longest], values[:, :, :longest],
+                                         attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(0, 2)
 
 
 def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool) -> torch.Tensor:

@@ -363,6 +363,7 @@ class Run:
         """Puts the session back exactly as it was before the call, and keeps the error for the caller."""
         if self.done:
             return
+        self._leave_group()
         if self.saved is not None:
             try:
                 self.session._restore(self.saved)
@@ -377,7 +378,14 @@ class Run:
         self.error = error
         self._release()
 
+    def _leave_group(self) -> None:
+        """Its cache's own buffers catch up with the decode group before anything reads or changes them."""
+        group = self.session.engine.scheduler.group
+        if group.holds(self.session.cache):
+            group.dissolve()
+
     def _release(self) -> None:
+        self._leave_group()
         session = self.session
         if self.work is not None and self.work is not session.cache:
             session.engine.store.release(self.work)

@@ -391,3 +391,76 @@ class KVCache:
             v[:, :, start : start + n] = saved_v
         if tail:
             self.length = start + tail[0][0].shape[2]
+
+
+# The one-row caches of sessions decoding together share a `DecodeGroup` while each holds at most this
+# many tokens' capacity (beyond, the padding would cost more memory than the group saves time).
+GROUP_MAX_TOKENS = 512
+
+
+class DecodeGroup:
+    """The caches of sessions decoding together, copied side by side: one attention call a layer for all.
+
+    On CPU, one session's decode step costs a dozen small operations and a kernel launch a layer, for one
+    query over a few hundred keys; gathering the sessions' caches into one tensor every step costs more
+    than that saves. Keeping them gathered does not: while a one-row cache is a member, its keys and
+    values live in one zero-padded buffer per layer, [members, kv_heads, capacity, head_dim], its decode
+    steps are written there only (one indexed write for all members), and its own buffers catch up when
+    the group dissolves (`dissolve`): when a member's generation ends or fails, or the set of sessions
+    decoding changes. The zeros keep the padding finite, so that a masked key adds exactly nothing.
+
+    The copy is memory the budget counts: a group forms only when the store can hold it without evicting
+    anything, and the scheduler dissolves it when a waiting generation needs its memory, so it never
+    changes what runs, waits or is evicted.
+    """
+
+    def __init__(self, store: KVStore):
+        self.store = store
+        self.members: list[KVCache] = []
+        self.synced: list[int] = []  # tokens each member's own buffers hold (its length when it joined)
+        self.filled: list[int] = []  # tokens its lane holds (written by the step under way included)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.capacity = 0
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.members) * self.capacity * self.store.bytes_per_token
+
+    def update(self, caches: list["KVCache"]) -> bool:
+        """Makes `caches`, in this order, the members (a new group when they are other caches than the
+        members); False, and no group, when they are fewer than two or the store has no room for them."""
+        if len(caches) == len(self.members) and all(a is b for a, b in zip(caches, self.members)):
+            return bool(self.members)
+        self.dissolve()
+        if len(caches) < 2:
+            return False
+        store, capacity = self.store, max(cache.capacity for cache in caches)
+        if store.used_bytes + len(caches) * capacity * store.bytes_per_token > store.budget_bytes:
+            return False
+        for layer, shape in enumerate(store.layers):
+            for lanes, own in ((self.keys, lambda cache: cache.keys), (self.values, lambda cache: cache.values)):
+                buffer = torch.zeros(len(caches), shape.kv_heads, capacity, shape.head_dim, dtype=store.dtype,
+                                     device=store.device)
+                for lane, cache in zip(buffer, caches):
+                    lane[:, : cache.length] = own(cache)[layer][0, :, : cache.length]
+                lanes.append(buffer)
+        self.members, self.capacity = list(caches), capacity
+        self.synced = [cache.length for cache in caches]
+        self.filled = list(self.synced)
+        store._account(self.nbytes)
+        return True
+
+    def dissolve(self) -> None:
+        """Copies what each member's lane holds beyond its own buffers back into them, and frees the group.
+        A member released meanwhile (its session closed during the step) has no buffers to catch up."""
+        for lane, (cache, synced, filled) in enumerate(zip(self.members, self.synced, self.filled)):
+            if filled > synced and cache.keys and cache.capacity >= filled:
+                for layer in range(len(self.keys)):
+                    cache.keys[layer][0, :, synced:filled] = self.keys[layer][lane, :, synced:filled]
+                    cache.values[layer][0, :, synced:filled] = self.values[layer][lane, :, synced:filled]
+        self.store._account(-self.nbytes)
+        self.members, self.synced, self.filled, self.keys, self.values, self.capacity = [], [], [], [], [], 0
+
+    def holds(self, cache: "KVCache") -> bool:
+        return any(member is cache for member in self.members)

@@ -8,7 +8,9 @@ Each tick it
 2. builds one batch: a token for every decoding row, then prefill chunks under the per-tick token
    budget (`prefill_chunk`), shortest remaining prompt first, so a short request gets its first
    token while a long prompt is still being prefilled;
-3. runs the model once and hands each run its rows of logits.
+3. runs the model once and hands each run its rows of logits. The single rows of sessions decoding
+   together attend in one call a layer, their caches copied side by side into a `DecodeGroup` while
+   no generation waits for memory.
 
 A failure inside one run (its processors, its sampling) fails that run alone; a failing forward pass
 fails the runs that were in it. Either way each such run puts its session back as it was.
@@ -24,6 +26,7 @@ from .attention import Plan
 from .decode import forward
 from .errors import CacheBudgetExceeded, InvalidProcessor
 from .generation import Feed, Run
+from .kv import GROUP_MAX_TOKENS, DecodeGroup
 
 
 class Scheduler:
@@ -33,6 +36,7 @@ class Scheduler:
         self.running: list[Run] = []
         self.ticking = False
         self.ticks = 0
+        self.group = DecodeGroup(engine.store)  # the sessions decoding together (`_forward`)
 
     @property
     def busy(self) -> bool:
@@ -96,6 +100,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         store = self.engine.store
+        if self.waiting and self.group.members:  # admission sees the memory as it would be without the group
+            self.group.dissolve()
         while self.waiting:
             run = self.waiting[0]
             if run.done:
@@ -152,8 +158,14 @@ class Scheduler:
             positions += range(position, position + segment.length) if segment.rows == 1 else [position] * segment.rows
             token_ids += feed.token_ids
             keep += range(len(token_ids) - feed.logits, len(token_ids))
+        # single rows of sessions, each reading its own cache only, small enough: attended together, unless
+        # a generation waits for memory (the group's copy would keep it waiting)
+        lanes = [i for i, feed in enumerate(feeds) if feed.run.width == 1 and feed.segment.length == 1
+                 and feed.segment.cache.prefix is None and feed.segment.cache.capacity <= GROUP_MAX_TOKENS]
+        grouped = self.group.update([] if self.waiting else [feeds[i].segment.cache for i in lanes])
+        plan = Plan([f.segment for f in feeds], self.group if grouped else None, tuple(lanes) if grouped else ())
         try:
-            logits = forward(self.engine.model, token_ids, positions, Plan([f.segment for f in feeds]), keep)
+            logits = forward(self.engine.model, token_ids, positions, plan, keep)
         except Exception as error:
             for run in {id(f.run): f.run for f in feeds}.values():
                 run.fail(error)

@@ -1,0 +1,142 @@
+"""Sessions decoding together attend as one group (`kv.DecodeGroup`): against solo runs and `model.generate`,
+the keys a cold forward pass computes for what each session holds afterwards, and the memory budget."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from sidecar import Engine
+from sidecar.kv import DecodeGroup
+
+from .conftest import tokens
+from .test_batching import drain, reference_greedy
+
+
+@pytest.fixture
+def group_sizes(monkeypatch):
+    """The number of members of every group formed (a test of the group must see one formed)."""
+    sizes = []
+    update = DecodeGroup.update
+
+    def spied(self, caches):
+        formed = update(self, caches)
+        if formed:
+            sizes.append(len(self.members))
+        return formed
+
+    monkeypatch.setattr(DecodeGroup, "update", spied)
+    return sizes
+
+
+def cold_keys(engine, token_ids):
+    """Each layer's keys and values of `token_ids`, from transformers' own forward and `DynamicCache`."""
+    cache = DynamicCache(config=engine.model.config)
+    with torch.inference_mode():
+        engine.model(torch.tensor([token_ids]), cache=cache, use_cache=True)
+    return [(layer.keys[0], layer.values[0]) for layer in cache.layers]
+
+
+def assert_cache_is_cold(engine, session):
+    """The session's cache holds what a cold forward pass over its history computes (the group's lane was
+    copied back into its own buffers)."""
+    held = session.history[: session.cached]
+    for layer, (keys, values) in enumerate(cold_keys(engine, held)):
+        torch.testing.assert_close(session.cache.keys[layer][0, :, : len(held)], keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(session.cache.values[layer][0, :, : len(held)], values, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_sessions_decoding_together_form_a_group_equal_their_solo_runs_and_keep_their_caches(kind, engine, gpt2_engine,
+                                                                                              group_sizes):
+    engine = {"llama": engine, "gpt2": gpt2_engine}[kind]
+    prompts = [tokens(n, seed=300 + n, high=engine.vocab_size) for n in (4, 13, 27, 40, 66)]
+    sessions = [engine.session() for _ in prompts]
+    try:
+        first = [s.stream(token_ids=p, max_new_tokens=10, eos_token_ids=[]) for s, p in zip(sessions[:3], prompts[:3])]
+        for _ in range(3):
+            engine.scheduler.tick()
+        late = [s.stream(token_ids=p, max_new_tokens=10, eos_token_ids=[]) for s, p in zip(sessions[3:], prompts[3:])]
+        early = [[e.token_id for e in g.take_events()] for g in first] + [[] for _ in late]
+        generations = first + late
+        streamed = [a + b for a, b in zip(early, drain(generations, engine, cancel_after=(generations[1], 5)))]
+        assert 3 in group_sizes and 5 in group_sizes  # the three, then all five once the late ones decode
+        for i, (g, p, got) in enumerate(zip(generations, prompts, streamed)):
+            expected = reference_greedy(engine, p, 10)[: len(got)]
+            assert g.result.token_ids == got == expected, f"session {i}"
+        assert generations[1].result.finish_reason == "cancelled"
+        assert not engine.scheduler.group.members and engine.store.used_bytes == sum(
+            c.nbytes for c in engine.store._caches.values())  # dissolved, its memory given back
+        for session in sessions:
+            assert_cache_is_cold(engine, session)
+            held, history = session.cached, session.history + [7]
+            follow = session.generate(token_ids=history, max_new_tokens=3, eos_token_ids=[])
+            assert follow.stats.reused_tokens == held == len(history) - 2
+            assert follow.token_ids == reference_greedy(engine, history, 3)
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_a_member_that_fails_or_whose_session_closes_mid_step_leaves_the_others_exact(engine, group_sizes):
+    prompts = [tokens(n, seed=320 + n) for n in (6, 15, 23)]
+    sessions = [engine.session() for _ in prompts]
+
+    def explode(logits, context):
+        if context.length > context.input_length + 3:
+            raise RuntimeError("boom")
+        return logits
+
+    def close_the_last(logits, context):
+        if context.length == context.input_length + 4:
+            sessions[2].close()  # mid-step: its run is cancelled once the step ends, its cache freed now
+        return logits
+
+    try:
+        failing = sessions[0].stream(token_ids=prompts[0], max_new_tokens=8, eos_token_ids=[], processors=[explode])
+        fine = sessions[1].stream(token_ids=prompts[1], max_new_tokens=8, eos_token_ids=[], processors=[close_the_last])
+        closed = sessions[2].stream(token_ids=prompts[2], max_new_tokens=8, eos_token_ids=[])
+        drain([failing, fine, closed], engine)
+        assert 3 in group_sizes
+        assert isinstance(failing.error, RuntimeError) and sessions[0].history == [] and sessions[0].cached == 0
+        assert closed.result.finish_reason == "cancelled"
+        assert fine.result.token_ids == reference_greedy(engine, prompts[1], 8)
+        assert_cache_is_cold(engine, sessions[1])
+        assert not engine.scheduler.group.members
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_the_group_forms_only_within_the_budget(default_dir, per_token, group_sizes):
+    prompts = [tokens(10, seed=340), tokens(14, seed=341)]
+    need = sum(len(p) + 8 for p in prompts)  # what the two generations reserve
+    # room for the two, not for the group's copy of them (each lane as long as the longer one)
+    engine = Engine.load(default_dir, cache_budget_bytes=(need + 2 * (len(prompts[1]) + 8) - 1) * per_token)
+    sessions = [engine.session() for _ in prompts]
+    generations = [s.stream(token_ids=p, max_new_tokens=8, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
+    streamed = drain(generations, engine)
+    assert group_sizes == [] and engine.store.peak_bytes <= engine.store.budget_bytes
+    for g, p, got in zip(generations, prompts, streamed):
+        assert g.result.token_ids == got == reference_greedy(engine, p, 8)
+
+
+def test_a_generation_waiting_for_memory_is_admitted_as_if_there_were_no_group(default_dir, per_token, group_sizes):
+    """The group's copy is given back before admission: a generation that fits beside the others without
+    it starts at once."""
+    prompts = [tokens(10, seed=350), tokens(12, seed=351), tokens(9, seed=352)]
+    two, group, third = len(prompts[0]) + len(prompts[1]) + 24, 2 * (len(prompts[1]) + 12), len(prompts[2]) + 12
+    budget = two + group + third - 1  # room for the two and their group, or for the three: not for all of it
+    engine = Engine.load(default_dir, cache_budget_bytes=budget * per_token)
+    sessions = [engine.session() for _ in prompts]
+    generations = [s.stream(token_ids=p, max_new_tokens=12, eos_token_ids=[]) for s, p in zip(sessions[:2], prompts[:2])]
+    for _ in range(3):
+        engine.scheduler.tick()
+    assert engine.scheduler.group.members  # the two decode as a group, whose copy leaves no room for the third
+    assert engine.store.used_bytes + (len(prompts[2]) + 12) * per_token > engine.store.budget_bytes
+    generations.append(sessions[2].stream(token_ids=prompts[2], max_new_tokens=12, eos_token_ids=[]))
+    engine.scheduler.tick()
+    assert generations[2]._run.admitted and not engine.scheduler.waiting
+    streamed = drain(generations, engine)
+    assert engine.store.peak_bytes <= engine.store.budget_bytes
+    for g, p, got in zip(generations, prompts, streamed):
+        assert g.result.token_ids == got == reference_greedy(engine, p, 12)
