@@ -422,6 +422,7 @@ class DecodeGroup:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.capacity = 0
+        self.previous: list[int] = []  # the ids of the caches `update` was given the step before
 
     @property
     def nbytes(self) -> int:
@@ -429,11 +430,17 @@ class DecodeGroup:
 
     def update(self, caches: list["KVCache"]) -> bool:
         """Makes `caches`, in this order, the members (a new group when they are other caches than the
-        members); False, and no group, when they are fewer than two or the store has no room for them."""
-        if len(caches) == len(self.members) and all(a is b for a, b in zip(caches, self.members)):
+        members); False, and no group, when they are fewer than two, were not the caches of the step
+        before too, or the store has no room for them.
+
+        Forming a group copies every member's cache, about what a few steps of the group save: when the
+        sessions decoding change every step (short replies coming and going), a group would not live long
+        enough to pay for itself (measured: re-formed at 45 of 54 steps, forming took 16% of the time)."""
+        previous, self.previous = self.previous, [id(cache) for cache in caches]
+        if _same(caches, self.members):
             return bool(self.members)
         self.dissolve()
-        if len(caches) < 2:
+        if len(caches) < 2 or self.previous != previous:
             return False
         store, capacity = self.store, max(cache.capacity for cache in caches)
         if store.used_bytes + len(caches) * capacity * store.bytes_per_token > store.budget_bytes:
@@ -464,3 +471,7 @@ class DecodeGroup:
 
     def holds(self, cache: "KVCache") -> bool:
         return any(member is cache for member in self.members)
+
+
+def _same(caches: list[KVCache], others: list[KVCache]) -> bool:
+    return len(caches) == len(others) and all(a is b for a, b in zip(caches, others))
