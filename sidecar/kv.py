@@ -62,6 +62,7 @@ class KVStore:
         self.evictions = 0
         self._caches: OrderedDict[int, KVCache] = OrderedDict()  # least recently used first
         self._trimming = False  # `trim` under way, or put off until `make_room` knows what to keep
+        self.group: DecodeGroup | None = None  # the copy of decoding caches, the first memory given back
 
     @property
     def bytes_per_token(self) -> int:
@@ -168,6 +169,10 @@ class KVStore:
         `keep` (and the chains they read) are not evicted."""
         if self.used_bytes + extra_bytes <= self.budget_bytes:
             return True
+        if self.group is not None and self.group.members:  # before anything is evicted
+            self.group.dissolve()
+            if self.used_bytes + extra_bytes <= self.budget_bytes:
+                return True
         if not self.could_fit(extra_bytes, keep):
             return False
         held = self._held(keep)
@@ -203,9 +208,11 @@ class KVStore:
         return self.unevictable_bytes(keep) + extra_bytes <= self.budget_bytes
 
     def unevictable_bytes(self, keep: tuple["KVCache", ...] = ()) -> int:
-        """The bytes still held once every idle cache but `keep` is evicted."""
+        """The bytes still held once every idle cache but `keep` is evicted (and the decode group's copy
+        given back)."""
         held = self._held(keep)
-        return self.used_bytes - sum(c.nbytes for c in self._caches.values() if id(c) not in held)
+        group = self.group.nbytes if self.group is not None else 0
+        return self.used_bytes - group - sum(c.nbytes for c in self._caches.values() if id(c) not in held)
 
     def alone_bytes(self, keep: tuple["KVCache", ...] = ()) -> int:
         """The bytes still held once every cache but `keep` is evicted, running generations' too: what
@@ -410,12 +417,14 @@ class DecodeGroup:
     decoding changes. The zeros keep the padding finite, so that a masked key adds exactly nothing.
 
     The copy is memory the budget counts: a group forms only when the store can hold it without evicting
-    anything, and the scheduler dissolves it when a waiting generation needs its memory, so it never
-    changes what runs, waits or is evicted.
+    anything and no generation waits for memory, and it is the first memory the store gives back
+    (`KVStore.make_room`, which anything that needs room calls: admission, a fork, a restore), so it
+    never changes what runs, waits, is refused or is evicted.
     """
 
     def __init__(self, store: KVStore):
         self.store = store
+        store.group = self
         self.members: list[KVCache] = []
         self.synced: list[int] = []  # tokens each member's own buffers hold (its length when it joined)
         self.filled: list[int] = []  # tokens its lane holds (written by the step under way included)
@@ -460,12 +469,15 @@ class DecodeGroup:
 
     def dissolve(self) -> None:
         """Copies what each member's lane holds beyond its own buffers back into them, and frees the group.
-        A member released meanwhile (its session closed during the step) has no buffers to catch up."""
-        for lane, (cache, synced, filled) in enumerate(zip(self.members, self.synced, self.filled)):
-            if filled > synced and cache.keys and cache.capacity >= filled:
-                for layer in range(len(self.keys)):
-                    cache.keys[layer][0, :, synced:filled] = self.keys[layer][lane, :, synced:filled]
-                    cache.values[layer][0, :, synced:filled] = self.values[layer][lane, :, synced:filled]
+        A member released meanwhile (its session closed during the step) has no buffers to catch up.
+        Called from a step or from anything that needs room (a fork: outside inference mode, where the
+        buffers, made in a step, cannot be written otherwise)."""
+        with torch.inference_mode():
+            for lane, (cache, synced, filled) in enumerate(zip(self.members, self.synced, self.filled)):
+                if filled > synced and cache.keys and cache.capacity >= filled:
+                    for layer in range(len(self.keys)):
+                        cache.keys[layer][0, :, synced:filled] = self.keys[layer][lane, :, synced:filled]
+                        cache.values[layer][0, :, synced:filled] = self.values[layer][lane, :, synced:filled]
         self.store._account(-self.nbytes)
         self.members, self.synced, self.filled, self.keys, self.values, self.capacity = [], [], [], [], [], 0
 

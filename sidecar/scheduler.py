@@ -100,8 +100,6 @@ class Scheduler:
 
     def _admit(self) -> None:
         store = self.engine.store
-        if self.waiting and self.group.members:  # admission sees the memory as it would be without the group
-            self.group.dissolve()
         while self.waiting:
             run = self.waiting[0]
             if run.done:
