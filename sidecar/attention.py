@@ -110,16 +110,14 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout)
     layer = module.layer_idx
     gqa = getattr(module, "num_key_value_groups", 1) > 1
-    segments = kv_plan.segments
-    if len(segments) == 1:
-        parts = ((segments[0], query, key, value),)
-    else:  # one split a tensor, not three slices a segment: a decode step of many sessions has dozens a layer
-        sizes = kv_plan.sizes
-        parts = zip(segments, query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2))
-    lanes = kv_plan.lanes
+    segments, lanes = kv_plan.segments, kv_plan.lanes
     if lanes and len(lanes) == len(segments):  # a step of sessions decoding alone: the common tick
         return _decode_lanes(kv_plan, layer, query, key, value, scaling, gqa).transpose(1, 2), None
-    parts = list(parts)
+    if len(segments) == 1:
+        parts = [(segments[0], query, key, value)]
+    else:  # one split a tensor, not three slices a segment: a decode step of many sessions has dozens a layer
+        sizes = kv_plan.sizes
+        parts = list(zip(segments, query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2)))
     outputs = [None] * len(parts)  # each [1, heads, tokens, head_dim]
     if lanes:
         together = [torch.cat([parts[i][n] for i in lanes], dim=2) for n in (1, 2, 3)]
