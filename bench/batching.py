@@ -35,10 +35,7 @@ measurements alternate run by run, so a noisy moment hits both sides.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -63,32 +60,9 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 PROMPTS = [ids(n, 100 + n) for n in LENGTHS]
-MID = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12,
-       "num_key_value_heads": 4}
-
-
-def mid_model() -> Path:
-    """MID's directory (see the module docstring), built on first use beside the default model's."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from sidecar import default_model
-
-    source = default_model.materialise()
-    config = {**default_model.CONFIG, **MID}
-
-    def build(staging: Path) -> None:
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(source / name, staging / name)
-        vocab_size = json.loads((source / "config.json").read_text())["vocab_size"]
-        with torch.random.fork_rng():
-            torch.manual_seed(default_model.SEED)
-            model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"},
-                                                 vocab_size=vocab_size))
-        model.save_pretrained(staging)
-
-    digest = hashlib.sha256(json.dumps([config, default_model.fingerprint()], sort_keys=True).encode()).hexdigest()[:16]
-    return default_model.built_once(default_model.cache_root() / f"mid-{digest}", build)
 SHORT_PROMPTS = [ids(n, 200 + n) for n in SHORT_LENGTHS]
+MID = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12,
+       "num_key_value_heads": 4}  # --model mid: the default model's other settings, wider and deeper
 
 
 class Server:
@@ -225,24 +199,19 @@ def decode_steps(engine, prompts: list[list[int]], steps: int = 16) -> list[floa
 
 
 def engine_batching(engine, prompts: list[list[int]]) -> tuple[float, float]:
-    """Median seconds of a decode step of 1 session (the middle prompt) and of all 8 together, alternating."""
-    one, eight = [], []
-    for _ in range(3):
-        one += decode_steps(engine, [prompts[len(prompts) // 2]])
-        eight += decode_steps(engine, prompts)
-    return statistics.median(one), statistics.median(eight)
+    """Median seconds of a decode step of 1 session (the middle prompt) and of all 8 together."""
+    return alternating(lambda: decode_steps(engine, [prompts[len(prompts) // 2]]), lambda: decode_steps(engine, prompts))
 
 
 def ideal_batching(model, context: int, steps: int = 16) -> tuple[float, float]:
     """Median seconds of one decode step of transformers' own forward at `context` tokens, 1 row and 8 rows
-    (see the module docstring, item 2), alternating."""
+    (see the module docstring, item 2)."""
     from transformers import DynamicCache
 
     def step_times(rows: int) -> list[float]:
-        ids = torch.randint(3, 1000, (rows, context), generator=torch.Generator().manual_seed(rows))
         cache = DynamicCache(config=model.config)
         with torch.inference_mode():
-            token = model(ids, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            token = model(torch.tensor([ids(context, 9)] * rows), cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
             times = []
             for _ in range(steps):
                 started = time.perf_counter()
@@ -250,11 +219,16 @@ def ideal_batching(model, context: int, steps: int = 16) -> tuple[float, float]:
                 times.append(time.perf_counter() - started)
         return times
 
-    one, eight = [], []
-    for _ in range(3):
-        one += step_times(1)
-        eight += step_times(8)
-    return statistics.median(one), statistics.median(eight)
+    return alternating(lambda: step_times(1), lambda: step_times(8))
+
+
+def alternating(one, eight, rounds: int = 3) -> tuple[float, float]:
+    """The medians of the step times `one()` and `eight()` return, called in turn `rounds` times each."""
+    ones, eights = [], []
+    for _ in range(rounds):
+        ones += one()
+        eights += eight()
+    return statistics.median(ones), statistics.median(eights)
 
 
 def transformers_batch(model_dir: Path) -> float:
@@ -283,9 +257,9 @@ def main() -> None:
     runs = 1 if args.quick else args.runs
     torch.set_num_threads(args.threads)
     from sidecar import Engine
-    from sidecar.default_model import materialise
+    from sidecar.default_model import CONFIG, materialise
 
-    model_dir = mid_model() if args.model == "mid" else materialise()
+    model_dir = materialise(config={**CONFIG, **MID}, name="mid") if args.model == "mid" else materialise()
     engine = Engine.load(model_dir)
     server = Server(HERE, args.threads, str(model_dir))
     baseline = Server(args.baseline.resolve(), args.threads, str(model_dir)) if args.baseline else None

@@ -71,11 +71,9 @@ class Plan:
     @functools.cached_property
     def lane_steps(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The group's step: where each member writes (lane, position), and the mask that keeps each
-        member's query to its own keys, bool [members, 1, 1, longest + 1]; made once a pass, and the
-        positions each lane then holds told to the group (`DecodeGroup.filled`)."""
+        member's query to its own keys, bool [members, 1, 1, longest + 1]; made once a pass."""
         device = self.group.keys[0].device
         ends = [self.segments[i].start for i in self.lanes]
-        self.group.filled = [end + 1 for end in ends]
         positions = torch.tensor(ends, device=device)
         mask = torch.arange(max(ends) + 1, device=device) <= positions[:, None]
         return torch.arange(len(ends), device=device), positions, mask[:, None, None, :]

@@ -380,7 +380,7 @@ class Run:
 
     def _leave_group(self) -> None:
         """Its cache's own buffers catch up with the decode group before anything reads or changes them."""
-        group = self.session.engine.scheduler.group
+        group = self.session.engine.store.group
         if group.holds(self.session.cache):
             group.dissolve()
 

@@ -62,7 +62,7 @@ class KVStore:
         self.evictions = 0
         self._caches: OrderedDict[int, KVCache] = OrderedDict()  # least recently used first
         self._trimming = False  # `trim` under way, or put off until `make_room` knows what to keep
-        self.group: DecodeGroup | None = None  # the copy of decoding caches, the first memory given back
+        self.group = DecodeGroup(self)  # the copy of decoding caches, the first memory given back
 
     @property
     def bytes_per_token(self) -> int:
@@ -169,7 +169,7 @@ class KVStore:
         `keep` (and the chains they read) are not evicted."""
         if self.used_bytes + extra_bytes <= self.budget_bytes:
             return True
-        if self.group is not None and self.group.members:  # before anything is evicted
+        if self.group.members:  # before anything is evicted
             self.group.dissolve()
             if self.used_bytes + extra_bytes <= self.budget_bytes:
                 return True
@@ -211,8 +211,7 @@ class KVStore:
         """The bytes still held once every idle cache but `keep` is evicted (and the decode group's copy
         given back)."""
         held = self._held(keep)
-        group = self.group.nbytes if self.group is not None else 0
-        return self.used_bytes - group - sum(c.nbytes for c in self._caches.values() if id(c) not in held)
+        return self.used_bytes - self.group.nbytes - sum(c.nbytes for c in self._caches.values() if id(c) not in held)
 
     def alone_bytes(self, keep: tuple["KVCache", ...] = ()) -> int:
         """The bytes still held once every cache but `keep` is evicted, running generations' too: what
@@ -424,14 +423,12 @@ class DecodeGroup:
 
     def __init__(self, store: KVStore):
         self.store = store
-        store.group = self
         self.members: list[KVCache] = []
         self.synced: list[int] = []  # tokens each member's own buffers hold (its length when it joined)
-        self.filled: list[int] = []  # tokens its lane holds (written by the step under way included)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.capacity = 0
-        self.previous: list[int] = []  # the ids of the caches `update` was given the step before
+        self.previous: list[KVCache] = []  # the caches `update` was given the step before
 
     @property
     def nbytes(self) -> int:
@@ -445,41 +442,45 @@ class DecodeGroup:
         Forming a group copies every member's cache, about what a few steps of the group save: when the
         sessions decoding change every step (short replies coming and going), a group would not live long
         enough to pay for itself (measured: re-formed at 45 of 54 steps, forming took 16% of the time)."""
-        previous, self.previous = self.previous, [id(cache) for cache in caches]
+        previous, self.previous = self.previous, list(caches)
         if _same(caches, self.members):
             return bool(self.members)
         self.dissolve()
-        if len(caches) < 2 or self.previous != previous:
+        if len(caches) < 2 or not _same(caches, previous):
             return False
         store, capacity = self.store, max(cache.capacity for cache in caches)
         if store.used_bytes + len(caches) * capacity * store.bytes_per_token > store.budget_bytes:
             return False
         for layer, shape in enumerate(store.layers):
-            for lanes, own in ((self.keys, lambda cache: cache.keys), (self.values, lambda cache: cache.values)):
-                buffer = torch.zeros(len(caches), shape.kv_heads, capacity, shape.head_dim, dtype=store.dtype,
-                                     device=store.device)
-                for lane, cache in zip(buffer, caches):
-                    lane[:, : cache.length] = own(cache)[layer][0, :, : cache.length]
-                lanes.append(buffer)
+            keys, values = (torch.zeros(len(caches), shape.kv_heads, capacity, shape.head_dim, dtype=store.dtype,
+                                        device=store.device) for _ in range(2))
+            for lane, cache in enumerate(caches):
+                keys[lane, :, : cache.length] = cache.keys[layer][0, :, : cache.length]
+                values[lane, :, : cache.length] = cache.values[layer][0, :, : cache.length]
+            self.keys.append(keys)
+            self.values.append(values)
         self.members, self.capacity = list(caches), capacity
         self.synced = [cache.length for cache in caches]
-        self.filled = list(self.synced)
         store._account(self.nbytes)
         return True
 
     def dissolve(self) -> None:
-        """Copies what each member's lane holds beyond its own buffers back into them, and frees the group.
-        A member released meanwhile (its session closed during the step) has no buffers to catch up.
-        Called from a step or from anything that needs room (a fork: outside inference mode, where the
-        buffers, made in a step, cannot be written otherwise)."""
+        """Copies what each member's lane holds beyond its own buffers back into them, and frees the group:
+        up to its length, and the position a step under way writes (a step that fails part-way is put
+        back by its run, as without the group). A member released meanwhile (its session closed during
+        the step) has no buffers to catch up. Called from a step or from anything that needs room (a
+        fork: outside inference mode, where the buffers, made in a step, cannot be written otherwise)."""
+        if not self.members:
+            return
         with torch.inference_mode():
-            for lane, (cache, synced, filled) in enumerate(zip(self.members, self.synced, self.filled)):
-                if filled > synced and cache.keys and cache.capacity >= filled:
+            for lane, (cache, synced) in enumerate(zip(self.members, self.synced)):
+                end = min(cache.length + 1, cache.capacity)
+                if cache.keys and end > synced:
                     for layer in range(len(self.keys)):
-                        cache.keys[layer][0, :, synced:filled] = self.keys[layer][lane, :, synced:filled]
-                        cache.values[layer][0, :, synced:filled] = self.values[layer][lane, :, synced:filled]
+                        cache.keys[layer][0, :, synced:end] = self.keys[layer][lane, :, synced:end]
+                        cache.values[layer][0, :, synced:end] = self.values[layer][lane, :, synced:end]
         self.store._account(-self.nbytes)
-        self.members, self.synced, self.filled, self.keys, self.values, self.capacity = [], [], [], [], [], 0
+        self.members, self.synced, self.keys, self.values, self.capacity = [], [], [], [], 0
 
     def holds(self, cache: "KVCache") -> bool:
         return any(member is cache for member in self.members)

@@ -26,7 +26,7 @@ from .attention import Plan
 from .decode import forward
 from .errors import CacheBudgetExceeded, InvalidProcessor
 from .generation import Feed, Run
-from .kv import GROUP_MAX_TOKENS, DecodeGroup
+from .kv import GROUP_MAX_TOKENS
 
 
 class Scheduler:
@@ -36,7 +36,7 @@ class Scheduler:
         self.running: list[Run] = []
         self.ticking = False
         self.ticks = 0
-        self.group = DecodeGroup(engine.store)  # the sessions decoding together (`_forward`)
+        self.group = engine.store.group  # the sessions decoding together (`_forward`)
 
     @property
     def busy(self) -> bool:

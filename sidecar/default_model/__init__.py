@@ -54,15 +54,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("SIDECAR_CACHE_DIR") or Path.home() / ".cache" / "beam-sidecar")
 
 
-def fingerprint() -> str:
-    digest = hashlib.sha256(json.dumps([CONFIG, TOKENIZER_CONFIG, SEED], sort_keys=True).encode())
+def fingerprint(config: dict = CONFIG) -> str:
+    digest = hashlib.sha256(json.dumps([config, TOKENIZER_CONFIG, SEED], sort_keys=True).encode())
     digest.update((HERE / "tokenizer.json").read_bytes())
     return digest.hexdigest()[:16]
 
 
-def materialise(root: Path | None = None) -> Path:
-    """The directory of the default model, built on first use. Safe when several processes race."""
-    return built_once((root or cache_root()) / f"default-{fingerprint()}", _build)
+def materialise(root: Path | None = None, config: dict = CONFIG, name: str = "default") -> Path:
+    """The directory of the default model, built on first use. Safe when several processes race. With
+    `config` (the default's keys updated) and a `name`, another random model built the same way (a
+    benchmark's bigger one)."""
+    return built_once((root or cache_root()) / f"{name}-{fingerprint(config)}", lambda staging: _build(staging, config))
 
 
 def built_once(target: Path, build) -> Path:
@@ -85,14 +87,14 @@ def built_once(target: Path, build) -> Path:
     return target
 
 
-def _build(staging: Path) -> None:
+def _build(staging: Path, config: dict = CONFIG) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     shutil.copy(HERE / "tokenizer.json", staging / "tokenizer.json")
     (staging / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
     vocab_size = len(AutoTokenizer.from_pretrained(staging, local_files_only=True))
-    config = LlamaConfig(**{k: v for k, v in CONFIG.items() if k != "model_type"}, vocab_size=vocab_size)
+    config = LlamaConfig(**{k: v for k, v in config.items() if k != "model_type"}, vocab_size=vocab_size)
     with torch.random.fork_rng():
         torch.manual_seed(SEED)
         model = LlamaForCausalLM(config)

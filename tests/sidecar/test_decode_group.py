@@ -142,22 +142,28 @@ def test_a_generation_waiting_for_memory_is_admitted_as_if_there_were_no_group(d
         assert g.result.token_ids == got == reference_greedy(engine, p, 12)
 
 
-def test_a_fork_that_needs_room_gets_the_groups_memory_first(default_dir, per_token, group_sizes):
-    """Anything that makes room (here a fork that copies) is given the group's copy back before it is
-    refused or evicts an idle cache."""
+@pytest.mark.parametrize("how", ["fork", "restore"])
+def test_a_fork_that_needs_room_gets_the_groups_memory_first(default_dir, per_token, group_sizes, how, tmp_path):
+    """Anything that makes room (a fork that copies, a restore, whose budget check comes first) is given
+    the group's copy back before it is refused or evicts an idle cache."""
     prompts = [tokens(10, seed=360), tokens(12, seed=361)]
     idle_prompt = tokens(16, seed=362)
     two, group, idle = sum(len(p) + 12 for p in prompts), 2 * (len(prompts[1]) + 12), len(idle_prompt)  # idle: held
-    engine = Engine.load(default_dir, share_prefixes=False, cache_budget_bytes=(two + group + idle + idle - 1) * per_token)
+    # a fork copies what the idle session holds beside it; a restore comes with nothing else left to evict
+    kept = idle if how == "fork" else 0
+    engine = Engine.load(default_dir, share_prefixes=False, cache_budget_bytes=(two + group + idle + kept - 1) * per_token)
     with engine.session() as resting:
         resting.generate(token_ids=idle_prompt, max_new_tokens=1, eos_token_ids=[])
+        if how == "restore":
+            resting.save(tmp_path / "resting")
+            resting.close()
         sessions = [engine.session() for _ in prompts]
         generations = [s.stream(token_ids=p, max_new_tokens=12, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
         for _ in range(3):
             engine.scheduler.tick()
         assert engine.scheduler.group.members  # the fork needs the group's memory (and evicting nothing)
         evictions = engine.store.evictions
-        with resting.fork() as twin:
+        with (resting.fork() if how == "fork" else engine.restore(tmp_path / "resting")) as twin:
             assert twin.history == resting.history and engine.store.evictions == evictions
             assert not engine.scheduler.group.members
             streamed = drain(generations, engine)
