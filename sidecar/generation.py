@@ -306,7 +306,7 @@ class Run:
             self.finish_beams()
             return
         if not torch.equal(index, torch.arange(len(index), device=index.device)):
-            self.work.select(index)
+            self.work.select(index, alike=0 if self.shares_prefix else len(self.request.input_ids))
             self.states = self.request.chain.reorder(self.states, index)
             self.sequence = self.sequence.index_select(0, index)
         self._advance_context(tokens)

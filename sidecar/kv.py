@@ -323,16 +323,19 @@ class KVCache:
             return
         self._replace(lambda old: old[:, :, : self.length], self.rows, capacity)
 
-    def select(self, index: torch.Tensor) -> None:
+    def select(self, index: torch.Tensor, alike: int = 0) -> None:
         """Keeps the rows `index` names, in that order (repeats allowed): beams reordered, rows dropped.
         Only the tokens held are copied, and beams reordered stay in their buffers (beam search does it
-        every step: a new buffer of the whole capacity each time cost more than the step's attention)."""
+        every step: a new buffer of the whole capacity each time cost more than the step's attention),
+        from `alike` on: the caller knows every row holds the same first `alike` tokens (a prompt copied
+        to each beam), which reordering leaves where they are."""
         length = self.length
         if len(index) != self.rows:
             self._replace(lambda old: old[:, :, :length].index_select(0, index), len(index), self.capacity)
             return
         for buffer in (*self.keys, *self.values):
-            buffer[:, :, :length] = buffer[:, :, :length].index_select(0, index)
+            moved = buffer[:, :, alike:length]
+            moved.copy_(moved.index_select(0, index))
 
     def _replace(self, kept, rows: int, capacity: int) -> None:
         store, length = self.store, self.length
