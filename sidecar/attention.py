@@ -71,12 +71,16 @@ class Plan:
     @functools.cached_property
     def lane_steps(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The group's step: where each member writes (lane, position), and the mask that keeps each
-        member's query to its own keys, bool [members, 1, 1, longest + 1]; made once a pass."""
+        member's query to its own keys, [members, 1, 1, longest + 1]: bool, or, when the members continue
+        a prefix, added to the scores (0 or -inf, in the keys' dtype, what the kernel that also returns
+        log-sum-exps takes); made once a pass."""
         device = self.group.keys[0].device
         ends = [self.segments[i].start for i in self.lanes]
         positions = torch.tensor(ends, device=device)
-        mask = torch.arange(max(ends) + 1, device=device) <= positions[:, None]
-        return torch.arange(len(ends), device=device), positions, mask[:, None, None, :]
+        mask = (torch.arange(max(ends) + 1, device=device) <= positions[:, None])[:, None, None, :]
+        if self.group.chain:
+            mask = torch.zeros(mask.shape, dtype=self.group.keys[0].dtype, device=device).masked_fill_(~mask, float("-inf"))
+        return torch.arange(len(ends), device=device), positions, mask
 
     @functools.cached_property
     def sizes(self) -> list[int]:
@@ -146,8 +150,11 @@ def _decode_lanes(plan: Plan, layer: int, query, key, value, scaling, gqa: bool)
     keys[lanes, :, positions] = key[0].transpose(0, 1)
     values[lanes, :, positions] = value[0].transpose(0, 1)
     longest = mask.shape[-1]
-    out = F.scaled_dot_product_attention(query.transpose(0, 2), keys[:, :, :longest], values[:, :, :longest],
-                                         attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    keys, values = keys[:, :, :longest], values[:, :, :longest]
+    if plan.group.chain:
+        return _decode_after_prefix(plan.group.chain, layer, query[0], keys, values, scaling, mask).transpose(1, 2)
+    out = F.scaled_dot_product_attention(query.transpose(0, 2), keys, values, attn_mask=mask, scale=scaling,
+                                         enable_gqa=gqa)
     return out.transpose(0, 2)
 
 
@@ -167,7 +174,7 @@ def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool)
     return out.transpose(0, 2)
 
 
-def _decode_after_prefix(chain, layer: int, query, keys, values, scaling) -> torch.Tensor:
+def _decode_after_prefix(chain, layer: int, query, keys, values, scaling, mask=None) -> torch.Tensor:
     """Attention of one new token per row over a prefix all rows share, then each row's own keys.
 
     The prefix (the caches of `chain`, each with how many of its tokens are read) is read in place, once
@@ -175,7 +182,8 @@ def _decode_after_prefix(chain, layer: int, query, keys, values, scaling) -> tor
     of a long prompt, or sessions continuing a shared system prompt, most of what attention reads. Each
     part is attended alone, and the parts are merged by their log-sum-exps, which is exactly one softmax
     over all the keys (up to rounding).
-    `query` is [heads, rows, head_dim]; `keys`/`values` [rows, kv_heads, suffix, head_dim].
+    `query` is [heads, rows, head_dim]; `keys`/`values` [rows, kv_heads, suffix, head_dim]; `mask`, added
+    to the scores of the rows' own keys, [rows, 1, 1, suffix] (the decode group's lanes, of several lengths).
     """
     heads, rows, dim = query.shape
     kv_heads = keys.shape[1]
@@ -188,24 +196,28 @@ def _decode_after_prefix(chain, layer: int, query, keys, values, scaling) -> tor
     if rows > 1:  # back to one row per query
         parts = [(out.view(kv_heads, rows, group, dim).transpose(0, 1), lse.view(kv_heads, rows, group).transpose(0, 1))
                  for out, lse in parts]
-    parts.append(_attend(q, keys, values, scale))  # [rows, kv_heads, group, ...]
+    parts.append(_attend(q, keys, values, scale, mask))  # [rows, kv_heads, group, ...]
     weights = torch.stack([lse for _, lse in parts]).softmax(dim=0).unsqueeze(-1)  # each part's share of the softmax
     out = (torch.stack([out for out, _ in parts]) * weights).sum(dim=0)
     return out.to(query.dtype).reshape(1, rows, heads, dim)
 
 
-def _attend(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unmasked attention of `q` [b, h, n, d] over `k`/`v` [b, h, m, d]: the output and each query's
-    log-sum-exp of scores ([b, h, n], float32), which let attention over parts of the keys be merged.
-    On CPU, the fused kernel SDPA itself runs (it returns both); elsewhere, the same in plain ops."""
+def _attend(q, k, v, scale: float, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `q` [b, h, n, d] over `k`/`v` [b, h, m, d], `mask` (if any) added to the scores: the
+    output and each query's log-sum-exp of scores ([b, h, n], float32), which let attention over parts of
+    the keys be merged. On CPU, the fused kernel SDPA itself runs (it returns both); elsewhere, the same in
+    plain ops."""
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                               scale=scale)
         return out, lse
-    return _attend_plain(q, k, v, scale)
+    return _attend_plain(q, k, v, scale, mask)
 
 
-def _attend_plain(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_plain(q, k, v, scale: float, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
+    if mask is not None:
+        scores += mask
     lse = scores.logsumexp(dim=-1)
     return torch.matmul((scores - lse.unsqueeze(-1)).exp_().to(v.dtype), v), lse
 

@@ -418,6 +418,10 @@ class DecodeGroup:
     the group dissolves (`dissolve`): when a member's generation ends or fails, or the set of sessions
     decoding changes. The zeros keep the padding finite, so that a masked key adds exactly nothing.
 
+    Members may continue one shared prefix (every chat of an app continuing its system prompt, `sharing`):
+    when they all read the same `chain`, the lanes hold their own tokens only, and each step attends the
+    prefix once for all of them, in place, as the rows of beams or samples do.
+
     The copy is memory the budget counts: a group forms only when the store can hold it without evicting
     anything and no generation waits for memory, and it is the first memory the store gives back
     (`KVStore.make_room`, which anything that needs room calls: admission, a fork, a restore), so it
@@ -431,25 +435,27 @@ class DecodeGroup:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.capacity = 0
-        self.previous: list[KVCache] = []  # the caches `update` was given the step before
+        self.chain: list[tuple[KVCache, int]] = []  # the prefix every member continues (`KVCache.chain`)
+        self.previous: tuple[list[KVCache], list] = ([], [])  # the caches and chain `update` was given the step before
 
     @property
     def nbytes(self) -> int:
         return len(self.members) * self.capacity * self.store.bytes_per_token
 
-    def update(self, caches: list["KVCache"]) -> bool:
-        """Makes `caches`, in this order, the members (a new group when they are other caches than the
-        members); False, and no group, when they are fewer than two, were not the caches of the step
-        before too, or the store has no room for them.
+    def update(self, caches: list["KVCache"], chain: list[tuple["KVCache", int]] = ()) -> bool:
+        """Makes `caches`, in this order, the members, each continuing `chain` (a new group when they are
+        other caches than the members); False, and no group, when they are fewer than two, were not the
+        caches of the step before too, or the store has no room for them.
 
         Forming a group copies every member's cache, about what a few steps of the group save: when the
         sessions decoding change every step (short replies coming and going), a group would not live long
         enough to pay for itself (measured: re-formed at 45 of 54 steps, forming took 16% of the time)."""
-        previous, self.previous = self.previous, list(caches)
-        if _same(caches, self.members):
+        chain = list(chain)
+        previous, self.previous = self.previous, (list(caches), chain)
+        if _same(caches, self.members) and _same_chain(chain, self.chain):
             return bool(self.members)
         self.dissolve()
-        if len(caches) < 2 or not _same(caches, previous):
+        if len(caches) < 2 or not (_same(caches, previous[0]) and _same_chain(chain, previous[1])):
             return False
         store, capacity = self.store, max(cache.capacity for cache in caches)
         if store.used_bytes + len(caches) * capacity * store.bytes_per_token > store.budget_bytes:
@@ -462,7 +468,7 @@ class DecodeGroup:
                 values[lane, :, : cache.length] = cache.values[layer][0, :, : cache.length]
             self.keys.append(keys)
             self.values.append(values)
-        self.members, self.capacity = list(caches), capacity
+        self.members, self.capacity, self.chain = list(caches), capacity, chain
         self.synced = [cache.length for cache in caches]
         store._account(self.nbytes)
         return True
@@ -483,7 +489,7 @@ class DecodeGroup:
                         cache.keys[layer][0, :, synced:end] = self.keys[layer][lane, :, synced:end]
                         cache.values[layer][0, :, synced:end] = self.values[layer][lane, :, synced:end]
         self.store._account(-self.nbytes)
-        self.members, self.synced, self.keys, self.values, self.capacity = [], [], [], [], 0
+        self.members, self.synced, self.keys, self.values, self.capacity, self.chain = [], [], [], [], 0, []
 
     def holds(self, cache: "KVCache") -> bool:
         return any(member is cache for member in self.members)
@@ -491,3 +497,7 @@ class DecodeGroup:
 
 def _same(caches: list[KVCache], others: list[KVCache]) -> bool:
     return len(caches) == len(others) and all(a is b for a, b in zip(caches, others))
+
+
+def _same_chain(chain: list[tuple[KVCache, int]], other: list[tuple[KVCache, int]]) -> bool:
+    return len(chain) == len(other) and all(a is b and n == m for (a, n), (b, m) in zip(chain, other))

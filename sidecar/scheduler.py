@@ -156,11 +156,9 @@ class Scheduler:
             positions += range(position, position + segment.length) if segment.rows == 1 else [position] * segment.rows
             token_ids += feed.token_ids
             keep += range(len(token_ids) - feed.logits, len(token_ids))
-        # single rows of sessions, each reading its own cache only, small enough: attended together, unless
-        # a generation waits for memory (the group's copy would keep it waiting)
-        lanes = [i for i, feed in enumerate(feeds) if feed.run.width == 1 and feed.segment.length == 1
-                 and feed.segment.cache.prefix is None and feed.segment.cache.capacity <= GROUP_MAX_TOKENS]
-        grouped = self.group.update([] if self.waiting else [feeds[i].segment.cache for i in lanes])
+        lanes = [] if self.waiting else _lanes(feeds)  # a waiting generation: the group's copy would keep it waiting
+        chain = feeds[lanes[0]].segment.chain if lanes else []
+        grouped = self.group.update([feeds[i].segment.cache for i in lanes], chain)
         plan = Plan([f.segment for f in feeds], self.group if grouped else None, tuple(lanes) if grouped else ())
         try:
             logits = forward(self.engine.model, token_ids, positions, plan, keep)
@@ -177,6 +175,18 @@ class Scheduler:
                 run.accept(fed, rows)
             except Exception as error:
                 run.fail(error)
+
+
+def _lanes(feeds: list[Feed]) -> list[int]:
+    """Which feeds decode as a group (`kv.DecodeGroup`): single rows of sessions whose own caches are
+    small enough, among them those continuing the prefix most of them continue (none, or a shared
+    system prompt's), the first such prefix on a tie, so the same group is found step after step."""
+    by_chain: dict[tuple, list[int]] = {}
+    for i, feed in enumerate(feeds):
+        segment = feed.segment
+        if feed.run.width == 1 and segment.length == 1 and segment.cache.capacity <= GROUP_MAX_TOKENS:
+            by_chain.setdefault(tuple((id(cache), n) for cache, n in segment.chain), []).append(i)
+    return max(by_chain.values(), key=len, default=[])
 
 
 def _by_run(feeds: list[Feed]):

@@ -18,8 +18,8 @@ def group_sizes(monkeypatch):
     sizes = []
     update = DecodeGroup.update
 
-    def spied(self, caches):
-        formed = update(self, caches)
+    def spied(self, caches, chain=()):
+        formed = update(self, caches, chain)
         if formed:
             sizes.append(len(self.members))
         return formed
@@ -37,12 +37,13 @@ def cold_keys(engine, token_ids):
 
 
 def assert_cache_is_cold(engine, session):
-    """The session's cache holds what a cold forward pass over its history computes (the group's lane was
-    copied back into its own buffers)."""
+    """The session's cache holds what a cold forward pass over its history computes, the prefix it
+    continues included (the group's lane was copied back into its own buffers)."""
     held = session.history[: session.cached]
     for layer, (keys, values) in enumerate(cold_keys(engine, held)):
-        torch.testing.assert_close(session.cache.keys[layer][0, :, : len(held)], keys, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(session.cache.values[layer][0, :, : len(held)], values, atol=1e-4, rtol=1e-4)
+        own_keys, own_values = session.cache.span(layer)
+        torch.testing.assert_close(own_keys[:, : len(held)], keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(own_values[:, : len(held)], values, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -74,6 +75,46 @@ def test_sessions_decoding_together_form_a_group_equal_their_solo_runs_and_keep_
             assert follow.token_ids == reference_greedy(engine, history, 3)
     finally:
         for s in sessions:
+            s.close()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_sessions_continuing_one_system_prompt_decode_as_a_group_reading_it_once(kind, engine, gpt2_engine, group_sizes):
+    """Chats of one app continue its system prompt's shared cache (`sharing`): the most of them that
+    continue one prefix form the group, which reads that prefix in place; the others (another system
+    prompt, none) decode beside it; every one equals its solo run."""
+    engine = {"llama": engine, "gpt2": gpt2_engine}[kind]
+
+    def some(n, seed):
+        return tokens(n, seed=seed, high=engine.vocab_size)
+
+    system, other = some(48, 370), some(40, 371)
+    prompts = [system + some(n, 372 + n) for n in (3, 9, 17, 30)] + [other + some(5, 380), other + some(8, 381), some(12, 382)]
+    seen = []
+
+    def watch(logits, context):
+        group = engine.scheduler.group
+        seen.append((len(group.members), [n for _, n in group.chain]))
+        return logits
+
+    hosts = [engine.session() for _ in range(2)]
+    sessions = [engine.session() for _ in prompts]
+    try:
+        for host, prefix in zip(hosts, (system, other)):  # idle sessions whose caches the others continue
+            host.generate(token_ids=prefix + [5], max_new_tokens=1, eos_token_ids=[])
+        generations = [s.stream(token_ids=p, max_new_tokens=10, eos_token_ids=[], processors=[watch])
+                       for s, p in zip(sessions, prompts)]
+        streamed = drain(generations, engine)
+        assert [s.cache.depth for s in sessions] == [1, 1, 1, 1, 1, 1, 0]
+        assert (4, [len(system)]) in seen and 4 in group_sizes  # the system prompt's four, reading it in place
+        for i, (g, p, got) in enumerate(zip(generations, prompts, streamed)):
+            assert g.result.token_ids == got == reference_greedy(engine, p, 10), f"session {i}"
+            assert g.result.stats.shared_tokens == (len(system) if i < 4 else len(other) if i < 6 else 0)
+        assert not engine.scheduler.group.members
+        for session in sessions:
+            assert_cache_is_cold(engine, session)
+    finally:
+        for s in hosts + sessions:
             s.close()
 
 
