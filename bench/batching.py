@@ -14,7 +14,8 @@ measurements alternate run by run, so a noisy moment hits both sides.
    8 prompts one at a time: aggregate tokens/s (target >= 4x). Twice: prompts of 16-512 tokens, whose
    prefill (the same work either way) is a third of the batched run, and chat-sized ones of 8-96.
    Under each, the same on decode steps alone, in process (engine ticks of the 8 sessions against ticks
-   of the middle prompt's session alone), beside the bound of item 2.
+   of the middle prompt's session alone), beside the bound of item 2; and for the chat-sized prompts once
+   more, each after one 200-token system prompt whose cache they all continue, as an app's chats do.
 2. The same 8 prompts through transformers' own continuous batching (`generate_batch`), as the peer
    figure; it cannot carry our processors (--no-peer skips it: it takes about 16 s a run here). And the
    bound on what batching can give on this machine, with no engine at all: transformers' own forward
@@ -22,7 +23,10 @@ measurements alternate run by run, so a noisy moment hits both sides.
    halfway through their 96 tokens; ideal batching (no padding, no prefill), so row 1, whose prompts
    differ in length and whose prefill is the same work either way, cannot reach it.
 3. 8 samples of 64 tokens from a 512-token prompt (one request, `num_samples: 8`) against 8 separate
-   requests sent at once on 8 sessions (target >= 3x).
+   requests sent at once on 8 sessions (target >= 3x). Under it, in process: a decode step of the 8
+   samples against one of a single row at the same context, and what the row would give if the 8 rows
+   cost one row's step (derived: the samples' time less 64 times the steps' difference); that is the
+   most batching the samples could gain, since the separate requests are batched too.
 4. Beam search, 4 beams and 64 tokens, against transformers' beam search on the same model (identical
    sequences checked first; target <= 0.9x its time), after a 32-token and a 512-token prompt (whose
    cache the beams share instead of copying and reordering it every step).
@@ -61,6 +65,8 @@ def ids(n: int, seed: int) -> list[int]:
 
 PROMPTS = [ids(n, 100 + n) for n in LENGTHS]
 SHORT_PROMPTS = [ids(n, 200 + n) for n in SHORT_LENGTHS]
+SAMPLES_PROMPT, SAMPLE_TOKENS = ids(512, 7), 64
+SYSTEM = ids(200, 55)  # a system prompt every chat of an app begins with
 MID = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 12,
        "num_key_value_heads": 4}  # --model mid: the default model's other settings, wider and deeper
 
@@ -125,9 +131,9 @@ def aggregate(server: Server, prompts: list[list[int]]) -> tuple[float, float]:
 
 def samples(server: Server) -> tuple[float, float]:
     """Seconds for 8 x 64 sampled tokens from one 512-token prompt: num_samples 8, and 8 separate requests."""
-    prompt = ids(512, 7)
+    prompt = SAMPLES_PROMPT
     one = server.open()
-    n_samples, _, replies = server.run([{"session": one, "token_ids": prompt, "max_new_tokens": 64, "eos_token_ids": [],
+    n_samples, _, replies = server.run([{"session": one, "token_ids": prompt, "max_new_tokens": SAMPLE_TOKENS, "eos_token_ids": [],
                                          "strategy": "sample", "seed": 1, "num_samples": 8}])
     assert all(len(s["token_ids"]) == 64 for r in replies.values() for s in r["result"]["sequences"])
     server.close(one)
@@ -179,28 +185,53 @@ def beams(engine, prompt: list[int], rounds: int = 5) -> tuple[float, float]:
     return statistics.median(ours_s), statistics.median(theirs_s)
 
 
-def decode_steps(engine, prompts: list[list[int]], steps: int = 16) -> list[float]:
+def decode_steps(engine, prompts: list[list[int]], steps: int = 16, system: list[int] | None = None) -> list[float]:
     """Seconds of each of `steps` engine ticks (one forward pass for every row) once all `prompts`, each on a
-    session of its own, are past their prefill and decoding."""
-    scheduler = engine.scheduler
+    session of its own, are past their prefill and decoding. With `system`, an idle session holds it first
+    and the prompts begin with it: they continue its cache, as chats of one system prompt do."""
+    host = engine.session()
+    if system:
+        host.generate(token_ids=system + [5], max_new_tokens=1, eos_token_ids=[])
     sessions = [engine.session() for _ in prompts]
     streams = [s.stream(token_ids=p, max_new_tokens=steps + 8, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
+    times = decoding_ticks(engine.scheduler, steps)
+    for stream, session in zip(streams, sessions):
+        stream.cancel()
+        session.close()
+    host.close()
+    return times
+
+
+def sample_steps(engine, prompt: list[int], samples: int, steps: int = 16) -> list[float]:
+    """Seconds of each of `steps` engine ticks of one sampling generation of `samples` rows, past its prefill
+    and the first 8 tokens (the context of the samples row halfway, for its 512-token prompt)."""
+    with engine.session() as session:
+        stream = session.stream(token_ids=prompt, strategy="sample", seed=1, num_samples=samples,
+                                max_new_tokens=steps + 16, eos_token_ids=[])
+        times = decoding_ticks(engine.scheduler, steps, skip=8)
+        stream.cancel()
+    return times
+
+
+def decoding_ticks(scheduler, steps: int, skip: int = 0) -> list[float]:
+    """Ticks until every generation is past its prefill and decoding, `skip` more, then returns the seconds
+    of each of `steps` ticks."""
     while scheduler.waiting or any(run.prefilling or not run.rows for run in scheduler.running):
+        scheduler.tick()
+    for _ in range(skip):
         scheduler.tick()
     times = []
     for _ in range(steps):
         started = time.perf_counter()
         scheduler.tick()
         times.append(time.perf_counter() - started)
-    for stream, session in zip(streams, sessions):
-        stream.cancel()
-        session.close()
     return times
 
 
-def engine_batching(engine, prompts: list[list[int]]) -> tuple[float, float]:
+def engine_batching(engine, prompts: list[list[int]], system: list[int] | None = None) -> tuple[float, float]:
     """Median seconds of a decode step of 1 session (the middle prompt) and of all 8 together."""
-    return alternating(lambda: decode_steps(engine, [prompts[len(prompts) // 2]]), lambda: decode_steps(engine, prompts))
+    return alternating(lambda: decode_steps(engine, [prompts[len(prompts) // 2]], system=system),
+                       lambda: decode_steps(engine, prompts, system=system))
 
 
 def ideal_batching(model, context: int, steps: int = 16) -> tuple[float, float]:
@@ -285,9 +316,15 @@ def main() -> None:
             record(f"{name}decode", 8 * one / eight)
             one, eight = ideal_batching(engine.model, round(statistics.mean(map(len, prompts))) + NEW_TOKENS // 2)
             record(f"{name}bound", 8 * one / eight)
+        one, eight = engine_batching(engine, [SYSTEM + p for p in SHORT_PROMPTS], system=SYSTEM)
+        record("system_decode", 8 * one / eight)
         n_samples, separate = samples(server)
         record("n_samples", n_samples)
         record("separate", separate)
+        one, eight = alternating(lambda: sample_steps(engine, SAMPLES_PROMPT, 1), lambda: sample_steps(engine, SAMPLES_PROMPT, 8))
+        record("sample_step_1", one)
+        record("sample_step_8", eight)
+        record("samples_ceiling", separate / (n_samples - SAMPLE_TOKENS * (eight - one)))
         for name, prompt in beam_prompts.items():
             ours, theirs = beams(engine, prompt)
             record(f"{name}_ours", ours)
@@ -322,6 +359,8 @@ def main() -> None:
                      f"vs the middle one alone: tok/s", ratio_spread(got[f"{name}decode"]),
                      ratio_spread(got[f"{name}bound"]) + f" (bound: transformers, 8 equal rows of {context} tokens)",
                      f"{med[f'{name}decode'] / med[f'{name}bound']:.2f} of the bound", *NO_TARGET])
+    rows.insert(4, [f"  the same, each chat continuing one {len(SYSTEM)}-token system prompt (its cache shared): tok/s",
+                    ratio_spread(got["system_decode"]), "-", "-", *NO_TARGET])
     if "peer" in got:
         rows.append(["the same 8 through transformers' generate_batch (peer)", spread(got["peer"], scale=1, unit="s"),
                      f"{tokens / med['peer']:.0f} tok/s", f"{med['together'] * med['peer'] / tokens:.1f}x ours", *NO_TARGET])
@@ -329,6 +368,11 @@ def main() -> None:
         ["8 samples x 64 tokens, 512-token prompt: num_samples 8 vs 8 requests", spread(got["n_samples"], scale=1, unit="s"),
          spread(got["separate"], scale=1, unit="s"), f"{med['separate'] / med['n_samples']:.2f}x",
          *judged(med["separate"] / med["n_samples"], Target(3, at_least=True, unit="x"))],
+        ["  decode steps only, in process: 8 samples vs 1 row, ms a step", spread(got["sample_step_8"], scale=1e3, unit="ms"),
+         spread(got["sample_step_1"], scale=1e3, unit="ms"), f"{med['sample_step_8'] / med['sample_step_1']:.2f}x",
+         *NO_TARGET],
+        ["  the row if 8 samples cost 1 row a step (derived: its time less 64 x the steps' difference)",
+         ratio_spread(got["samples_ceiling"]), "-", f"{med['samples_ceiling']:.2f}x", *NO_TARGET],
         *[[f"beam search, 4 beams x 64 tokens, {label} prompt (median of 5 alternations a run): ours vs transformers",
            spread(got[f"{name}_ours"], scale=1, unit="s"), spread(got[f"{name}_theirs"], scale=1, unit="s"),
            f"{med[f'{name}_ours'] / med[f'{name}_theirs']:.2f}", *judged(med[f"{name}_ours"] / med[f"{name}_theirs"], Target(0.9))]
