@@ -285,7 +285,9 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
             status, payload = receiver.recv()
             if status == "ok":
                 payload = _receive_tables(receiver, payload, deadline)
-        except (EOFError, OSError, multiprocessing.BufferTooShort):  # the child ended, or ended mid-message
+        except TimeoutError:
+            raise _timed_out(timeout_s, timeout_s) from None
+        except (EOFError, OSError):  # the child ended, or ended mid-message
             raise InvalidOption(f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
                                 f"(limit compile_memory) or crashed") from None
     finally:
@@ -337,31 +339,52 @@ def _compile_child(source: tuple[str, str], bytes_vocabulary: OutlinesVocabulary
 
 
 def _send_tables(sender, made: dict) -> None:
-    """The tables as ("ok", their shapes and the plain values), then each array's bytes as they are: no
-    pickled copy on either side (the tables of a large constraint run to hundreds of MiB)."""
+    """The tables as ("ok", their shapes and the plain values), then each array's bytes as they are, in
+    that order: no pickled copy on either side (the tables of a large constraint run to hundreds of MiB),
+    and no framing, since the shapes say how many bytes each array takes."""
     arrays = {name: value for name, value in made.items() if isinstance(value, np.ndarray)}
     plain = {name: value for name, value in made.items() if name not in arrays}
     sender.send(("ok", (plain, {name: (array.dtype.str, array.shape) for name, array in arrays.items()})))
     for array in arrays.values():
-        sender.send_bytes(_as_bytes(np.ascontiguousarray(array)))
+        _write_all(sender.fileno(), _as_bytes(np.ascontiguousarray(array)))
 
 
 def _receive_tables(receiver, header, deadline: float) -> dict:
     """What `_send_tables` sent, each array read straight into its own buffer, whole (a child that ends
-    before is an `EOFError` or an `OSError`, one that sends more a `BufferTooShort`), by `deadline`."""
+    before is an `EOFError` or an `OSError`), by `deadline` (or a `TimeoutError`).
+
+    Not a `Connection` message per array: `recv_bytes_into` reads one in chunks into a growing buffer,
+    each allocated at the length still to come, then copies it out. At 32k tokens (39 MB of tables)
+    that made the transfer take 37-112 ms, against 20-36 ms read in place (helper's measurement)."""
     plain, shapes = header
     made = dict(plain)
     for name, (dtype, shape) in shapes.items():
         array = made[name] = np.empty(shape, dtype=np.dtype(dtype))
-        if not receiver.poll(max(0.0, deadline - time.monotonic())):
-            raise EOFError(f"no {name} came before the deadline")
-        if receiver.recv_bytes_into(_as_bytes(array)) != array.nbytes:
-            raise EOFError(f"{name} came short")
+        _read_into(receiver, _as_bytes(array), deadline)
     return made
 
 
+def _write_all(fd: int, data: memoryview) -> None:
+    """Writes all of `data` to `fd` (a pipe takes it a buffer at a time)."""
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _read_into(receiver, buffer: memoryview, deadline: float) -> None:
+    """Fills `buffer` from the pipe of `receiver`: an `EOFError` if the child ends first, a
+    `TimeoutError` if it sends nothing more before `deadline`."""
+    done = 0
+    while done < len(buffer):
+        if not receiver.poll(max(0.0, deadline - time.monotonic())):  # True at the end of the pipe too
+            raise TimeoutError("the child sent no more before the deadline")
+        count = os.readv(receiver.fileno(), [buffer[done:]])
+        if not count:
+            raise EOFError("the child ended mid-array")
+        done += count
+
+
 def _as_bytes(array: np.ndarray) -> memoryview:
-    """A contiguous array's buffer as flat bytes (a connection slices what it sends by its first axis)."""
+    """A contiguous array's buffer as flat bytes (a partial write or read slices it by its first axis)."""
     return array.reshape(-1).view(np.uint8).data
 
 

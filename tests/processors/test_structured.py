@@ -448,40 +448,38 @@ def test_a_constraint_whose_tables_pass_their_limit_is_refused(vocab, monkeypatc
     assert 0 < len(automaton.keys) - 1 <= 100
 
 
-class Cut:
-    """A child's end of the pipe that fails its last message (the header, then each array: the last
-    array): by raising, or by sending more bytes than the parent's array has."""
-
-    def __init__(self, sender, longer: bool, messages: int):
-        self.sender, self.longer, self.sent, self.messages = sender, longer, 0, messages
-
-    def send(self, message):
-        self.sent += 1
-        self.sender.send(message)
-
-    def send_bytes(self, data):
-        self.sent += 1
-        if self.sent < self.messages:
-            return self.sender.send_bytes(data)
-        if self.longer:
-            return self.sender.send_bytes(bytes(len(data) + 64))
-        raise MemoryError
-
-
-@pytest.mark.parametrize("longer", [False, True])
-def test_a_child_failing_while_it_sends_its_tables_is_a_crash_not_an_automaton(vocab, monkeypatch, longer):
-    """Once the tables' header is out, a child that fails (or sends what does not fit) must not leave
-    the parent with a half-filled automaton: the compile fails as a crash."""
+@pytest.mark.parametrize("how", ["raises", "halfway", "stalls"])
+def test_a_child_failing_while_it_sends_its_tables_is_a_crash_not_an_automaton(vocab, monkeypatch, how):
+    """Once the tables' header is out, a child that fails before its last array, or halfway through it,
+    must not leave the parent with a half-filled automaton: the compile fails as a crash; and one that
+    stops sending halfway (alive) must not hold the parent past its timeout."""
     from processors.structured import compile as structured_compile
 
     monkeypatch.setattr(structured_compile, "_cache", type(structured_compile._cache)())
     monkeypatch.setattr(structured_compile, "_failures", type(structured_compile._failures)())
+    write, writes = structured_compile._write_all, []
     send = structured_compile._send_tables
-    monkeypatch.setattr(structured_compile, "_send_tables", lambda sender, made: send(
-        Cut(sender, longer, 1 + sum(isinstance(value, np.ndarray) for value in made.values())), made))
-    with pytest.raises(P.InvalidOption, match="or crashed"):
-        configure(Regex, pattern="[0-9]{150}").bind(vocab, [EOS])
-    assert not structured_compile._cache
+
+    def cut(sender, made):  # in the child: every array but the last goes out whole
+        writes.append(sum(isinstance(value, np.ndarray) for value in made.values()))
+        send(sender, made)
+
+    def failing(fd, data):
+        writes[0] -= 1
+        if writes[0] > 0:
+            return write(fd, data)
+        if how != "raises":
+            write(fd, data[: len(data) // 2])
+        if how == "stalls":
+            time.sleep(60)  # killed by the parent at its timeout
+        raise MemoryError
+
+    monkeypatch.setattr(structured_compile, "_send_tables", cut)
+    monkeypatch.setattr(structured_compile, "_write_all", failing)
+    started = time.monotonic()
+    with pytest.raises(P.InvalidOption, match="limit compile_timeout_s" if how == "stalls" else "or crashed"):
+        configure(Regex, pattern="[0-9]{150}", compile_timeout_s=3).bind(vocab, [EOS])
+    assert time.monotonic() - started < 30 and not structured_compile._cache
 
 
 def test_the_sentinel_is_written_only_where_the_text_cannot_end_before_it():
