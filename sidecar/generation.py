@@ -194,7 +194,11 @@ class Run:
 
     def accept(self, fed: list[Feed], logits: torch.Tensor | None) -> None:
         """Takes the rows of logits for what was fed (None when nothing asked for logits). A processor's
-        typed failure (a contract broken, a grammar's parser giving up) is raised as `InvalidProcessor`."""
+        typed failure (a contract broken, a grammar's parser giving up) is raised as `InvalidProcessor`.
+        Nothing is taken once its session was closed during the step (by another generation's processor):
+        its cache is gone, and the step's end finishes it as cancelled."""
+        if self.session.closed:
+            return
         try:
             self._accept(fed, logits)
         except proc.ProcessorError as error:

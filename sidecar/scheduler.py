@@ -26,7 +26,7 @@ from .attention import Plan
 from .decode import forward
 from .errors import CacheBudgetExceeded, InvalidProcessor
 from .generation import Feed, Run
-from .kv import GROUP_MAX_TOKENS
+from .kv import GROUP_MAX_TOKENS, DecodeGroup, KVCache
 
 
 class Scheduler:
@@ -156,7 +156,7 @@ class Scheduler:
             positions += range(position, position + segment.length) if segment.rows == 1 else [position] * segment.rows
             token_ids += feed.token_ids
             keep += range(len(token_ids) - feed.logits, len(token_ids))
-        lanes = [] if self.waiting else _lanes(feeds)  # a waiting generation: the group's copy would keep it waiting
+        lanes = [] if self.waiting else _lanes(feeds, self.group)  # a waiting generation: the group's copy would keep it waiting
         chain = feeds[lanes[0]].segment.chain if lanes else []
         grouped = self.group.update([feeds[i].segment.cache for i in lanes], chain)
         plan = Plan([f.segment for f in feeds], self.group if grouped else None, tuple(lanes) if grouped else ())
@@ -177,16 +177,26 @@ class Scheduler:
                 run.fail(error)
 
 
-def _lanes(feeds: list[Feed]) -> list[int]:
+def _lanes(feeds: list[Feed], group: DecodeGroup) -> list[int]:
     """Which feeds decode as a group (`kv.DecodeGroup`): single rows of sessions whose own caches are
-    small enough, among them those continuing the prefix most of them continue (none, or a shared
-    system prompt's), the first such prefix on a tie, so the same group is found step after step."""
+    small enough, among them those continuing one prefix (none, or a shared system prompt's). That is
+    the group's own prefix while all its members still decode: a burst of other requests does not
+    dissolve it, to be copied again once they end. Otherwise the prefix most of them continue, the
+    first such on a tie, so the same group is found step after step."""
     by_chain: dict[tuple, list[int]] = {}
     for i, feed in enumerate(feeds):
         segment = feed.segment
         if feed.run.width == 1 and segment.length == 1 and segment.cache.capacity <= GROUP_MAX_TOKENS:
-            by_chain.setdefault(tuple((id(cache), n) for cache, n in segment.chain), []).append(i)
+            by_chain.setdefault(_key(segment.chain), []).append(i)
+    if group.members:
+        kept = by_chain.get(_key(group.chain), [])
+        if {id(member) for member in group.members} <= {id(feeds[i].segment.cache) for i in kept}:
+            return kept
     return max(by_chain.values(), key=len, default=[])
+
+
+def _key(chain: list[tuple[KVCache, int]]) -> tuple:
+    return tuple((id(cache), n) for cache, n in chain)
 
 
 def _by_run(feeds: list[Feed]):

@@ -19,10 +19,11 @@ def group_sizes(monkeypatch):
     update = DecodeGroup.update
 
     def spied(self, caches, chain=()):
-        formed = update(self, caches, chain)
-        if formed:
+        members = self.members
+        grouped = update(self, caches, chain)
+        if grouped and self.members is not members:  # formed now, not kept from the step before
             sizes.append(len(self.members))
-        return formed
+        return grouped
 
     monkeypatch.setattr(DecodeGroup, "update", spied)
     return sizes
@@ -115,6 +116,31 @@ def test_sessions_continuing_one_system_prompt_decode_as_a_group_reading_it_once
             assert_cache_is_cold(engine, session)
     finally:
         for s in hosts + sessions:
+            s.close()
+
+
+def test_a_burst_of_other_requests_does_not_break_up_a_group_whose_members_still_decode(engine, group_sizes):
+    """Three chats of one system prompt decode as a group; four one-shot requests without it arrive and
+    end meanwhile. They outnumber the group, yet it is kept (and copied once), not dissolved for them
+    and copied again when they end."""
+    system = tokens(48, seed=390)
+    chats = [system + tokens(n, seed=391 + n) for n in (4, 7, 11)]
+    burst = [tokens(n, seed=400 + n) for n in (5, 6, 8, 9)]
+    host, sessions = engine.session(), [engine.session() for _ in chats + burst]
+    try:
+        host.generate(token_ids=system + [5], max_new_tokens=1, eos_token_ids=[])
+        generations = [s.stream(token_ids=p, max_new_tokens=16, eos_token_ids=[]) for s, p in zip(sessions, chats)]
+        for _ in range(4):
+            engine.scheduler.tick()
+        assert group_sizes == [3]
+        generations += [s.stream(token_ids=p, max_new_tokens=4, eos_token_ids=[]) for s, p in zip(sessions[3:], burst)]
+        streamed = [[e.token_id for e in g.take_events()] for g in generations]
+        streamed = [a + b for a, b in zip(streamed, drain(generations, engine))]
+        assert group_sizes == [3]
+        for g, p, got in zip(generations, chats + burst, streamed):
+            assert g.result.token_ids == got == reference_greedy(engine, p, len(got))
+    finally:
+        for s in [host, *sessions]:
             s.close()
 
 

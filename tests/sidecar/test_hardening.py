@@ -443,3 +443,32 @@ def test_a_stream_dropped_unfinished_stands_as_if_cancelled(engine):
         follow = session.generate(token_ids=[5, 6, 7] + seen, max_new_tokens=2, eos_token_ids=[])
     assert follow.stats.reused_tokens == 3 + len(seen) - 1
     assert follow.token_ids == fresh_tokens(engine, token_ids=[5, 6, 7] + seen, max_new_tokens=2, eos_token_ids=[])
+
+
+@pytest.mark.parametrize("rows", [dict(), dict(strategy="sample", num_samples=2, seed=1), dict(strategy="beam", num_beams=2)],
+                         ids=["one row", "samples", "beams"])
+def test_a_session_closed_by_another_generation_in_the_step_its_prefill_ends_is_cancelled(engine, rows):
+    """A processor may close another session; when that session's prefill ends in the same step, its
+    generation ends cancelled (found by a fuzz: samples and beams failed with an IndexError, copying the
+    prompt's cache that the close had freed)."""
+    closing, closed = engine.session(), engine.session()
+    prompt = [5, 6, 7, 8]
+
+    def close_it(logits, context):
+        if context.length == len(prompt) + 1:  # the step after its own prefill: the other one's prefill
+            closed.close()
+        return logits
+
+    closer = closing.stream(token_ids=prompt, max_new_tokens=6, eos_token_ids=[], processors=[close_it])
+    engine.scheduler.tick()
+    victim = closed.stream(token_ids=[9, 10, 11, 12, 13], max_new_tokens=6, eos_token_ids=[], **rows)
+    tokens_of = [event.token_id for event in closer]
+    assert victim.error is None and victim.result.finish_reason == "cancelled"
+    assert closer.result.token_ids == tokens_of == fresh_greedy(engine, prompt, 6)
+    assert engine.store.used_bytes == sum(c.nbytes for c in engine.store._caches.values()) and closed.cache.length == 0
+    closing.close()
+
+
+def fresh_greedy(engine, prompt, n):
+    with engine.session() as session:
+        return session.generate(token_ids=prompt, max_new_tokens=n, eos_token_ids=[]).token_ids
