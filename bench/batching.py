@@ -135,10 +135,10 @@ def samples(server: Server) -> tuple[float, float]:
     one = server.open()
     n_samples, _, replies = server.run([{"session": one, "token_ids": prompt, "max_new_tokens": SAMPLE_TOKENS, "eos_token_ids": [],
                                          "strategy": "sample", "seed": 1, "num_samples": 8}])
-    assert all(len(s["token_ids"]) == 64 for r in replies.values() for s in r["result"]["sequences"])
+    assert all(len(s["token_ids"]) == SAMPLE_TOKENS for r in replies.values() for s in r["result"]["sequences"])
     server.close(one)
     sessions = [server.open() for _ in range(8)]
-    separate, _, _ = server.run([{"session": s, "token_ids": prompt, "max_new_tokens": 64, "eos_token_ids": [],
+    separate, _, _ = server.run([{"session": s, "token_ids": prompt, "max_new_tokens": SAMPLE_TOKENS, "eos_token_ids": [],
                                   "strategy": "sample", "seed": i} for i, s in enumerate(sessions)])
     for s in sessions:
         server.close(s)

@@ -37,9 +37,14 @@ def test_parts_merged_by_log_sum_exp_equal_one_softmax_over_all_keys(dtype, tole
         torch.testing.assert_close(out[0, r].float(), expected[0, :, 0].float(), atol=tolerance, rtol=tolerance)
 
 
-def test_the_plain_path_other_devices_take_equals_the_fused_kernel():
+@pytest.mark.parametrize("masked", [False, True], ids=["unmasked", "decode group's lanes"])
+def test_the_plain_path_other_devices_take_equals_the_fused_kernel(masked):
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(2, 3, n, 8, generator=g) for n in (4, 30, 30))
-    fused, plain = _attend(q, k, v, 0.3), _attend_plain(q, k, v, 0.3)
+    mask = None
+    if masked:  # each row sees its own keys only, as the lanes of a decode group continuing a prefix
+        seen = torch.arange(30) <= torch.tensor([11, 29])[:, None]
+        mask = torch.zeros(2, 1, 1, 30).masked_fill_(~seen[:, None, None, :], float("-inf"))
+    fused, plain = _attend(q, k, v, 0.3, mask), _attend_plain(q, k, v, 0.3, mask)
     torch.testing.assert_close(fused[0], plain[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(fused[1], plain[1], atol=1e-6, rtol=1e-6)
