@@ -11,17 +11,13 @@ of it is built once per (constraint, vocabulary) and shared by every generation 
 from __future__ import annotations
 
 import functools
-import hashlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from ..errors import InvalidOption
+from .build import tables
 
-MAX_MASK_BYTES = 256 * 2**20  # the distinct masks of one compiled constraint, as float32 bias rows x vocabulary
-MAX_TABLE_BYTES = 256 * 2**20  # its transitions, 16 bytes each: 16M (the benchmark's JSON schema has 2M over 32k tokens)
-MASK_CHUNK_STATES = 256  # states whose dense masks are built at once while finding the distinct ones
 MAX_MEMO_STEPS = 65_536  # one-row steps remembered per automaton
 MEMO_STEP_BYTES = 100  # what one remembered step holds: a dict slot and two ints
 
@@ -135,46 +131,6 @@ class TokenAutomaton:
                    accepting=torch.from_numpy(accepting))
 
 
-def tables(initial: int, sources, tokens, targets, accepting, vocab_size: int) -> dict:
-    """The arrays of a `TokenAutomaton` (the keyword arguments of `from_tables`), from transition triples
-    whose states may be any integers (they are renumbered). Pure numpy, so that a compiling child can
-    make them within its memory cap and send them whole.
-
-    Raises `InvalidOption` when two transitions leave one state on one token for different states, or
-    when the tables would exceed `MAX_TABLE_BYTES` or the masks `MAX_MASK_BYTES`.
-    """
-    sources, tokens, targets = (np.asarray(a, dtype=np.int64).reshape(-1) for a in (sources, tokens, targets))
-    if len(sources) * 16 > MAX_TABLE_BYTES:
-        raise InvalidOption(f"the constraint is too large: its {len(sources):,} transitions exceed {MAX_TABLE_BYTES >> 20} "
-                            f"MiB of tables (limit max_table_bytes)")
-    accepting = np.asarray(sorted(accepting), dtype=np.int64)
-    labels, numbered = renumber(np.concatenate([[initial], sources, targets, accepting]))
-    count, n = len(labels), len(sources)
-    src, dst = numbered[1 : 1 + n], numbered[1 + n : 1 + 2 * n]
-    acc = numbered[1 + 2 * n :]
-    keys = src * vocab_size + tokens
-    repeated = []
-    if not (keys[1:] > keys[:-1]).all():  # a compiled constraint's come sorted, each once: no sort
-        order = np.argsort(keys)
-        keys, dst = keys[order], dst[order]
-        repeated = np.nonzero(keys[1:] == keys[:-1])[0]
-    if len(repeated):
-        conflict = repeated[dst[repeated] != dst[repeated + 1]]
-        if len(conflict):
-            at = conflict[0]
-            raise InvalidOption(f"the automaton is not deterministic: state {labels[keys[at] // vocab_size]} has two "
-                                f"transitions on token {keys[at] % vocab_size}")
-        keep = np.ones(len(keys), dtype=bool)
-        keep[repeated + 1] = False
-        keys, dst = keys[keep], dst[keep]
-    mask_of, forbidden = _distinct_masks(keys // vocab_size, keys % vocab_size, count, vocab_size)
-    final = np.zeros(count + 1, dtype=bool)
-    final[acc] = True
-    return {"initial": int(numbered[0]), "vocab_size": vocab_size, "keys": np.append(keys, np.iinfo(np.int64).max),
-            "targets": np.append(dst.astype(np.int64), count), "mask_of": mask_of, "forbidden": forbidden,
-            "accepting": final}
-
-
 @dataclass(frozen=True)
 class BoundMasks:
     """`bias[mask_of[state]]` is 0 for the tokens a state allows, end-of-sequence tokens included, and -inf
@@ -208,38 +164,3 @@ class BoundMasks:
     def allowed(self, states: torch.Tensor) -> torch.Tensor:
         """bool [rows, vocab]: what each state allows."""
         return self.rows(states) == 0
-
-
-def renumber(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`np.unique(labels, return_inverse=True)`, in linear time when the labels are small integers (a
-    compiler's state ids are), which is most of a large constraint's compile time saved."""
-    top = int(labels.max())
-    if top >= 4 * len(labels) + 4096:
-        return np.unique(labels, return_inverse=True)
-    present = np.zeros(top + 1, dtype=bool)
-    present[labels] = True
-    return np.flatnonzero(present), (np.cumsum(present) - 1)[labels]
-
-
-def _distinct_masks(sources: np.ndarray, tokens: np.ndarray, count: int, vocab_size: int):
-    """Each state's forbidden tokens, each distinct mask stored once; the dead state (index `count`) allows nothing."""
-    starts = np.searchsorted(sources, np.arange(count + 2))  # sources are sorted: state s owns [starts[s], starts[s+1])
-    seen: dict[bytes, int] = {}
-    rows: list[np.ndarray] = []
-    mask_of = np.empty(count + 1, dtype=np.int64)
-    for first in range(0, count + 1, MASK_CHUNK_STATES):
-        last = min(first + MASK_CHUNK_STATES, count + 1)
-        block = np.ones((last - first, vocab_size), dtype=bool)
-        lo, hi = starts[first], starts[last]
-        block[sources[lo:hi] - first, tokens[lo:hi]] = False
-        for offset, row in enumerate(block):
-            digest = hashlib.blake2b(row.tobytes(), digest_size=16).digest()
-            index = seen.get(digest)
-            if index is None:
-                index = seen[digest] = len(rows)
-                rows.append(row)
-                if len(rows) * vocab_size * 4 > MAX_MASK_BYTES:
-                    raise InvalidOption(f"the constraint is too large: its token masks exceed {MAX_MASK_BYTES >> 20} MiB "
-                                        f"(limit max_mask_bytes)")
-            mask_of[first + offset] = index
-    return mask_of, np.stack(rows)

@@ -19,6 +19,9 @@ import processors as P
 from processors import Chain, Context, configure
 from processors.structured import AutomatonProcessor, Choice, Dfa, Grammar, JsonSchema, Regex, Vocabulary
 from processors.structured import automaton as automaton_module
+from processors.structured import build as build_module
+from processors.structured import forkserver as forkserver_module
+from processors.structured.trie import TokenTrie
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 2
@@ -34,6 +37,38 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def vocab(tokenizer):
     return Vocabulary.from_tokenizer(tokenizer, 1024)
+
+
+class ForksHere:
+    """Stands in for the fork server by forking this process, so that a test's patches of the child's
+    code (`forkserver.compile_child` and what it calls) hold in the child."""
+
+    def __init__(self):
+        self.pids = []
+
+    def fork(self, source, vocabulary, timeout_s, write_fd):
+        trie = TokenTrie.build(vocabulary.text_tokens())
+        pid = os.fork()
+        if pid == 0:
+            forkserver_module.compile_child(write_fd, source, trie, vocabulary.size, timeout_s)
+        self.pids.append(pid)
+        return pid
+
+
+@pytest.fixture
+def forks_here(monkeypatch):
+    """Compiles in children of this process, nothing cached or remembered yet."""
+    from collections import OrderedDict
+
+    from processors.structured import compile as structured_compile
+
+    here = ForksHere()
+    monkeypatch.setattr(structured_compile, "_forkserver", here)
+    monkeypatch.setattr(structured_compile, "_cache", OrderedDict())
+    monkeypatch.setattr(structured_compile, "_failures", OrderedDict())
+    yield here
+    for pid in here.pids:  # each has exited or was killed: reaped here, as the fork server's kernel setting does
+        os.waitpid(pid, 0)
 
 
 def sentencepiece_tokenizer():
@@ -436,29 +471,24 @@ def test_what_only_compiling_can_tell_is_refused_when_bound_and_remembered(vocab
         configure(JsonSchema, schema={"1": "a", "b": 2}).bind(vocab, [EOS])
 
 
-def test_a_constraint_whose_tables_pass_their_limit_is_refused(vocab, monkeypatch):
-    from processors.structured import compile as structured_compile
-
-    monkeypatch.setattr(structured_compile, "_cache", type(structured_compile._cache)())  # nothing compiled yet
-    monkeypatch.setattr(structured_compile, "_failures", type(structured_compile._failures)())
-    monkeypatch.setattr(automaton_module, "MAX_TABLE_BYTES", 16 * 100)
+def test_a_constraint_whose_tables_pass_their_limit_is_refused(vocab, monkeypatch, forks_here):
+    monkeypatch.setattr(build_module, "MAX_TABLE_BYTES", 16 * 100)
     with pytest.raises(P.InvalidOption, match=r"transitions exceed 0 MiB of tables \(limit max_table_bytes\)"):
         configure(Regex, pattern="[a-z]{1,3}").bind(vocab, [EOS])
     automaton = configure(Regex, pattern="[0-9]").bind(vocab, [EOS]).automaton
     assert 0 < len(automaton.keys) - 1 <= 100
+    assert len(forks_here.pids) == 2
 
 
 @pytest.mark.parametrize("how", ["raises", "halfway", "stalls"])
-def test_a_child_failing_while_it_sends_its_tables_is_a_crash_not_an_automaton(vocab, monkeypatch, how):
+def test_a_child_failing_while_it_sends_its_tables_is_a_crash_not_an_automaton(vocab, monkeypatch, forks_here, how):
     """Once the tables' header is out, a child that fails before its last array, or halfway through it,
     must not leave the parent with a half-filled automaton: the compile fails as a crash; and one that
     stops sending halfway (alive) must not hold the parent past its timeout."""
     from processors.structured import compile as structured_compile
 
-    monkeypatch.setattr(structured_compile, "_cache", type(structured_compile._cache)())
-    monkeypatch.setattr(structured_compile, "_failures", type(structured_compile._failures)())
-    write, writes = structured_compile._write_all, []
-    send = structured_compile._send_tables
+    write, writes = forkserver_module.write_all, []
+    send = forkserver_module.send_tables
 
     def cut(sender, made):  # in the child: every array but the last goes out whole
         writes.append(sum(isinstance(value, np.ndarray) for value in made.values()))
@@ -474,12 +504,13 @@ def test_a_child_failing_while_it_sends_its_tables_is_a_crash_not_an_automaton(v
             time.sleep(60)  # killed by the parent at its timeout
         raise MemoryError
 
-    monkeypatch.setattr(structured_compile, "_send_tables", cut)
-    monkeypatch.setattr(structured_compile, "_write_all", failing)
+    monkeypatch.setattr(forkserver_module, "send_tables", cut)
+    monkeypatch.setattr(forkserver_module, "write_all", failing)
     started = time.monotonic()
     with pytest.raises(P.InvalidOption, match="limit compile_timeout_s" if how == "stalls" else "or crashed"):
         configure(Regex, pattern="[0-9]{150}", compile_timeout_s=3).bind(vocab, [EOS])
     assert time.monotonic() - started < 30 and not structured_compile._cache
+    assert len(forks_here.pids) == 1
 
 
 def test_the_sentinel_is_written_only_where_the_text_cannot_end_before_it():
@@ -519,46 +550,42 @@ def test_a_pathological_pattern_is_stopped_by_its_timeout(vocab):
 def test_a_compile_stopped_through_its_hook_kills_its_child_and_is_not_remembered(vocab, monkeypatch):
     """A caller that stops waiting stops the compile: its child is killed, not left to run out its
     timeout (300 s here), and nothing is cached or remembered, so the next call compiles again."""
-    import multiprocessing
-    import signal
     from collections import OrderedDict
 
     from processors.structured import compile as structured_compile
 
-    assert multiprocessing.active_children() == []
     monkeypatch.setattr(structured_compile, "_failures", OrderedDict())  # what other tests remembered aside
     monkeypatch.setattr(structured_compile, "_cache", OrderedDict())
-    calls = []
-    in_child = structured_compile._in_child
-    monkeypatch.setattr(structured_compile, "_in_child", lambda *a: calls.append(a) or in_child(*a))
+    pids = []
+    fork = structured_compile._forkserver.fork
+    monkeypatch.setattr(structured_compile._forkserver, "fork", lambda *a: pids.append(fork(*a)) or pids[-1])
     source = ("regex", "(a|b)*a(a|b){40}")
     key = (source, vocab.fingerprint)
-    seen = []
+    running = []
 
-    def cancelled():  # True from the first poll that finds the child running: the parent waits for it
-        if not seen:
-            seen.extend(multiprocessing.active_children())
-        return bool(seen)
+    def cancelled():  # asked before the child starts too; True from the first poll, the child seen running
+        if pids and not running:
+            running.append(os.path.exists(f"/proc/{pids[-1]}"))
+        return bool(pids)
 
     with pytest.raises(structured_compile.CompileCancelled, match="cancelled"):
         structured_compile.compile_regex(source, vocab, 300, cancelled)
-    (child,) = seen
-    assert child.exitcode == -signal.SIGKILL and not os.path.exists(f"/proc/{child.pid}")
-    assert multiprocessing.active_children() == []
+    assert running == [True]
+    assert gone(pids[0])
     assert key not in structured_compile._failures and key not in structured_compile._cache
     assert not structured_compile.is_compiled(source, vocab, 300)
 
     # asked again, it compiles again (and fails on its own, shorter timeout)
     with pytest.raises(structured_compile.CompileTimedOut, match="compile_timeout_s = 0.5 s"):
         structured_compile.compile_regex(source, vocab, 0.5)
-    assert len(calls) == 2 and multiprocessing.active_children() == []
+    assert len(pids) == 2 and gone(pids[1])
     # a shorter timeout is answered from that failure, naming its own limit
     with pytest.raises(structured_compile.CompileTimedOut, match="compile_timeout_s = 0.25 s: a compile of it ran 0.5 s"):
         structured_compile.compile_regex(source, vocab, 0.25)
     # and the same timeout from it too, as the same kind of error
     with pytest.raises(structured_compile.CompileTimedOut, match="compile_timeout_s = 0.5 s: a compile of it ran 0.5 s"):
         structured_compile.compile_regex(source, vocab, 0.5)
-    assert len(calls) == 2
+    assert len(pids) == 2
     # a timeout is no failure for a longer timeout: binding with one still takes a compile
     assert structured_compile.is_compiled(source, vocab, 0.5) and not structured_compile.is_compiled(source, vocab, 1)
 
@@ -566,8 +593,16 @@ def test_a_compile_stopped_through_its_hook_kills_its_child_and_is_not_remembere
     quick = ("regex", "[0-9]{7}")
     with pytest.raises(structured_compile.CompileCancelled, match="before it started"):
         structured_compile.compile_regex(quick, vocab, 10, lambda: True)
-    assert len(calls) == 3 and multiprocessing.active_children() == []
+    assert len(pids) == 2
     assert not structured_compile.is_compiled(quick, vocab)
+
+
+def gone(pid: int, within_s: float = 10) -> bool:
+    """Whether process `pid` ends within `within_s` (a killed child is reaped by the fork server's kernel)."""
+    deadline = time.monotonic() + within_s
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not os.path.exists(f"/proc/{pid}")
 
 
 def test_compiled_constraints_are_shared_per_vocabulary(vocab, tokenizer):
