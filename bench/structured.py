@@ -522,7 +522,7 @@ def main() -> None:
         print("note: llguidance compiles lazily: its matcher builds the lexer up front and each mask as it is "
               "needed, so part of its compiling is inside its per-step times (and in its untimed first mask).")
         print("note: xgrammar compiles with its default max_threads=8 on this machine's "
-              f"{torch.multiprocessing.cpu_count()} cores; ours compiles in one forked child, single-threaded.")
+              f"{torch.multiprocessing.cpu_count()} cores; ours compiles in one child (forked from its fork server), single-threaded.")
         print_table("Masks along the walks, compared with ours (the walks keep to tokens all four allow)",
                     ["vocab", "backend", "mask identical to ours", "steps allowing EOS: ours only / theirs only",
                      "walk length (tokens)", "batch-8 steps a run"],

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 PAIRS_PER_CHUNK = 1 << 22  # (state, trie node) pairs a chunk of states may expand at one level, at most
+PACKED_BITS = 63  # a transition is sorted packed in an int64 when its key and target fit in these bits
 
 
 @dataclass(frozen=True)
@@ -64,33 +65,38 @@ def _expand(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarr
 
 
 def token_transitions(table: np.ndarray, states: np.ndarray, trie: TokenTrie, vocab_size: int):
-    """The token-level transitions of `states` (ascending) through the byte automaton `table` (int64
-    [S + 1, 256], the dead state S last, leading to itself): (sources, tokens, targets) for every token
-    whose bytes all lead somewhere, sorted by (source, token), as a searchsorted table wants them.
+    """The token-level transitions of `states` through the byte automaton `table` (int64 [S + 1, 256],
+    the dead state S last, leading to itself): (sources, tokens, targets) for every token whose bytes all
+    lead somewhere, sorted by (source, token), as a searchsorted table wants them.
 
-    States go a chunk at a time; a chunk's transitions are laid out in a dense block of states x tokens
-    and read back in order, which costs less than sorting them (an argsort of two million keys)."""
+    States go a chunk at a time (the pairs of a level are bounded). The transitions come out grouped by
+    the length of their tokens, and are put in order by one sort of each transition packed into an
+    int64, (source * vocab + token) above the target's bits: at 32k tokens that sort took 35 ms where
+    laying them out in a dense block of states x tokens and reading it back took ~250 ms."""
     dead = table.shape[0] - 1
     flat = table.reshape(-1)
     widest = max((len(level.byte) for level in trie.levels), default=1)
-    chunk = max(1, PAIRS_PER_CHUNK // max(widest, vocab_size, 1))  # pairs of a level, or the block of states x tokens
+    chunk = max(1, PAIRS_PER_CHUNK // widest)
     found = []
     for first in range(0, len(states), chunk):
-        origin = np.arange(len(states[first : first + chunk]))
-        current, node = states[first : first + chunk].copy(), np.zeros(len(origin), dtype=np.int64)
-        block = np.full((len(origin), vocab_size), dead, dtype=np.int32)
+        source = states[first : first + chunk]
+        current, node = source.copy(), np.zeros(len(source), dtype=np.int64)
         for level in trie.levels:
             if not len(node):
                 break
             pair, node = _expand(level.child_start[node], level.child_start[node + 1])
             moved = flat[current[pair] * 256 + level.byte[node]]
             live = moved != dead
-            origin, node, current = origin[pair[live]], node[live], moved[live]
+            source, node, current = source[pair[live]], node[live], moved[live]
             ending, token = _expand(level.end_start[node], level.end_start[node + 1])
-            block[origin[ending], level.ends[token]] = current[ending]
-        rows, tokens = np.nonzero(block != dead)
-        found.append((states[first + rows], tokens, block[rows, tokens]))
-    if not found:
-        empty = np.empty(0, dtype=np.int64)
-        return empty, empty, empty
-    return tuple(np.concatenate([part[i] for part in found]) for i in range(3))
+            found.append((source[ending] * vocab_size + level.ends[token], current[ending]))
+    keys = np.concatenate([np.empty(0, dtype=np.int64), *(part[0] for part in found)])
+    targets = np.concatenate([np.empty(0, dtype=np.int64), *(part[1] for part in found)])
+    bits = max(dead.bit_length(), 1)  # a target is below the dead state
+    if len(keys) and bits < PACKED_BITS and int(keys.max()) < 1 << (PACKED_BITS - bits):
+        packed = np.sort((keys << bits) | targets)
+        keys, targets = packed >> bits, packed & ((1 << bits) - 1)
+    else:  # too many states and tokens to pack: sorted by an argsort, four times slower
+        order = np.argsort(keys)
+        keys, targets = keys[order], targets[order]
+    return keys // vocab_size, keys % vocab_size, targets

@@ -27,12 +27,14 @@ def naive(table, states, tokens_by_bytes, vocab_size):
     return found
 
 
+@pytest.mark.parametrize("packed_bits", [63, 0], ids=["packed", "argsort"])
 @pytest.mark.parametrize("pairs_per_chunk", [1, 50, 1 << 22])
-def test_the_trie_walk_finds_every_token_transition_in_order(pairs_per_chunk, monkeypatch):
+def test_the_trie_walk_finds_every_token_transition_in_order(pairs_per_chunk, packed_bits, monkeypatch):
     """A random automaton over a few bytes (so that most walks go somewhere) and a vocabulary with shared
     prefixes, ids writing the same bytes, single bytes and a special token; chunks from one state at a time
-    to all of them."""
+    to all of them; sorted packed, and by the argsort of what does not fit packed."""
     monkeypatch.setattr(trie_module, "PAIRS_PER_CHUNK", pairs_per_chunk)
+    monkeypatch.setattr(trie_module, "PACKED_BITS", packed_bits)
     rng = np.random.default_rng(0)
     states, alphabet = 40, [0x61, 0x62, 0x63, 0xC3, 0xA9]
     table = np.full((states + 1, 256), states, dtype=np.int64)
