@@ -32,7 +32,6 @@ SENTINEL_ID = 256  # its token id in the vocabulary of single bytes
 MAX_REGEX_CHARS = 4_000_000  # a schema's regex, built in the child
 MAX_MASK_BYTES = 256 * 2**20  # the distinct masks of one compiled constraint, as float32 bias rows x vocabulary
 MAX_TABLE_BYTES = 256 * 2**20  # its transitions, 16 bytes each: 16M (the benchmark's JSON schema has 2M over 32k tokens)
-MASK_CHUNK_STATES = 256  # states whose dense masks are built at once while finding the distinct ones
 
 
 def build_tables(source: tuple[str, str], trie: TokenTrie, vocab_size: int) -> dict:
@@ -225,24 +224,25 @@ def renumber(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _distinct_masks(sources: np.ndarray, tokens: np.ndarray, count: int, vocab_size: int):
-    """Each state's forbidden tokens, each distinct mask stored once; the dead state (index `count`) allows nothing."""
-    starts = np.searchsorted(sources, np.arange(count + 2))  # sources are sorted: state s owns [starts[s], starts[s+1])
+    """Each state's forbidden tokens, each distinct mask stored once; the dead state (index `count`) allows
+    nothing. Masks are told apart by the ids of the tokens they allow, hashed where they lie (a state's
+    come sorted, each once), and a dense row is made for each distinct one only: hashing every state's
+    dense row took 100 ms at 32k tokens, most of a large constraint's tables."""
+    bounds = np.searchsorted(sources, np.arange(count + 2)).tolist()  # sorted: state s owns [bounds[s], bounds[s+1])
     seen: dict[bytes, int] = {}
-    rows: list[np.ndarray] = []
+    firsts: list[int] = []  # the first state of each distinct mask
     mask_of = np.empty(count + 1, dtype=np.int64)
-    for first in range(0, count + 1, MASK_CHUNK_STATES):
-        last = min(first + MASK_CHUNK_STATES, count + 1)
-        block = np.ones((last - first, vocab_size), dtype=bool)
-        lo, hi = starts[first], starts[last]
-        block[sources[lo:hi] - first, tokens[lo:hi]] = False
-        for offset, row in enumerate(block):
-            digest = hashlib.blake2b(row.tobytes(), digest_size=16).digest()
-            index = seen.get(digest)
-            if index is None:
-                index = seen[digest] = len(rows)
-                rows.append(row)
-                if len(rows) * vocab_size * 4 > MAX_MASK_BYTES:
-                    raise InvalidOption(f"the constraint is too large: its token masks exceed {MAX_MASK_BYTES >> 20} MiB "
-                                        f"(limit max_mask_bytes)")
-            mask_of[first + offset] = index
-    return mask_of, np.stack(rows)
+    for state in range(count + 1):
+        digest = hashlib.blake2b(tokens[bounds[state] : bounds[state + 1]].tobytes(), digest_size=16).digest()
+        index = seen.get(digest)
+        if index is None:
+            index = seen[digest] = len(firsts)
+            firsts.append(state)
+            if len(firsts) * vocab_size * 4 > MAX_MASK_BYTES:
+                raise InvalidOption(f"the constraint is too large: its token masks exceed {MAX_MASK_BYTES >> 20} MiB "
+                                    f"(limit max_mask_bytes)")
+        mask_of[state] = index
+    forbidden = np.ones((len(firsts), vocab_size), dtype=bool)
+    for row, state in enumerate(firsts):
+        forbidden[row, tokens[bounds[state] : bounds[state + 1]]] = False
+    return mask_of, forbidden
