@@ -480,6 +480,14 @@ def test_a_constraint_whose_tables_pass_their_limit_is_refused(vocab, monkeypatc
     assert len(forks_here.pids) == 2
 
 
+def test_a_constraint_whose_masks_pass_their_limit_is_refused(vocab, monkeypatch, forks_here):
+    monkeypatch.setattr(build_module, "MAX_MASK_BYTES", 2 * vocab.size * 4)  # two distinct masks
+    with pytest.raises(P.InvalidOption, match=r"its token masks exceed 0 MiB \(limit max_mask_bytes\)"):
+        configure(Regex, pattern="[a-z]{1,3}").bind(vocab, [EOS])
+    automaton = configure(Regex, pattern="[0-9]").bind(vocab, [EOS]).automaton  # digits, then nothing
+    assert automaton.forbidden.shape == (2, vocab.size)
+
+
 @pytest.mark.parametrize("how", ["raises", "halfway", "stalls"])
 def test_a_child_failing_while_it_sends_its_tables_is_a_crash_not_an_automaton(vocab, monkeypatch, forks_here, how):
     """Once the tables' header is out, a child that fails before its last array, or halfway through it,
