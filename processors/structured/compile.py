@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 import threading
 import time
 from collections import OrderedDict
@@ -28,12 +27,11 @@ import numpy as np
 
 from ..errors import InvalidOption, ProcessorError
 from .automaton import TokenAutomaton
-from .forkserver import COMPILE_MEMORY_BYTES, ForkServer, as_bytes
+from .forkserver import COMPILE_MEMORY_BYTES, POLL_S, ForkServer, as_bytes
 from .vocabulary import Vocabulary
 
 CACHE_BYTES = 512 * 2**20  # compiled automata kept for reuse, least recently used dropped first
 MAX_FAILURES = 1024  # constraints remembered as impossible to compile
-POLL_S = 0.05  # how often a waiting parent asks `cancelled`: a stopped compile's child lives this long at most
 
 _cache: OrderedDict[tuple, TokenAutomaton] = OrderedDict()
 _failures: OrderedDict[tuple, tuple[InvalidOption, float]] = OrderedDict()  # (the error, the timeout it had)
@@ -47,6 +45,10 @@ class CompileTimedOut(InvalidOption):
 
 class CompileCancelled(ProcessorError):
     """The caller's `cancelled` hook stopped the compile: nothing is known about the constraint."""
+
+
+class ServerEnded(ProcessorError):
+    """The fork server ended during the compile, and the child with it: nothing is known about the constraint."""
 
 
 def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
@@ -111,8 +113,13 @@ def _retried(failed: tuple[InvalidOption, float], timeout_s: float | None) -> bo
 
 
 def _build(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled) -> TokenAutomaton:
-    """Compiles in the child, which sends the automaton's tables whole."""
-    return TokenAutomaton.from_tables(**_in_child(source, vocabulary, timeout_s, cancelled))
+    """Compiles in a child, which sends the automaton's tables whole; once more if the fork server ended
+    meanwhile (killed from outside, or stopped by another caller that gave up in the middle of a request),
+    which says nothing about the constraint: a second such end is a `ServerEnded`, never remembered."""
+    try:
+        return TokenAutomaton.from_tables(**_in_child(source, vocabulary, timeout_s, cancelled))
+    except ServerEnded:
+        return TokenAutomaton.from_tables(**_in_child(source, vocabulary, timeout_s, cancelled))
 
 
 def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float | None = None) -> bool:
@@ -129,13 +136,18 @@ def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: floa
 def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled):
     """Has the fork server start a compiling child and returns what it sent; waits `timeout_s` at most,
     in polls of `POLL_S` between which it asks `cancelled`. A child that sent all it sends, or ended,
-    exits on its own and the server reaps it; one that did not is killed (it still holds its end of the
-    pipe, so it lives and its pid is still its own)."""
+    exits on its own and the server reaps it; one that did not is killed. Raises `ServerEnded` when the
+    child ended because its server did."""
     if cancelled():
         raise CompileCancelled("the compile was cancelled before it started")
+
+    def check():
+        if cancelled():
+            raise CompileCancelled("the compile was cancelled: no caller waits for it any more")
+
     receiver, sender = multiprocessing.Pipe(duplex=False)
     try:
-        pid = _forkserver.fork(source, vocabulary, timeout_s, sender.fileno())
+        child = _forkserver.fork(source, vocabulary, timeout_s, sender.fileno(), check)
     except BaseException:
         receiver.close()
         raise
@@ -145,8 +157,7 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
     ended = False  # whether the child was seen closing the pipe
     try:
         while not receiver.poll(max(0.0, min(POLL_S, deadline - time.monotonic()))):  # True at EOF too
-            if cancelled():
-                raise CompileCancelled("the compile was cancelled: no caller waits for it any more")
+            check()
             if time.monotonic() >= deadline:
                 raise _timed_out(timeout_s, timeout_s)
         try:
@@ -157,24 +168,18 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
             raise _timed_out(timeout_s, timeout_s) from None
         except (EOFError, OSError):  # the child ended, or ended mid-message
             ended = True
+            if child.server_ended():
+                raise ServerEnded("the compile server ended during the compile") from None
             raise InvalidOption(f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
                                 f"(limit compile_memory) or crashed") from None
         ended = True  # all it sends is out: it exits
     finally:
         if not ended:
-            _kill(pid)
+            child.kill()
         receiver.close()
     if status == "error":
         raise InvalidOption(payload)
     return payload
-
-
-def _kill(pid: int) -> None:
-    """Kills a child that still holds its end of the pipe (so its pid is not yet anyone else's)."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _receive_tables(receiver, header, deadline: float) -> dict:

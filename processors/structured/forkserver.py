@@ -13,22 +13,30 @@ The caller sends each request with the pipe's write end over a Unix socket; the 
 the child's pid, and the kernel reaps the child (the caller kills it if it stops waiting, never waits
 for it). The server builds each vocabulary's trie once, asking for its tokens the first time. It ends
 when the caller's end of the socket closes, however the caller ends, and its children die with it.
+A server that ended (killed from outside) or answers nothing for `SERVER_ANSWER_S` (stopped) is killed
+and started again, and a compile whose child died with its server runs again (`compile._build`); a
+process forked from the caller starts a server of its own.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import math
 import os
 import pickle
 import resource
+import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -38,101 +46,166 @@ from .trie import TokenTrie
 
 COMPILE_MEMORY_BYTES = 2 * 2**30  # what a compiling child may allocate beyond what it inherits
 MAX_VOCABULARIES = 4  # vocabularies whose token trie the server keeps (a sidecar loads at most a few models)
+SERVER_ANSWER_S = 20.0  # a server silent this long on one request is stuck (stopped): killed, started again
+POLL_S = 0.05  # how often a caller waiting for the lock or an answer asks whether it still waits
 
-# The server's entry point: its packages are made empty stand-ins first, so that importing this module
-# runs neither package's `__init__` (which imports torch).
+# The server's entry point, in isolated mode (-I) on the caller's own `sys.path`: the same numpy and
+# outlines-core, whatever the environment says. Every package above this module is an empty stand-in,
+# so that importing it runs no package's `__init__` (which imports torch). A terminal's Ctrl-C reaches the
+# whole process group: it is the caller's to handle, and the server ends with the caller's socket. A
+# start that fails says why on the socket, framed as `_send` frames.
 BOOT = """
-import sys, types
-del sys.path[0]  # the working directory: only these packages and installed ones are imported
-for name, path in zip(sys.argv[1:5:2], sys.argv[2:5:2]):
+import json, pickle, signal, socket, struct, sys, traceback, types
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+setup = json.loads(sys.argv[1])
+sys.path[:] = setup["path"]
+for name, path in setup["packages"]:
     sys.modules[name] = types.ModuleType(name)
-    sys.modules[name].__path__ = [path]
-from {package}.forkserver import serve
-serve(int(sys.argv[5]))
+    sys.modules[name].__path__ = path
+try:
+    from importlib import import_module
+    serve = import_module(setup["module"]).serve
+except BaseException as error:
+    body = pickle.dumps(("failed", "".join(traceback.format_exception_only(type(error), error)).strip()))
+    socket.socket(fileno=setup["fd"]).sendall(struct.pack("!Q", len(body)) + body)
+    raise SystemExit(1)
+serve(setup["fd"])
 """
 
 
+@dataclass(frozen=True)
+class Child:
+    """A compiling child and the server it was forked from."""
+
+    pid: int
+    server: subprocess.Popen
+
+    def kill(self) -> None:
+        """Kills the child, which the caller does only while it holds its end of the pipe: alive, so its
+        pid is still its own (the server reaps it at once once it ends)."""
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def server_ended(self) -> bool:
+        """Whether its server has ended, which ends the child too (so its end says nothing about its constraint)."""
+        return self.server.poll() is not None
+
+
 class ForkServer:
-    """The caller's side: starts the server on first use (and again, once a call, if it died)."""
+    """The caller's side: starts the server on first use, and again when it ended or was stuck."""
 
     def __init__(self):
         self._lock = threading.Lock()  # one request and its answer at a time on the socket
         self._process: subprocess.Popen | None = None
         self._socket: socket.socket | None = None
-        atexit.register(self.stop)
+        atexit.register(self._stop)
+        os.register_at_fork(after_in_child=self._forget)
 
-    def fork(self, source: tuple[str, str], vocabulary, timeout_s: float, write_fd: int) -> int:
+    def fork(self, source: tuple[str, str], vocabulary, timeout_s: float, write_fd: int,
+             check: Callable[[], None]) -> Child:
         """Starts a child compiling `source` over `vocabulary` that writes to `write_fd` (see
-        `compile_child`) and returns its pid. Raises `ProcessorError` if the server cannot be started."""
+        `compile_child`). `check` raises once the caller stops waiting; it is called every `POLL_S` while
+        this waits for another thread's request or the server's answer (a server start or a new
+        vocabulary's trie takes a few tenths of a second, not counted in `timeout_s`).
+
+        Raises `ProcessorError` if the server cannot be started, or ends or is stuck twice."""
         request = ("compile", source, vocabulary.fingerprint, vocabulary.size, timeout_s)
-        with self._lock:
+        while not self._lock.acquire(timeout=POLL_S):
+            check()
+        try:
             try:
-                return self._fork(request, vocabulary, write_fd)
-            except (OSError, EOFError):  # it died (killed from outside): started again, once
+                return self._fork(request, vocabulary, write_fd, check)
+            except (OSError, EOFError):  # it ended (killed from outside) or was stuck: started again, once
                 self._stop()
             try:
-                return self._fork(request, vocabulary, write_fd)
+                return self._fork(request, vocabulary, write_fd, check)
             except (OSError, EOFError) as error:
                 self._stop()
                 raise ProcessorError(f"the compile server failed: {error}") from None
+        finally:
+            self._lock.release()
 
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process else None
 
-    def stop(self) -> None:
-        with self._lock:
-            self._stop()
-
-    def _fork(self, request: tuple, vocabulary, write_fd: int) -> int:
+    def _fork(self, request: tuple, vocabulary, write_fd: int, check) -> Child:
         if self._socket is None:
-            self._start()
-        answer = self._ask(request, write_fd)
+            self._start(check)
+        answer = self._ask(request, [write_fd], check)
         if answer == ("vocabulary",):  # the first compile over it, or the server dropped its trie since
-            _send(self._socket, ("vocabulary", vocabulary.fingerprint, vocabulary.text_tokens()))
-            answer = self._ask(request, write_fd)
-        return answer[1]
+            self._ask(("vocabulary", vocabulary.fingerprint, vocabulary.text_tokens()), [], check)
+            answer = self._ask(request, [write_fd], check)
+        return Child(answer[1], self._process)
 
-    def _ask(self, request: tuple, write_fd: int) -> tuple:
-        _send(self._socket, request, [write_fd])
-        answer, _ = _receive(self._socket)
+    def _ask(self, message: tuple | None, fds: list[int], check) -> tuple:
+        """Sends `message` (None: nothing) and returns the server's answer. A caller that stops waiting
+        midway (`check`, or an interrupt) stops the server: the answer it leaves would be read by the
+        next request as its own."""
+        try:
+            if message is not None:
+                _send(self._socket, message, fds)
+            given_up_at = time.monotonic() + SERVER_ANSWER_S
+            while not select.select([self._socket], [], [], POLL_S)[0]:
+                check()
+                if time.monotonic() > given_up_at:
+                    raise TimeoutError(f"the compile server answered nothing in {SERVER_ANSWER_S:g} s")
+            answer, _ = _receive(self._socket)
+        except (OSError, EOFError):
+            raise
+        except BaseException:
+            self._stop()
+            raise
         if answer is None:
             raise EOFError("the compile server ended")
         return answer
 
-    def _start(self) -> None:
+    def _start(self, check) -> None:
         ours, theirs = socket.socketpair()
-        package = __name__.rpartition(".")[0]
-        top = package.partition(".")[0]
-        names = [top, sys.modules[top].__path__[0], package, sys.modules[package].__path__[0]]
+        ours.settimeout(SERVER_ANSWER_S)  # sending a vocabulary to a stuck server, or reading a half-sent answer
+        module = __name__.split(".")
+        packages = [(name, list(sys.modules[name].__path__)) for name in (".".join(module[:n]) for n in range(1, len(module)))]
+        setup = {"path": [entry for entry in sys.path if isinstance(entry, str)], "packages": packages, "module": __name__, "fd": theirs.fileno()}
         try:
-            self._process = subprocess.Popen([sys.executable, "-c", BOOT.format(package=package), *names, str(theirs.fileno())],
-                                             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        except OSError:
+            self._process = subprocess.Popen([sys.executable, "-I", "-c", BOOT, json.dumps(setup)], pass_fds=[theirs.fileno()],
+                                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
         self._socket = ours
+        answer = self._ask(None, [], check)
+        if answer[0] != "ready":
+            self._stop()
+            raise ProcessorError(f"the compile server could not start: {answer[1]}")
 
     def _stop(self) -> None:
-        """Closes the socket, which ends the server, and waits for it (killed if it does not end)."""
+        """Kills the server (its children die with it) and forgets it."""
         if self._socket is not None:
             self._socket.close()
             self._socket = None
         if self._process is not None:
-            try:
-                self._process.wait(timeout=2)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+            self._process.kill()
+            self._process.wait()
             self._process = None
+
+    def _forget(self) -> None:
+        """In a process forked from the caller: the server, its socket and the lock (which another thread
+        may have held at the fork) are the parent's; a compile here starts a server of its own."""
+        self._lock = threading.Lock()
+        if self._socket is not None:
+            self._socket.close()  # this process's copy only: the parent's server lives on
+        self._socket = self._process = None
 
 
 def serve(fd: int) -> None:
     """The server's loop on the socket `fd`, until the caller's end closes."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     channel = socket.socket(fileno=fd)
+    _send(channel, ("ready",))
     tries: OrderedDict[str, TokenTrie] = OrderedDict()
     while True:
         try:
@@ -146,6 +219,7 @@ def serve(fd: int) -> None:
             tries[fingerprint] = TokenTrie.build(tokens)
             while len(tries) > MAX_VOCABULARIES:
                 tries.popitem(last=False)
+            _send(channel, ("built",))
             continue
         _, source, fingerprint, vocab_size, timeout_s = message
         (write_fd,) = fds
@@ -155,24 +229,26 @@ def serve(fd: int) -> None:
             _send(channel, ("vocabulary",))
             continue
         tries.move_to_end(fingerprint)
+        server = os.getpid()
         pid = os.fork()
         if pid == 0:
-            compile_child(write_fd, source, trie, vocab_size, timeout_s)
+            compile_child(write_fd, source, trie, vocab_size, timeout_s, server)
         os.close(write_fd)
         _send(channel, ("forked", pid))
 
 
-def compile_child(fd: int, source: tuple[str, str], trie: TokenTrie, vocab_size: int, timeout_s: float) -> None:
+def compile_child(fd: int, source: tuple[str, str], trie: TokenTrie, vocab_size: int, timeout_s: float, server: int) -> None:
     """A compiling child: builds the tables of `source` and writes them to `fd` (`send_tables`), or
-    ("error", the message); then exits, never returning."""
+    ("error", the message); then exits, never returning. It dies with its `server`, and on its own
+    after `timeout_s` of CPU time (the caller kills it then; if the caller is gone first, the kernel does)."""
     from multiprocessing.connection import Connection
 
+    _die_with(server)
+    resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(timeout_s) + 1, math.ceil(timeout_s) + 2))
     sender = Connection(fd, readable=False)
     try:
         _detach(fd)
         _cap_memory(COMPILE_MEMORY_BYTES)
-        # the caller kills it after `timeout_s`; if the caller is gone first, the kernel does
-        resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(timeout_s) + 1, math.ceil(timeout_s) + 2))
         made = build_tables(source, trie, vocab_size)
     except MemoryError:
         sender.send(("error", f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
@@ -235,20 +311,25 @@ def _exactly(channel: socket.socket, size: int) -> bytes:
     return bytes(buffer)
 
 
+def _die_with(server: int) -> None:
+    """In the child: die with the server (Linux only), or now if it already ended, before the request took effect."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != server:
+        os._exit(1)
+
+
 def _detach(keep: int) -> None:
-    """In the child: drop every descriptor it inherited but `keep` (its pipe to the caller), and die with
-    the server."""
+    """In the child: drop every descriptor it inherited but `keep` (its pipe to the caller)."""
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1):
         os.dup2(null, fd)
     os.closerange(3, keep)
     os.closerange(keep + 1, max(os.sysconf("SC_OPEN_MAX"), keep + 1))  # no descriptor lies past the soft limit
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: Linux only
-    except (OSError, AttributeError):
-        pass
 
 
 def _cap_memory(extra: int) -> None:

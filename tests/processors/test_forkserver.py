@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from processors import configure
+from processors import ProcessorError, configure
 from processors.structured import Regex, Vocabulary
 from processors.structured import compile as structured_compile
+from processors.structured import forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
 EOS = 2
@@ -25,6 +26,36 @@ VOCAB = Vocabulary((None, None, None, *(bytes([b]) for b in b"0123456789abcdef-"
 def nothing_compiled(monkeypatch):
     monkeypatch.setattr(structured_compile, "_cache", OrderedDict())
     monkeypatch.setattr(structured_compile, "_failures", OrderedDict())
+
+
+@pytest.fixture
+def server(nothing_compiled, monkeypatch):
+    """A fork server of the test's own, started (its first compile) and killed at the end."""
+    own = forkserver.ForkServer()
+    monkeypatch.setattr(structured_compile, "_forkserver", own)
+    structured_compile.compile_regex(("regex", "[0-9]"), VOCAB, 10)
+    yield own
+    own._stop()
+
+
+def compiled_by(server, source, timeout_s=10, cancelled=None):
+    """Compiles `source`; returns the pid of the server its child was forked from."""
+    parents = []
+    fork = server.fork
+
+    def spied(*args):
+        child = fork(*args)
+        parents.append(int(status(child.pid)["PPid"]))  # alive: its parent reads it after
+        return child
+
+    server.fork = spied
+    try:
+        automaton = structured_compile.compile_regex(source, VOCAB, timeout_s, cancelled)
+    finally:
+        del server.fork
+    assert automaton.step(automaton.initial, 3) != automaton.dead  # "0"
+    (parent,) = parents
+    return parent
 
 
 def status(pid: int) -> dict[str, str]:
@@ -55,9 +86,9 @@ def test_children_are_forked_from_a_server_without_torch(nothing_compiled, monke
     fork = structured_compile._forkserver.fork
 
     def spied(*args):
-        pid = seen["child"] = fork(*args)
-        seen["parent"] = int(status(pid)["PPid"])  # alive: it waits for the parent to read its tables
-        return pid
+        child = fork(*args)
+        seen["child"], seen["parent"] = child.pid, int(status(child.pid)["PPid"])  # alive: its parent reads it after
+        return child
 
     monkeypatch.setattr(structured_compile._forkserver, "fork", spied)
     automaton = configure(Regex, pattern="[0-9a-f]{8}-[0-9a-f]{4}").bind(VOCAB, [EOS]).automaton
@@ -90,9 +121,9 @@ from processors.structured import compile as structured_compile, Vocabulary
 vocab = Vocabulary((None, b"a", b"b"))
 fork = structured_compile._forkserver.fork
 def spied(*args):
-    pid = fork(*args)
-    print(structured_compile._forkserver.pid, pid, flush=True)
-    return pid
+    child = fork(*args)
+    print(structured_compile._forkserver.pid, child.pid, flush=True)
+    return child
 structured_compile._forkserver.fork = spied
 structured_compile.compile_regex(("regex", "(a|b)*a(a|b){{40}}"), vocab, 300)
 """
@@ -104,3 +135,100 @@ structured_compile.compile_regex(("regex", "(a|b)*a(a|b){{40}}"), vocab, 300)
         caller.kill()
         caller.wait()
     assert gone(server) and gone(child)
+
+
+def test_a_stopped_server_is_killed_and_a_compile_waits_for_it_no_longer_than_asked(server, monkeypatch):
+    """A server that answers nothing (stopped) is given up after SERVER_ANSWER_S and a new one serves
+    the request; a caller that stops waiting meanwhile is answered at once, and the request it left
+    unanswered is not read later as another's (the server is killed with it)."""
+    monkeypatch.setattr(forkserver, "SERVER_ANSWER_S", 1.0)
+    stopped = server.pid
+    os.kill(stopped, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(structured_compile.CompileCancelled):
+        structured_compile.compile_regex(("regex", "[0-5]{2}"), VOCAB, 10, lambda: time.monotonic() - started > 0.3)
+    assert time.monotonic() - started < 0.9 and gone(stopped)
+    assert compiled_by(server, ("regex", "[0-5]{2}")) == server.pid != stopped
+
+    again = server.pid
+    os.kill(again, signal.SIGSTOP)
+    assert compiled_by(server, ("regex", "[0-5]{3}")) == server.pid != again and gone(again)
+
+
+def test_a_server_ended_mid_compile_is_no_failure_of_the_constraint(server, monkeypatch):
+    """Its child dies with it: the compile runs again on a new server, and nothing is remembered as failed."""
+    fork, ended = server.fork, []
+
+    def killing(*args):
+        child = fork(*args)
+        if not ended:
+            ended.append(child.server.pid)
+            os.kill(child.server.pid, signal.SIGKILL)
+        return child
+
+    monkeypatch.setattr(server, "fork", killing)
+    automaton = structured_compile.compile_regex(("regex", "[0-9a-f]{6}"), VOCAB, 10)
+    assert automaton.step(automaton.initial, 3) != automaton.dead
+    assert gone(ended[0]) and server.pid != ended[0]
+    assert not structured_compile._failures
+
+
+def test_a_forked_caller_compiles_on_a_server_of_its_own_even_if_the_lock_was_held_at_the_fork(server):
+    """What a fork inherits (the lock, held here by another thread at that moment; the socket) is the
+    parent's: the forked process starts its own server, and the parent's serves the parent still."""
+    reader, writer = os.pipe()
+    server._lock.acquire()
+    try:
+        pid = os.fork()
+        if pid == 0:
+            os.close(reader)
+            signal.alarm(30)
+            try:
+                answer = str(compiled_by(structured_compile._forkserver, ("regex", "[0-9]{4}")))
+            except BaseException as error:
+                answer = repr(error)
+            os.write(writer, answer.encode())
+            os._exit(0)
+    finally:
+        server._lock.release()
+    os.close(writer)
+    with os.fdopen(reader) as answer:
+        theirs = answer.read()
+    os.waitpid(pid, 0)
+    assert theirs.isdigit() and int(theirs) != server.pid, theirs
+    assert gone(int(theirs))  # it ended with the forked process
+    assert compiled_by(server, ("regex", "[0-9]{5}")) == server.pid
+
+
+def test_a_terminals_ctrl_c_is_the_callers_to_handle(server):
+    os.kill(server.pid, signal.SIGINT)
+    time.sleep(0.3)
+    assert not ended(server.pid)
+    assert compiled_by(server, ("regex", "[0-9]{2}-")) == server.pid
+
+
+def test_the_server_imports_what_its_caller_imports_whatever_the_environment_says(tmp_path):
+    """A caller in isolated mode ignores PYTHONPATH: so does its server, which would otherwise import
+    the outlines_core found there."""
+    shadow = tmp_path / "outlines_core"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the shadowing outlines_core was imported')\n")
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from processors.structured import compile as structured_compile, Vocabulary
+automaton = structured_compile.compile_regex(("regex", "ab"), Vocabulary((None, b"a", b"b")), 10)
+print(automaton.step(automaton.initial, 1) != automaton.dead)
+"""
+    done = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.stdout.strip() == "True", done.stderr
+
+
+def test_a_server_that_cannot_start_says_why(nothing_compiled, monkeypatch):
+    own = forkserver.ForkServer()
+    monkeypatch.setattr(structured_compile, "_forkserver", own)
+    monkeypatch.setattr(sys, "path", [])  # what the server is given: not even the standard library's modules
+    with pytest.raises(ProcessorError, match="^the compile server could not start: ModuleNotFoundError: No module named"):
+        structured_compile.compile_regex(("regex", "[0-9]"), VOCAB, 10)
+    assert own.pid is None

@@ -46,13 +46,17 @@ class ForksHere:
     def __init__(self):
         self.pids = []
 
-    def fork(self, source, vocabulary, timeout_s, write_fd):
+    def fork(self, source, vocabulary, timeout_s, write_fd, check):
         trie = TokenTrie.build(vocabulary.text_tokens())
+        here = os.getpid()
         pid = os.fork()
         if pid == 0:
-            forkserver_module.compile_child(write_fd, source, trie, vocabulary.size, timeout_s)
+            forkserver_module.compile_child(write_fd, source, trie, vocabulary.size, timeout_s, here)
         self.pids.append(pid)
-        return pid
+        return forkserver_module.Child(pid, server=self)
+
+    def poll(self):  # the server of its children: this process, running
+        return None
 
 
 @pytest.fixture
@@ -566,7 +570,13 @@ def test_a_compile_stopped_through_its_hook_kills_its_child_and_is_not_remembere
     monkeypatch.setattr(structured_compile, "_cache", OrderedDict())
     pids = []
     fork = structured_compile._forkserver.fork
-    monkeypatch.setattr(structured_compile._forkserver, "fork", lambda *a: pids.append(fork(*a)) or pids[-1])
+
+    def spied(*args):
+        child = fork(*args)
+        pids.append(child.pid)
+        return child
+
+    monkeypatch.setattr(structured_compile._forkserver, "fork", spied)
     source = ("regex", "(a|b)*a(a|b){40}")
     key = (source, vocab.fingerprint)
     running = []
