@@ -39,6 +39,15 @@ _cache_lock = threading.Lock()
 _forkserver = ForkServer()
 
 
+def _forget_lock() -> None:
+    """In a process forked from this one: the lock, which another thread may have held at the fork, is new."""
+    global _cache_lock
+    _cache_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_lock)
+
+
 class CompileTimedOut(InvalidOption):
     """Compiling took longer than its timeout: a longer one may succeed, so this failure is retried."""
 
@@ -49,6 +58,10 @@ class CompileCancelled(ProcessorError):
 
 class ServerEnded(ProcessorError):
     """The fork server ended during the compile, and the child with it: nothing is known about the constraint."""
+
+    def __init__(self, message: str, deadline: float = 0.0):
+        super().__init__(message)
+        self.deadline = deadline  # the compile's, on the monotonic clock
 
 
 def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
@@ -113,13 +126,19 @@ def _retried(failed: tuple[InvalidOption, float], timeout_s: float | None) -> bo
 
 
 def _build(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled) -> TokenAutomaton:
-    """Compiles in a child, which sends the automaton's tables whole; once more if the fork server ended
-    meanwhile (killed from outside, or stopped by another caller that gave up in the middle of a request),
-    which says nothing about the constraint: a second such end is a `ServerEnded`, never remembered."""
+    """Compiles in a child, which sends the automaton's tables whole; once more, within what is left of
+    `timeout_s`, if the fork server ended meanwhile (killed from outside, or by another caller that gave
+    up in the middle of a request), which says nothing about the constraint. A second such end, or a
+    timeout of the shortened second run, is a `ServerEnded`, never remembered."""
     try:
         return TokenAutomaton.from_tables(**_in_child(source, vocabulary, timeout_s, cancelled))
-    except ServerEnded:
-        return TokenAutomaton.from_tables(**_in_child(source, vocabulary, timeout_s, cancelled))
+    except ServerEnded as ended:
+        left = ended.deadline - time.monotonic()
+    try:
+        return TokenAutomaton.from_tables(**_in_child(source, vocabulary, timeout_s, cancelled, left))
+    except CompileTimedOut:
+        raise ServerEnded(f"the compile server ended during the compile, and the compile run again did not end in "
+                          f"what was left of compile_timeout_s = {timeout_s:g} s") from None
 
 
 def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float | None = None) -> bool:
@@ -133,11 +152,11 @@ def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: floa
     return failed is not None and not _retried(failed, timeout_s)
 
 
-def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled):
-    """Has the fork server start a compiling child and returns what it sent; waits `timeout_s` at most,
-    in polls of `POLL_S` between which it asks `cancelled`. A child that sent all it sends, or ended,
-    exits on its own and the server reaps it; one that did not is killed. Raises `ServerEnded` when the
-    child ended because its server did."""
+def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled, wait_s: float | None = None):
+    """Has the fork server start a compiling child and returns what it sent; waits `wait_s` (default
+    `timeout_s`) at most, in polls of `POLL_S` between which it asks `cancelled`. A child that sent all
+    it sends, or ended, exits on its own and the server reaps it; one that did not is killed. Raises
+    `ServerEnded` when the child ended because its server did."""
     if cancelled():
         raise CompileCancelled("the compile was cancelled before it started")
 
@@ -153,7 +172,7 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
         raise
     finally:
         sender.close()
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + (timeout_s if wait_s is None else wait_s)
     ended = False  # whether the child was seen closing the pipe
     try:
         while not receiver.poll(max(0.0, min(POLL_S, deadline - time.monotonic()))):  # True at EOF too
@@ -169,7 +188,7 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
         except (EOFError, OSError):  # the child ended, or ended mid-message
             ended = True
             if child.server_ended():
-                raise ServerEnded("the compile server ended during the compile") from None
+                raise ServerEnded("the compile server ended during the compile", deadline) from None
             raise InvalidOption(f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
                                 f"(limit compile_memory) or crashed") from None
         ended = True  # all it sends is out: it exits

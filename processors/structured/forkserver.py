@@ -48,16 +48,18 @@ COMPILE_MEMORY_BYTES = 2 * 2**30  # what a compiling child may allocate beyond w
 MAX_VOCABULARIES = 4  # vocabularies whose token trie the server keeps (a sidecar loads at most a few models)
 SERVER_ANSWER_S = 20.0  # a server silent this long on one request is stuck (stopped): killed, started again
 POLL_S = 0.05  # how often a caller waiting for the lock or an answer asks whether it still waits
+SERVER_END_S = 1.0  # how long a child that ended waits to see whether its server did (which killed it)
 
-# The server's entry point, in isolated mode (-I) on the caller's own `sys.path`: the same numpy and
-# outlines-core, whatever the environment says. Every package above this module is an empty stand-in,
+# The server's entry point, in isolated mode (-I) on the caller's own `sys.path` (read from its stdin: a
+# path can be longer than a command line may be): the same numpy and outlines-core, whatever the
+# environment says. Every package above this module is an empty stand-in,
 # so that importing it runs no package's `__init__` (which imports torch). A terminal's Ctrl-C reaches the
 # whole process group: it is the caller's to handle, and the server ends with the caller's socket. A
 # start that fails says why on the socket, framed as `_send` frames.
 BOOT = """
 import json, pickle, signal, socket, struct, sys, traceback, types
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-setup = json.loads(sys.argv[1])
+setup = json.loads(sys.stdin.buffer.read())
 sys.path[:] = setup["path"]
 for name, path in setup["packages"]:
     sys.modules[name] = types.ModuleType(name)
@@ -89,8 +91,14 @@ class Child:
             pass
 
     def server_ended(self) -> bool:
-        """Whether its server has ended, which ends the child too (so its end says nothing about its constraint)."""
-        return self.server.poll() is not None
+        """Whether its server has ended, which ends the child too (so its end says nothing about its
+        constraint). Asked when the child has ended: a server that ended first is waited for, not
+        polled (`poll` says "running" while another thread waits for it, as `_stop` does)."""
+        try:
+            self.server.wait(timeout=SERVER_END_S)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
 
 class ForkServer:
@@ -169,14 +177,16 @@ class ForkServer:
         packages = [(name, list(sys.modules[name].__path__)) for name in (".".join(module[:n]) for n in range(1, len(module)))]
         setup = {"path": [entry for entry in sys.path if isinstance(entry, str)], "packages": packages, "module": __name__, "fd": theirs.fileno()}
         try:
-            self._process = subprocess.Popen([sys.executable, "-I", "-c", BOOT, json.dumps(setup)], pass_fds=[theirs.fileno()],
-                                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            self._process = subprocess.Popen([sys.executable, "-I", "-c", BOOT], pass_fds=[theirs.fileno()],
+                                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
         self._socket = ours
+        with self._process.stdin as given:
+            given.write(json.dumps(setup).encode())
         answer = self._ask(None, [], check)
         if answer[0] != "ready":
             self._stop()

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -173,11 +174,12 @@ def test_a_server_ended_mid_compile_is_no_failure_of_the_constraint(server, monk
     assert not structured_compile._failures
 
 
-def test_a_forked_caller_compiles_on_a_server_of_its_own_even_if_the_lock_was_held_at_the_fork(server):
-    """What a fork inherits (the lock, held here by another thread at that moment; the socket) is the
+def test_a_forked_caller_compiles_on_a_server_of_its_own_even_if_the_locks_were_held_at_the_fork(server):
+    """What a fork inherits (the server's lock and the cache's, held at that moment; the socket) is the
     parent's: the forked process starts its own server, and the parent's serves the parent still."""
     reader, writer = os.pipe()
     server._lock.acquire()
+    structured_compile._cache_lock.acquire()
     try:
         pid = os.fork()
         if pid == 0:
@@ -190,6 +192,7 @@ def test_a_forked_caller_compiles_on_a_server_of_its_own_even_if_the_lock_was_he
             os.write(writer, answer.encode())
             os._exit(0)
     finally:
+        structured_compile._cache_lock.release()
         server._lock.release()
     os.close(writer)
     with os.fdopen(reader) as answer:
@@ -232,3 +235,53 @@ def test_a_server_that_cannot_start_says_why(nothing_compiled, monkeypatch):
     with pytest.raises(ProcessorError, match="^the compile server could not start: ModuleNotFoundError: No module named"):
         structured_compile.compile_regex(("regex", "[0-9]"), VOCAB, 10)
     assert own.pid is None
+
+
+def test_the_run_again_after_the_server_ended_has_what_is_left_of_the_timeout(server, monkeypatch):
+    """A compile is bounded by its timeout, however often its server ends: what the second run did not
+    end in says nothing about the constraint either, so it is not remembered."""
+    fork, killed = server.fork, []
+
+    def killing(*args):
+        child = fork(*args)
+        if not killed:
+            killed.append(child.server.pid)
+            threading.Timer(2.0, os.kill, (child.server.pid, signal.SIGKILL)).start()
+        return child
+
+    monkeypatch.setattr(server, "fork", killing)
+    started = time.monotonic()
+    with pytest.raises(structured_compile.ServerEnded, match="what was left of compile_timeout_s = 4 s"):
+        structured_compile.compile_regex(("regex", "(a|b)*a(a|b){40}"), VOCAB, 4)
+    assert 4 <= time.monotonic() - started < 5.5  # the whole timeout again would be 6 s
+    assert not structured_compile._failures and gone(killed[0])
+
+
+def test_a_server_that_ended_is_told_apart_while_another_thread_waits_for_it():
+    """How a child's end is read: `Popen.poll` says "running" while another thread waits for the process
+    (the stop of a server does), which made a child killed with its server look like a crash."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert gone(ended.pid)  # a zombie: not reaped yet
+    held = threading.Event()
+
+    def waiting():  # another thread in the middle of its wait for the process
+        with ended._waitpid_lock:
+            held.set()
+            time.sleep(0.3)
+
+    threading.Thread(target=waiting).start()
+    held.wait()
+    assert forkserver.Child(0, ended).server_ended()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert not forkserver.Child(0, running).server_ended()
+    finally:
+        running.kill()
+        running.wait()
+
+
+def test_a_path_longer_than_a_command_line_may_be(server, monkeypatch):
+    """The caller's sys.path reaches the server on its stdin: one argument may hold 128 KiB at most."""
+    monkeypatch.setattr(sys, "path", sys.path + [f"/nowhere/{'x' * 90}{n}" for n in range(2000)])
+    server._stop()
+    assert compiled_by(server, ("regex", "[0-9]{2}")) == server.pid

@@ -5,6 +5,7 @@ and the tokenizer's own encoding for the bytes of each token."""
 import json
 import os
 import random
+import subprocess
 import time
 from pathlib import Path
 
@@ -55,8 +56,8 @@ class ForksHere:
         self.pids.append(pid)
         return forkserver_module.Child(pid, server=self)
 
-    def poll(self):  # the server of its children: this process, running
-        return None
+    def wait(self, timeout):  # the server of its children: this process, running
+        raise subprocess.TimeoutExpired("pytest", timeout)
 
 
 @pytest.fixture
