@@ -270,7 +270,8 @@ class Server:
 
     def _compiler(self) -> None:
         """A compiling thread (one of COMPILERS). A daemon: a server that exits does not wait for a compile
-        (its child process is bounded in CPU time too, and dies with the thread that forked it)."""
+        (its child process is bounded in CPU time too, and dies with the fork server, which ends with this
+        process)."""
         while True:
             task = self.compiles.get()
             try:
