@@ -92,8 +92,7 @@ def _byte_automaton(index: Index) -> tuple[int, np.ndarray, np.ndarray]:
     initial = np.array([index.get_initial_state()], dtype=np.int64)
     labels, numbered = renumber(np.concatenate([initial, final_labels, sources, into]))
     dead = len(labels)
-    final_numbers = numbered[1 : 1 + len(final_labels)]
-    sources, into = numbered[1 + len(final_labels) : 1 + len(final_labels) + total], numbered[1 + len(final_labels) + total :]
+    initial, final_numbers, sources, into = np.split(numbered, np.cumsum([1, len(final_labels), total]))
     final = np.zeros(dead + 1, dtype=bool)
     final[final_numbers] = True
     table = np.full((dead + 1, 256), dead, dtype=np.int64)
@@ -102,7 +101,7 @@ def _byte_automaton(index: Index) -> tuple[int, np.ndarray, np.ndarray]:
     accepting[sources[ends & final[into]]] = True
     kept = ~ends & ~final[into]
     table[sources[kept], on[kept]] = into[kept]
-    return int(numbered[0]), table, accepting
+    return int(initial[0]), table, accepting
 
 
 def _live_transitions(initial: int, table: np.ndarray, accepting: np.ndarray, trie: TokenTrie, vocab_size: int):

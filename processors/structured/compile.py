@@ -23,11 +23,9 @@ import time
 from collections import OrderedDict
 from typing import Callable
 
-import numpy as np
-
 from ..errors import InvalidOption, ProcessorError
 from .automaton import TokenAutomaton
-from .forkserver import COMPILE_MEMORY_BYTES, POLL_S, ForkServer, as_bytes
+from .forkserver import COMPILE_MEMORY_BYTES, POLL_S, ForkServer, receive_tables
 from .vocabulary import Vocabulary
 
 CACHE_BYTES = 512 * 2**20  # compiled automata kept for reuse, least recently used dropped first
@@ -74,7 +72,8 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
     `timeout_s` or more memory than `COMPILE_MEMORY_BYTES`. A failure is remembered like a success, so
     asking again costs nothing (unless with a longer timeout, after a timeout). Raises `CompileCancelled`
     (remembering nothing) when `cancelled()` turns True before the compile is done: its child is killed
-    within `POLL_S`.
+    within `POLL_S`; and `ServerEnded` or another `ProcessorError` (remembering nothing either) when the
+    fork server ended twice during the compile or cannot be started.
     """
     key = (source, vocabulary.fingerprint)
     with _cache_lock:
@@ -182,7 +181,7 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
         try:
             status, payload = receiver.recv()
             if status == "ok":
-                payload = _receive_tables(receiver, payload, deadline)
+                payload = receive_tables(receiver, payload, deadline)
         except TimeoutError:
             raise _timed_out(timeout_s, timeout_s) from None
         except (EOFError, OSError):  # the child ended, or ended mid-message
@@ -199,31 +198,3 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
     if status == "error":
         raise InvalidOption(payload)
     return payload
-
-
-def _receive_tables(receiver, header, deadline: float) -> dict:
-    """What `forkserver.send_tables` sent, each array read straight into its own buffer, whole (a child that ends
-    before is an `EOFError` or an `OSError`), by `deadline` (or a `TimeoutError`).
-
-    Not a `Connection` message per array: `recv_bytes_into` reads one in chunks into a growing buffer,
-    each allocated at the length still to come, then copies it out. At 32k tokens (39 MB of tables)
-    that made the transfer take 37-112 ms, against 20-36 ms read in place (helper's measurement)."""
-    plain, shapes = header
-    made = dict(plain)
-    for name, (dtype, shape) in shapes.items():
-        array = made[name] = np.empty(shape, dtype=np.dtype(dtype))
-        _read_into(receiver, as_bytes(array), deadline)
-    return made
-
-
-def _read_into(receiver, buffer: memoryview, deadline: float) -> None:
-    """Fills `buffer` from the pipe of `receiver`: an `EOFError` if the child ends first, a
-    `TimeoutError` if it sends nothing more before `deadline`."""
-    done = 0
-    while done < len(buffer):
-        if not receiver.poll(max(0.0, deadline - time.monotonic())):  # True at the end of the pipe too
-            raise TimeoutError("the child sent no more before the deadline")
-        count = os.readv(receiver.fileno(), [buffer[done:]])
-        if not count:
-            raise EOFError("the child ended mid-array")
-        done += count

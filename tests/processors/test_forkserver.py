@@ -285,3 +285,17 @@ def test_a_path_longer_than_a_command_line_may_be(server, monkeypatch):
     monkeypatch.setattr(sys, "path", sys.path + [f"/nowhere/{'x' * 90}{n}" for n in range(2000)])
     server._stop()
     assert compiled_by(server, ("regex", "[0-9]{2}")) == server.pid
+
+
+def test_a_server_whose_interpreter_cannot_be_started_is_an_error_of_its_own(nothing_compiled, monkeypatch):
+    """The start fails before any Python runs: a typed error naming the cause, tried twice, nothing
+    remembered against the constraint, no socket or process left."""
+    own = forkserver.ForkServer()
+    monkeypatch.setattr(structured_compile, "_forkserver", own)
+    monkeypatch.setattr(sys, "executable", "/nowhere/python")
+    descriptors = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ProcessorError, match="^the compile server failed: .*No such file or directory"):
+        structured_compile.compile_regex(("regex", "[0-9]"), VOCAB, 10)
+    assert own.pid is None and own._socket is None
+    assert not structured_compile._failures and not structured_compile._cache
+    assert len(os.listdir("/proc/self/fd")) == descriptors
