@@ -178,6 +178,7 @@ def test_one_row_and_many_rows_take_the_same_steps(vocab, monkeypatch):
         assert automaton.nbytes == tables + len(automaton.memo) * automaton_module.MEMO_STEP_BYTES  # the cache counts it
     assert [automaton.step(s, t) for s, t in zip(states[:900].tolist(), tokens[:900].tolist())] == batched[:900].tolist()
     assert (batched != automaton.dead).sum() > 100  # real transitions, not only dead ends
+    assert torch.equal(automaton.advance_in_torch(states, tokens), batched)  # the path of other devices
     assert all(torch.equal(masks.rows(states[i : i + 1])[0], masks.row(int(states[i]))) for i in range(0, 4000, 37))
 
 
