@@ -24,7 +24,7 @@ import numpy as np
 from outlines_core import Index, Vocabulary as OutlinesVocabulary
 
 from ..errors import InvalidOption
-from .trie import TokenTrie, token_transitions
+from .trie import TokenTrie, expand, token_transitions
 
 SENTINEL, SENTINEL_REGEX = "\U0010FFFF", r"\x{10FFFF}"  # a noncharacter: no real text ends with it
 SENTINEL_ID = 256  # its token id in the vocabulary of single bytes
@@ -61,7 +61,61 @@ def build_tables(source: tuple[str, str], trie: TokenTrie, vocab_size: int) -> d
         if "vocabulary provided is incompatible" in message:  # over every byte: no text can begin a match
             message = "the constraint matches no text at all"
         raise InvalidOption(message) from None
-    return tables(*_live_transitions(*_byte_automaton(index), trie, vocab_size), vocab_size)
+    initial, table, accepting = _byte_automaton(index)
+    if covers_every_byte(trie) and table.shape[0] * vocab_size * 4 <= MAX_MASK_BYTES:
+        return byte_tables(initial, table, accepting, trie)
+    return tables(*_live_transitions(initial, table, accepting, trie, vocab_size), vocab_size)
+
+
+def covers_every_byte(trie: TokenTrie) -> bool:
+    """Whether each of the 256 bytes is a token of its own (byte-level BPE, SentencePiece's byte
+    fallback). Then a token-level automaton needs no compile ahead (`lazy.LazyAutomaton`): any text the
+    byte automaton can still finish, the tokens can write byte by byte, so a state's tokens are those
+    whose bytes lead to such a state, found when the state is first reached."""
+    first = trie.levels[0] if trie.levels else None
+    return first is not None and len(first.byte) == 256 and bool((np.diff(first.end_start) > 0).all())
+
+
+def byte_tables(initial: int, table: np.ndarray, accepting: np.ndarray, trie: TokenTrie | None) -> dict:
+    """The arrays of a `LazyAutomaton` (the keyword arguments of its `from_tables`): the byte automaton
+    with every transition into a state from which it cannot end redirected to the dead state (so that a
+    token's walk needs no check after), and where it may end. Its masks are bounded by its states, one
+    bias row each at most, which the caller checked against `MAX_MASK_BYTES`, so that no generation can
+    pass that limit midway.
+
+    Raises `InvalidOption` when no text matches, or when the table exceeds `MAX_TABLE_BYTES`."""
+    if table.nbytes > MAX_TABLE_BYTES:
+        raise InvalidOption(f"the constraint is too large: its {table.shape[0] - 1:,} states exceed {MAX_TABLE_BYTES >> 20} "
+                            f"MiB of tables (limit max_table_bytes)")
+    dead = table.shape[0] - 1
+    live = np.zeros(dead + 1, dtype=bool)  # the states it can still end from
+    live[:-1] = accepting
+    frontier = np.flatnonzero(live)
+    sources, on = np.nonzero(table[:-1] != dead)  # the byte transitions that lead somewhere, by their target
+    targets = table[sources, on]
+    order = np.argsort(targets, kind="stable")
+    sources, starts = sources[order], np.searchsorted(targets[order], np.arange(dead + 2))
+    while len(frontier):  # backwards from the accepting states, a level of predecessors at a time
+        _, at = expand(starts[frontier], starts[frontier + 1])
+        before = np.unique(sources[at])
+        frontier = before[~live[before]]
+        live[frontier] = True
+    if not live[initial]:
+        raise InvalidOption(f"the vocabulary cannot write any text that matches the constraint"
+                            f"{_unwritable(initial, table, accepting, trie)}")
+    pruned = np.where(live[table], table, dead)
+    ends = np.zeros(dead + 1, dtype=bool)
+    ends[:-1] = accepting
+    return {"initial": initial, "byte_table": pruned, "accepting": ends}
+
+
+def warm() -> None:
+    """Does once, in the fork server, what every compiling child would otherwise do first: its children
+    inherit the vocabulary of bytes, the schema module and outlines-core's own first-use set-up."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    index = Index(build_regex_from_schema('{"type": "string"}') + SENTINEL_REGEX, _bytes_vocabulary())
+    byte_tables(*_byte_automaton(index), trie=None)  # it reads the trie only to say why a text cannot be written
 
 
 @functools.cache

@@ -26,6 +26,7 @@ from typing import Callable
 from ..errors import InvalidOption, ProcessorError
 from .automaton import TokenAutomaton
 from .forkserver import COMPILE_MEMORY_BYTES, POLL_S, ForkServer, receive_tables
+from .lazy import LazyAutomaton
 from .vocabulary import Vocabulary
 
 CACHE_BYTES = 512 * 2**20  # compiled automata kept for reuse, least recently used dropped first
@@ -130,14 +131,22 @@ def _build(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, ca
     up in the middle of a request), which says nothing about the constraint. A second such end, or a
     timeout of the shortened second run, is a `ServerEnded`, never remembered."""
     try:
-        return TokenAutomaton.from_tables(**_in_child(source, vocabulary, timeout_s, cancelled))
+        return _automaton(_in_child(source, vocabulary, timeout_s, cancelled), vocabulary)
     except ServerEnded as ended:
         left = ended.deadline - time.monotonic()
     try:
-        return TokenAutomaton.from_tables(**_in_child(source, vocabulary, timeout_s, cancelled, left))
+        return _automaton(_in_child(source, vocabulary, timeout_s, cancelled, left), vocabulary)
     except CompileTimedOut:
         raise ServerEnded(f"the compile server ended during the compile, and the compile run again did not end in "
                           f"what was left of compile_timeout_s = {timeout_s:g} s") from None
+
+
+def _automaton(made: dict, vocabulary: Vocabulary) -> TokenAutomaton | LazyAutomaton:
+    """The automaton over the tables a child made: a byte automaton whose token masks are made as
+    generation reaches its states (`build.byte_tables`), or every state's compiled ahead."""
+    if "byte_table" in made:
+        return LazyAutomaton.from_tables(vocabulary=vocabulary, **made)
+    return TokenAutomaton.from_tables(**made)
 
 
 def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float | None = None) -> bool:

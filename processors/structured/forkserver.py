@@ -36,12 +36,13 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from multiprocessing.connection import Connection  # here, not in each child: importing it takes 15 ms
 from typing import Callable
 
 import numpy as np
 
 from ..errors import ProcessorError
-from .build import build_tables
+from .build import build_tables, warm
 from .trie import TokenTrie
 
 COMPILE_MEMORY_BYTES = 2 * 2**30  # what a compiling child may allocate beyond what it inherits
@@ -215,6 +216,7 @@ def serve(fd: int) -> None:
     """The server's loop on the socket `fd`, until the caller's end closes."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     channel, server = socket.socket(fileno=fd), os.getpid()
+    warm()
     _send(channel, ("ready",))
     tries: OrderedDict[str, TokenTrie] = OrderedDict()
     while True:
@@ -250,8 +252,6 @@ def compile_child(fd: int, source: tuple[str, str], trie: TokenTrie, vocab_size:
     """A compiling child: builds the tables of `source` and writes them to `fd` (`send_tables`), or
     ("error", the message); then exits, never returning. It dies with its `server`, and on its own
     after `timeout_s` of CPU time (the caller kills it then; if the caller is gone first, the kernel does)."""
-    from multiprocessing.connection import Connection
-
     _die_with(server)
     resource.setrlimit(resource.RLIMIT_CPU, (math.ceil(timeout_s) + 1, math.ceil(timeout_s) + 2))
     sender = Connection(fd, readable=False)

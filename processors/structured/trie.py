@@ -56,7 +56,7 @@ class TokenTrie:
         return cls(tuple(levels))
 
 
-def _expand(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def expand(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For ranges [starts[i], stops[i]): (i, k) for every k in range i, as two arrays."""
     counts = stops - starts
     owner = np.repeat(np.arange(len(starts)), counts)
@@ -84,11 +84,11 @@ def token_transitions(table: np.ndarray, states: np.ndarray, trie: TokenTrie, vo
         for level in trie.levels:
             if not len(node):
                 break
-            pair, node = _expand(level.child_start[node], level.child_start[node + 1])
+            pair, node = expand(level.child_start[node], level.child_start[node + 1])
             moved = flat[current[pair] * 256 + level.byte[node]]
             live = moved != dead
             source, node, current = source[pair[live]], node[live], moved[live]
-            ending, token = _expand(level.end_start[node], level.end_start[node + 1])
+            ending, token = expand(level.end_start[node], level.end_start[node + 1])
             found.append((source[ending] * vocab_size + level.ends[token], current[ending]))
     keys = np.concatenate([np.empty(0, dtype=np.int64), *(part[0] for part in found)])
     targets = np.concatenate([np.empty(0, dtype=np.int64), *(part[1] for part in found)])

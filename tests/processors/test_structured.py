@@ -21,7 +21,10 @@ from processors import Chain, Context, configure
 from processors.structured import AutomatonProcessor, Choice, Dfa, Grammar, JsonSchema, Regex, Vocabulary
 from processors.structured import automaton as automaton_module
 from processors.structured import build as build_module
+from processors.structured import compile as structured_compile
 from processors.structured import forkserver as forkserver_module
+from processors.structured.automaton import TokenAutomaton
+from processors.structured.lazy import LazyAutomaton
 from processors.structured.trie import TokenTrie
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,6 +77,17 @@ def forks_here(monkeypatch):
     yield here
     for pid in here.pids:  # each has exited or was killed: reaped here, as the fork server's kernel setting does
         os.waitpid(pid, 0)
+
+
+@pytest.fixture(params=["lazy", "ahead"])
+def compiled(request, monkeypatch):
+    """How regular constraints compile: lazily (every byte is a token of the test vocabulary), or ahead,
+    in children forked from here with that check patched off. Yields the automaton's class."""
+    if request.param == "ahead":
+        request.getfixturevalue("forks_here")
+        monkeypatch.setattr(build_module, "covers_every_byte", lambda trie: False)
+        return TokenAutomaton
+    return LazyAutomaton
 
 
 def sentencepiece_tokenizer():
@@ -143,8 +157,9 @@ PATTERNS = [
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_regex_masks_equal_partial_fullmatch(pattern, vocab):
+def test_regex_masks_equal_partial_fullmatch(pattern, vocab, compiled):
     bound = configure(Regex, pattern=pattern).bind(vocab, [EOS])
+    assert type(bound.automaton) is compiled
     pieces = whole_characters(vocab)
     for walk in range(3):
         rnd = random.Random(walk)
@@ -160,13 +175,14 @@ def test_regex_masks_equal_partial_fullmatch(pattern, vocab):
             state = bound.automaton.advance(state, torch.tensor([token]))
 
 
-def test_one_row_and_many_rows_take_the_same_steps(vocab, monkeypatch):
+def test_one_row_and_many_rows_take_the_same_steps(vocab, monkeypatch, compiled):
     """The one-row path (Python ints) and the batched one (tensors) agree on every transition and mask,
     looked up or remembered (a second pass reads the one-row steps from its memo, which is forgotten
     when full)."""
     monkeypatch.setattr(automaton_module, "MAX_MEMO_STEPS", 1000)
     bound = configure(Regex, pattern=r'"[^"]{0,5}"|[0-9]+').bind(vocab, [EOS])
     automaton, masks = bound.automaton, bound.masks
+    assert type(automaton) is compiled
     g = torch.Generator().manual_seed(0)
     states = torch.randint(0, automaton.dead + 1, (4000,), generator=g)
     tokens = torch.randint(0, 1024, (4000,), generator=g)
@@ -178,8 +194,105 @@ def test_one_row_and_many_rows_take_the_same_steps(vocab, monkeypatch):
         assert automaton.nbytes == tables + len(automaton.memo) * automaton_module.MEMO_STEP_BYTES  # the cache counts it
     assert [automaton.step(s, t) for s, t in zip(states[:900].tolist(), tokens[:900].tolist())] == batched[:900].tolist()
     assert (batched != automaton.dead).sum() > 100  # real transitions, not only dead ends
-    assert torch.equal(automaton.advance_in_torch(states, tokens), batched)  # the path of other devices
+    if compiled is TokenAutomaton:
+        assert torch.equal(automaton.advance_in_torch(states, tokens), batched)  # the path of other devices
     assert all(torch.equal(masks.rows(states[i : i + 1])[0], masks.row(int(states[i]))) for i in range(0, 4000, 37))
+
+
+NESTED = {"type": "object", "properties": {
+    "id": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["a", "bc"]}, "maxItems": 3},
+    "who": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]}},
+    "required": ["id", "who"]}
+
+
+def compiled_both_ways(constraint, vocab, monkeypatch):
+    """`constraint` bound to `vocab` lazily and compiled ahead (in children forked from here: use `forks_here`)."""
+    lazy = constraint.bind(vocab, [EOS])
+    structured_compile._cache.clear()
+    with monkeypatch.context() as patched:
+        patched.setattr(build_module, "covers_every_byte", lambda trie: False)
+        ahead = constraint.bind(vocab, [EOS])
+    structured_compile._cache.clear()
+    assert type(lazy.automaton) is LazyAutomaton and type(ahead.automaton) is TokenAutomaton
+    return lazy, ahead
+
+
+@pytest.mark.parametrize("constraint", [(Regex, {"pattern": p}) for p in PATTERNS] + [(JsonSchema, {"schema": NESTED})],
+                         ids=[*PATTERNS, "json"])
+def test_lazy_masks_and_steps_equal_those_compiled_ahead(constraint, vocab, monkeypatch, forks_here):
+    """Along seeded walks (a row taking tokens its mask allows), the lazy automaton's masks, one row and
+    batched, and its steps, on allowed tokens and on any other, are those of the automaton compiled ahead."""
+    lazy, ahead = compiled_both_ways(configure(constraint[0], **constraint[1]), vocab, monkeypatch)
+    rnd = random.Random(0)
+    pairs = []
+    for walk in range(6):
+        here, there = lazy.automaton.initial, ahead.automaton.initial
+        for _ in range(30):
+            pairs.append((here, there))
+            assert torch.equal(lazy.masks.row(here), ahead.masks.row(there))
+            moves = (lazy.masks.row(here) == 0).nonzero().flatten().tolist()
+            other = rnd.randrange(vocab.size)
+            assert (lazy.automaton.step(here, other) == lazy.automaton.dead) == \
+                (ahead.automaton.step(there, other) == ahead.automaton.dead)
+            if moves == [EOS]:
+                break
+            token = rnd.choice([t for t in moves if t != EOS])
+            here, there = lazy.automaton.step(here, token), ahead.automaton.step(there, token)
+            assert (here == lazy.automaton.dead) == (there == ahead.automaton.dead) and here != lazy.automaton.dead
+    heres, theres = (torch.tensor(states) for states in zip(*pairs))
+    assert torch.equal(lazy.masks.rows(heres), ahead.masks.rows(theres))
+    tokens = torch.randint(0, vocab.size, (len(pairs),), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(lazy.automaton.advance(heres, tokens) == lazy.automaton.dead,
+                       ahead.automaton.advance(theres, tokens) == ahead.automaton.dead)
+    assert len(set(pairs)) >= 2
+
+
+def test_a_lazy_constraint_walks_only_the_states_generation_reaches(vocab, tokenizer, forks_here):
+    """Compiled, only the initial state has its tokens; each state a generation reaches has them after."""
+    chain = Chain([configure(JsonSchema, schema=NESTED)]).bind(vocab, [EOS])
+    automaton = chain.processors[0].automaton
+    assert type(automaton) is LazyAutomaton
+    assert np.flatnonzero(automaton.mask_of >= 0).tolist() == [automaton.initial]
+    texts = run_chain(chain, 2, 200, vocab.size)
+    reached = {automaton.initial}
+    for ids in texts:
+        state = automaton.initial
+        for token in ids:
+            state = automaton.step(state, token)
+            reached.add(state)
+        json.loads(tokenizer.decode(ids))
+    walked = set(np.flatnonzero(automaton.mask_of >= 0).tolist())
+    assert reached <= walked <= reached | {automaton.dead}  # where a row goes on after its end of sequence
+    assert len(reached) < automaton.dead // 2
+
+
+def test_lazy_masks_made_by_threads_at_once_are_those_made_by_one(vocab, monkeypatch, forks_here):
+    """Threads reaching the states of one fresh automaton together (one row and batched) get the rows
+    that one thread makes for another automaton of the same constraint."""
+    import threading
+
+    constraint = configure(JsonSchema, schema=NESTED)
+    alone = constraint.bind(vocab, [EOS])
+    structured_compile._cache.clear()
+    shared = constraint.bind(vocab, [EOS])
+    states = torch.arange(alone.automaton.dead + 1)
+    expected = alone.masks.rows(states)
+    failures = []
+
+    def reach(seed):
+        order = torch.randperm(len(states), generator=torch.Generator().manual_seed(seed))
+        for chunk in order.split(7):
+            if not torch.equal(shared.masks.rows(chunk), expected[chunk]):
+                failures.append(seed)
+            if not torch.equal(shared.masks.row(int(chunk[0])), expected[chunk[0]]):
+                failures.append(seed)
+
+    threads = [threading.Thread(target=reach, args=(seed,)) for seed in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures and shared.masks.count == alone.masks.count
 
 
 def run_chain(chain: Chain, rows: int, steps: int, vocab_size: int, seed: int = 0, reorder=None):
@@ -478,12 +591,17 @@ def test_what_only_compiling_can_tell_is_refused_when_bound_and_remembered(vocab
 
 
 def test_a_constraint_whose_tables_pass_their_limit_is_refused(vocab, monkeypatch, forks_here):
+    monkeypatch.setattr(build_module, "MAX_TABLE_BYTES", 8 * 256 * 8)  # 8 rows of a byte table: its 8 states and the dead one are 9
+    with pytest.raises(P.InvalidOption, match=r"its 8 states exceed 0 MiB of tables \(limit max_table_bytes\)"):
+        configure(Regex, pattern="[a-z]{1,3}").bind(vocab, [EOS])
+    structured_compile._failures.clear()
+    monkeypatch.setattr(build_module, "covers_every_byte", lambda trie: False)  # compiled ahead
     monkeypatch.setattr(build_module, "MAX_TABLE_BYTES", 16 * 100)
     with pytest.raises(P.InvalidOption, match=r"transitions exceed 0 MiB of tables \(limit max_table_bytes\)"):
         configure(Regex, pattern="[a-z]{1,3}").bind(vocab, [EOS])
     automaton = configure(Regex, pattern="[0-9]").bind(vocab, [EOS]).automaton
     assert 0 < len(automaton.keys) - 1 <= 100
-    assert len(forks_here.pids) == 2
+    assert len(forks_here.pids) == 3
 
 
 def test_a_constraint_whose_masks_pass_their_limit_is_refused(vocab, monkeypatch, forks_here):
@@ -491,7 +609,8 @@ def test_a_constraint_whose_masks_pass_their_limit_is_refused(vocab, monkeypatch
     with pytest.raises(P.InvalidOption, match=r"its token masks exceed 0 MiB \(limit max_mask_bytes\)"):
         configure(Regex, pattern="[a-z]{1,3}").bind(vocab, [EOS])
     automaton = configure(Regex, pattern="[0-9]").bind(vocab, [EOS]).automaton  # digits, then nothing
-    assert automaton.forbidden.shape == (2, vocab.size)
+    # compiled ahead: made lazily, its masks could reach one per state, past the limit
+    assert type(automaton) is TokenAutomaton and automaton.forbidden.shape == (2, vocab.size)
 
 
 @pytest.mark.parametrize("how", ["raises", "halfway", "stalls"])
