@@ -68,14 +68,16 @@ class TokenAutomaton:
         27.5 us a row for the whole step)."""
         if states.is_cpu and tokens.is_cpu:
             keys, targets = self._tables
-            wanted = states.numpy() * self.vocab_size + tokens.numpy()
+            here = tokens.numpy()
+            # an id outside the vocabulary (either side) would read another state's key: it looks up -1, no key
+            wanted = np.where(here.astype(np.uint64) < self.vocab_size, states.numpy() * self.vocab_size + here, -1)
             where = np.searchsorted(keys, wanted)
             return torch.from_numpy(np.where(keys[where] == wanted, targets[where], self.dead))
         return self.advance_in_torch(states, tokens)
 
     def advance_in_torch(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """`advance` on any device."""
-        wanted = tokens.add(states, alpha=self.vocab_size)
+        wanted = tokens.add(states, alpha=self.vocab_size).masked_fill_((tokens < 0) | (tokens >= self.vocab_size), -1)
         where = torch.searchsorted(self.keys, wanted)  # the keys end with a sentinel larger than any key
         found = self.keys.index_select(0, where) == wanted
         return torch.where(found, self.targets.index_select(0, where), self.targets[-1])
@@ -84,6 +86,8 @@ class TokenAutomaton:
         """`advance` for one row on the CPU, in numpy: a handful of torch calls cost more than the lookup
         itself. Steps taken are remembered (up to `MAX_MEMO_STEPS`, then forgotten at once): a dict
         lookup costs a tenth of numpy's `searchsorted` call, and generations keep taking the same steps."""
+        if not 0 <= token < self.vocab_size:  # its key would be another state's
+            return self.dead
         wanted = state * self.vocab_size + token
         found = self.memo.get(wanted)
         if found is None:

@@ -202,18 +202,22 @@ class Constraint(LogitsProcessor):
         raise NotImplementedError
 
     def bind(self, vocabulary: Vocabulary, eos_token_ids, device="cpu", after_others=True) -> LogitsProcessor:
-        eos = self.end_tokens(eos_token_ids)
+        eos = self.end_tokens(eos_token_ids, vocabulary)
         automaton = self.automaton(vocabulary)
         masks = automaton.masks(eos, device)
         return AutomatonProcessor(self, automaton.to(device), masks, torch.tensor(eos, dtype=torch.long, device=device),
                                   after_others)
 
-    def end_tokens(self, eos_token_ids) -> tuple[int, ...]:
-        """The end-of-sequence tokens, sorted: a constrained text cannot end without one."""
+    def end_tokens(self, eos_token_ids, vocabulary: Vocabulary) -> tuple[int, ...]:
+        """The end-of-sequence tokens, sorted: a constrained text cannot end without one, nor with an id
+        the logits have no column for."""
         eos = tuple(sorted(set(eos_token_ids)))
         if not eos:
             raise InvalidOption(f"{self.name} needs an end-of-sequence token to end its text, and none is set "
                                 f"(eos_token_ids is empty)")
+        if eos[0] < 0 or eos[-1] >= vocabulary.size:
+            wrong = eos[0] if eos[0] < 0 else eos[-1]
+            raise InvalidOption(f"eos_token_ids holds {wrong}, outside the vocabulary of {vocabulary.size} tokens")
         return eos
 
     def init(self, context: Context):

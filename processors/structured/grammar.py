@@ -39,7 +39,7 @@ class Grammar(Constraint):
     def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True):
         import llguidance.torch as llg
 
-        eos = self.end_tokens(eos_token_ids)
+        eos = self.end_tokens(eos_token_ids, vocabulary)
         tokenizer = vocabulary.llguidance_tokenizer()
         # a grammar whose language the vocabulary cannot begin is refused now, as a regex's is when it compiles
         with rust_panics_as(InvalidOption, "the grammar cannot be bound to the vocabulary"):

@@ -143,9 +143,9 @@ class LazyAutomaton:
                 tokens = self._walk(state)
                 digest = hashlib.blake2b(tokens.tobytes(), digest_size=16).digest()
                 index = self._seen.get(digest)
-                if index is None:
-                    index = self._seen[digest] = len(self.texts)
+                if index is None:  # each write after what it names: a process forked midway sees no half of it
                     self.texts.append(tokens)
+                    index = self._seen[digest] = len(self.texts) - 1
                 self.mask_of[state] = index  # last: another thread reads it without the lock
         return index
 
@@ -179,11 +179,12 @@ class LazyAutomaton:
 
     def step(self, state: int, token: int) -> int:
         """`advance` for one row on the CPU; steps taken are remembered (see `TokenAutomaton.step`)."""
+        if not 0 <= token < self.vocab_size:  # not remembered: its key would be another step's
+            return self.dead
         wanted = state * self.vocab_size + token
         found = self.memo.get(wanted)
         if found is None:  # walked in Python: a handful of bytes, where numpy's calls would cost tens of us
-            written = self.token_bytes[token] if 0 <= token < self.vocab_size else None
-            found = self.dead
+            written, found = self.token_bytes[token], self.dead
             if written:
                 found = state
                 for byte in written:
@@ -212,16 +213,24 @@ class LazyMasks:
     """`automaton.BoundMasks` for a `LazyAutomaton`: each state's bias row (0 for the tokens it allows,
     end-of-sequence ones where it may end, -inf for the others) is made the first time a step asks for it,
     and a row is shared by the states with the same tokens and the same ending. The rows are at most
-    one per state: the compile checked their bytes against `build.MAX_MASK_BYTES`."""
+    one per state: the compile checked their bytes against `build.MAX_MASK_BYTES`.
+
+    On the CPU the rows are made in numpy, in an array the tensor `bias` shares: torch would run the copy
+    of a growing table on its thread pool, which hangs in a process forked after that pool started (a
+    `multiprocessing` worker, say), where the masks of a constraint compiled ahead, made at bind, work."""
 
     def __init__(self, automaton: LazyAutomaton, eos_token_ids: tuple[int, ...], device: torch.device):
         self.automaton, self.device = automaton, device
         self.eos = np.asarray(eos_token_ids, dtype=np.int64)
         self.mask_of = np.full(len(automaton.table), -1, dtype=np.int64)  # each state's row of `bias`, -1 until asked
-        self.bias = torch.empty((0, automaton.vocab_size), dtype=torch.float32, device=device)
         self.count = 0
+        self._table = np.empty((0, automaton.vocab_size), dtype=np.float32)  # on the CPU, what `bias` shares
+        self.bias = self._tensor(self._table)
         self._rows: dict[tuple[int, bool], int] = {}  # (text mask, whether it may end) -> its row
         self.views: dict = {}  # row -> a view of it (see `row`)
+
+    def _tensor(self, table: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(table) if self.device.type == "cpu" else torch.from_numpy(table).to(self.device)
 
     @property
     def nbytes(self) -> int:
@@ -264,21 +273,27 @@ class LazyMasks:
             ending = bool(self.automaton.accepting[state]) or not len(tokens)  # nowhere to go: it ends
             index = self._rows.get((text, ending))
             if index is None:
-                row = torch.full((self.automaton.vocab_size,), NEG_INF, device=self.device)
-                row[torch.from_numpy(tokens).to(self.device)] = 0.0
+                row = np.full(self.automaton.vocab_size, NEG_INF, dtype=np.float32)
+                row[tokens] = 0.0
                 if ending:
-                    row[torch.from_numpy(self.eos).to(self.device)] = 0.0
+                    row[self.eos] = 0.0
                 index = self._rows[(text, ending)] = self._append(row)
             self.mask_of[state] = index  # last: readers go without the lock
             return index
 
-    def _append(self, row: torch.Tensor) -> int:
-        if self.count == len(self.bias):  # room for twice as many, up to one row per state
-            grown = torch.empty((min(max(2 * self.count, 8), len(self.mask_of)), self.automaton.vocab_size),
-                                dtype=torch.float32, device=self.device)
-            grown[: self.count] = self.bias[: self.count]
-            self.bias = grown
-            self.views = {}
-        self.bias[self.count] = row
+    def _append(self, row: np.ndarray) -> int:
+        """Adds a row: in the table's room, or in one twice as large, up to one row per state (past that
+        only if a process was forked while a row was being added, which leaves that row unnamed)."""
+        if self.count == len(self._table):
+            grown = np.empty((max(min(2 * self.count, len(self.mask_of)), self.count + 1, 8), self.automaton.vocab_size),
+                             dtype=np.float32)
+            grown[: self.count] = self._table[: self.count]
+            grown[self.count] = row
+            self._table, self.bias, self.views = grown, self._tensor(grown), {}
+        elif self.device.type == "cpu":
+            self._table[self.count] = row
+        else:
+            self._table[self.count] = row
+            self.bias[self.count] = torch.from_numpy(row).to(self.device)
         self.count += 1
         return self.count - 1

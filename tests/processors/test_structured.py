@@ -199,6 +199,63 @@ def test_one_row_and_many_rows_take_the_same_steps(vocab, monkeypatch, compiled)
     assert all(torch.equal(masks.rows(states[i : i + 1])[0], masks.row(int(states[i]))) for i in range(0, 4000, 37))
 
 
+def test_a_token_outside_the_vocabulary_leads_to_the_dead_state(vocab, compiled):
+    """An id past either end of the vocabulary is no token: its step key, state * vocab + id, is another
+    state's step, which must neither be taken for it nor remembered over."""
+    automaton = configure(Regex, pattern="[a-z]+").bind(vocab, [EOS]).automaton
+    assert type(automaton) is compiled
+    a = vocab.token_bytes.index(b"a")
+    after = automaton.step(automaton.initial, a)
+    expected = automaton.step(after, a)
+    automaton.memo.clear()
+    tried = 0
+    for state, token in ((after - 1, a + vocab.size), (after + 1, a - vocab.size), (after, -1), (after, vocab.size)):
+        if 0 <= state <= automaton.dead:
+            tried += 1
+            assert automaton.step(state, token) == automaton.dead
+            assert automaton.advance(torch.tensor([state]), torch.tensor([token])).tolist() == [automaton.dead]
+    assert tried >= 3 and automaton.step(after, a) == expected != automaton.dead
+    if compiled is TokenAutomaton:
+        states, tokens = torch.tensor([after - 1, after, after]), torch.tensor([a + vocab.size, -1, vocab.size])
+        assert automaton.advance_in_torch(states, tokens).tolist() == [automaton.dead] * 3
+
+
+@pytest.mark.parametrize("eos", [[EOS, 1024], [-1], [5000]])
+def test_an_end_token_outside_the_vocabulary_is_refused_when_bound(vocab, compiled, eos):
+    """Compiled ahead, it failed inside bind with a raw IndexError; lazily, at the first state that may end."""
+    with pytest.raises(P.InvalidOption, match=rf"eos_token_ids holds {max(eos) if max(eos) >= 1024 else min(eos)}, "
+                                              r"outside the vocabulary of 1024 tokens"):
+        configure(Regex, pattern="[a-z]{1,3}").bind(vocab, eos)
+
+
+def test_lazy_masks_are_made_in_a_process_forked_after_torch_ran_on_its_threads(vocab, forks_here):
+    """A child forked from a process whose torch thread pool started (it ran a model) hangs in any
+    parallel torch call; the rows of a lazy constraint reached there are made in numpy, as the one-row
+    path of a constraint compiled ahead needs nothing made."""
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 30}, "e": {"enum": ["alpha", "beta"]},
+                                               "a": {"type": "array", "items": {"type": "integer"}, "maxItems": 5}}}
+    bound = configure(JsonSchema, schema=schema).bind(vocab, [EOS])  # dozens of masks: their table grows, copied
+    assert type(bound.automaton) is LazyAutomaton
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(4096, 1024).add_(1.0)  # the pool runs
+        pid = os.fork()
+        if pid == 0:
+            for state in range(bound.automaton.dead + 1):
+                bound.masks.row(state)
+            os._exit(0)
+        deadline = time.monotonic() + 30
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hangs making masks")
+            time.sleep(0.05)
+    finally:
+        torch.set_num_threads(threads)
+
+
 NESTED = {"type": "object", "properties": {
     "id": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["a", "bc"]}, "maxItems": 3},
     "who": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]}},
