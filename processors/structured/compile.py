@@ -79,8 +79,9 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
     key = (source, vocabulary.fingerprint)
     with _cache_lock:
         found = _cache.get(key)
-        if found is not None:
+        if found is not None:  # its tables may have grown since it was stored (lazily made masks), others' too
             _cache.move_to_end(key)
+            _within_budget()
         failed = _failures.get(key)
     if found is not None:
         return found
@@ -106,8 +107,15 @@ def _store(key: tuple, automaton: TokenAutomaton) -> None:
     with _cache_lock:
         _cache[key] = automaton
         _cache.move_to_end(key)
-        while sum(a.nbytes for a in _cache.values()) > CACHE_BYTES and len(_cache) > 1:
-            _cache.popitem(last=False)
+        _within_budget()
+
+
+def _within_budget() -> None:
+    """Drops the least recently used automata until the rest hold `CACHE_BYTES` at most (the last used
+    stays): at each compile and each use, since a lazily compiled automaton grows as generations reach
+    its states. One dropped stays alive while generations use it; later ones compile it again."""
+    while sum(a.nbytes for a in _cache.values()) > CACHE_BYTES and len(_cache) > 1:
+        _cache.popitem(last=False)
 
 
 def _timed_out(timeout_s: float, ran_s: float) -> CompileTimedOut:

@@ -106,6 +106,7 @@ class LazyAutomaton:
         self.mask_of = np.full(len(table), -1, dtype=np.int64)  # each state's index in `texts`, -1 until asked
         self.texts: list[np.ndarray] = []  # the distinct sets of text tokens, sorted int32 ids (half of int64's bytes)
         self._seen: dict[bytes, int] = {}
+        self.text_bytes = 0  # of `texts`, counted as they come (the compile cache asks at every use)
         self.bound: dict = {}  # (eos ids, device) -> its masks
         self.one_rows: dict = {}  # state -> tensor([state])
         self.memo: dict = {}  # state * vocab_size + token -> next state
@@ -124,9 +125,8 @@ class LazyAutomaton:
     def nbytes(self) -> int:
         """Its tables, the masks made so far and the steps it remembers (what the compile cache holds on to);
         the vocabulary's trie is shared by every constraint over it."""
-        own = self.table.nbytes + self.moves.nbytes + self.accepting.nbytes + self.mask_of.nbytes
-        return (own + sum(t.nbytes for t in self.texts) + sum(m.nbytes for m in list(self.bound.values()))
-                + len(self.memo) * token_automaton.MEMO_STEP_BYTES)
+        own = self.table.nbytes + self.moves.nbytes + self.accepting.nbytes + self.mask_of.nbytes + self.text_bytes
+        return own + sum(m.nbytes for m in list(self.bound.values())) + len(self.memo) * token_automaton.MEMO_STEP_BYTES
 
     def to(self, device) -> "LazyAutomaton":
         """Itself: rows advance in numpy whatever their device (`advance`); masks are bound per device."""
@@ -145,6 +145,7 @@ class LazyAutomaton:
                 index = self._seen.get(digest)
                 if index is None:  # each write after what it names: a process forked midway sees no half of it
                     self.texts.append(tokens)
+                    self.text_bytes += tokens.nbytes
                     index = self._seen[digest] = len(self.texts) - 1
                 self.mask_of[state] = index  # last: another thread reads it without the lock
         return index

@@ -352,6 +352,22 @@ def test_lazy_masks_made_by_threads_at_once_are_those_made_by_one(vocab, monkeyp
     assert not failures and shared.masks.count == alone.masks.count
 
 
+def test_the_compile_cache_weighs_its_automata_again_when_one_is_used(vocab, monkeypatch, forks_here):
+    """A lazy automaton grows after it was cached, as generations reach its states: using any cached
+    constraint weighs the cache again, and the least recently used go past `CACHE_BYTES`."""
+    grows, other = configure(JsonSchema, schema=NESTED), configure(Regex, pattern="[0-9]+")
+    grown = grows.bind(vocab, [EOS])
+    other.bind(vocab, [EOS])
+    monkeypatch.setattr(structured_compile, "CACHE_BYTES", sum(a.nbytes for a in structured_compile._cache.values()) + 4096)
+    before = grown.automaton.nbytes
+    grown.masks.rows(torch.arange(grown.automaton.dead + 1))  # every state reached
+    assert grown.automaton.nbytes > before + 8 * 4096 and len(structured_compile._cache) == 2
+    other.bind(vocab, [EOS])  # from the cache
+    assert [a for a in structured_compile._cache.values()] == [other.bind(vocab, [EOS]).automaton]
+    assert len(forks_here.pids) == 2
+    assert grows.bind(vocab, [EOS]).automaton is not grown.automaton and len(forks_here.pids) == 3
+
+
 def run_chain(chain: Chain, rows: int, steps: int, vocab_size: int, seed: int = 0, reorder=None):
     """Samples from random logits through `chain`; returns each row's tokens up to EOS (EOS excluded).
     Every row must end with EOS within `steps`."""
