@@ -22,8 +22,47 @@ MAX_MEMO_STEPS = 65_536  # one-row steps remembered per automaton
 MEMO_STEP_BYTES = 100  # what one remembered step holds: a dict slot and two ints
 
 
+class Stepping:
+    """What every compiled automaton does the same way: a row's step on the CPU (`step`), remembered; the
+    one-row path's state tensors; its masks, bound once per set of end tokens and device. Each kind says
+    how a step is found (`_step`) and how masks are bound (`_bind`), and has `vocab_size`, `dead`, `memo`,
+    `one_rows` and `bound`."""
+
+    def step(self, state: int, token: int) -> int:
+        """`advance` for one row on the CPU, in plain Python or numpy: a handful of torch calls cost more
+        than the lookup itself. Steps taken are remembered (up to `MAX_MEMO_STEPS`, then forgotten at
+        once): a dict lookup costs a tenth of numpy's `searchsorted` call, and generations keep taking the
+        same steps. An id outside the vocabulary leads to the dead state, remembered nowhere: its key
+        would be another state's step."""
+        if not 0 <= token < self.vocab_size:
+            return self.dead
+        wanted = state * self.vocab_size + token
+        found = self.memo.get(wanted)
+        if found is None:
+            found = self._step(state, token)
+            if len(self.memo) >= MAX_MEMO_STEPS:
+                self.memo.clear()
+            self.memo[wanted] = found
+        return found
+
+    def one_row(self, state: int) -> torch.Tensor:
+        """`tensor([state])`, the one-row path's state, made once per state and shared (a state tensor is
+        never written in place: `Chain.reorder` selects into a new one); making it costs microseconds."""
+        tensor = self.one_rows.get(state)
+        if tensor is None:
+            tensor = self.one_rows[state] = torch.tensor([state])
+        return tensor
+
+    def masks(self, eos_token_ids: tuple[int, ...], device):
+        """Its masks with `eos_token_ids` on `device`, bound once per set of them and device, and shared."""
+        key = (eos_token_ids, torch.device(device))
+        if key not in self.bound:
+            self.bound[key] = self._bind(eos_token_ids, torch.device(device))
+        return self.bound[key]
+
+
 @dataclass(frozen=True)
-class TokenAutomaton:
+class TokenAutomaton(Stepping):
     """The tables of a compiled constraint. `accepting[s]`: the text may end in state s (a state with
     nowhere to go may end too: `with_end_tokens`)."""
 
@@ -82,42 +121,19 @@ class TokenAutomaton:
         found = self.keys.index_select(0, where) == wanted
         return torch.where(found, self.targets.index_select(0, where), self.targets[-1])
 
-    def step(self, state: int, token: int) -> int:
-        """`advance` for one row on the CPU, in numpy: a handful of torch calls cost more than the lookup
-        itself. Steps taken are remembered (up to `MAX_MEMO_STEPS`, then forgotten at once): a dict
-        lookup costs a tenth of numpy's `searchsorted` call, and generations keep taking the same steps."""
-        if not 0 <= token < self.vocab_size:  # its key would be another state's
-            return self.dead
+    def _step(self, state: int, token: int) -> int:
+        keys, targets = self._tables
         wanted = state * self.vocab_size + token
-        found = self.memo.get(wanted)
-        if found is None:
-            keys, targets = self._tables
-            where = int(np.searchsorted(keys, wanted))
-            found = int(targets[where]) if keys[where] == wanted else self.dead
-            if len(self.memo) >= MAX_MEMO_STEPS:
-                self.memo.clear()
-            self.memo[wanted] = found
-        return found
-
-    def one_row(self, state: int) -> torch.Tensor:
-        """`tensor([state])`, the one-row path's state, made once per state and shared (a state tensor is
-        never written in place: `Chain.reorder` selects into a new one); making it costs microseconds."""
-        tensor = self.one_rows.get(state)
-        if tensor is None:
-            tensor = self.one_rows[state] = torch.tensor([state])
-        return tensor
+        where = int(np.searchsorted(keys, wanted))
+        return int(targets[where]) if keys[where] == wanted else self.dead
 
     @functools.cached_property
     def _tables(self) -> tuple[np.ndarray, np.ndarray]:
         """`keys` and `targets` as numpy views (taking a view costs a step's worth of time each call)."""
         return self.keys.numpy(), self.targets.numpy()
 
-    def masks(self, eos_token_ids: tuple[int, ...], device) -> "BoundMasks":
-        """`with_end_tokens` on `device`, built once per set of end tokens and device, and shared."""
-        key = (eos_token_ids, torch.device(device))
-        if key not in self.bound:
-            self.bound[key] = self.with_end_tokens(torch.tensor(eos_token_ids, dtype=torch.long)).to(device)
-        return self.bound[key]
+    def _bind(self, eos_token_ids: tuple[int, ...], device: torch.device) -> "BoundMasks":
+        return self.with_end_tokens(torch.tensor(eos_token_ids, dtype=torch.long)).to(device)
 
     def with_end_tokens(self, eos_token_ids: torch.Tensor) -> "BoundMasks":
         """The masks with the end-of-sequence tokens allowed exactly where a state may end: in accepting

@@ -36,7 +36,8 @@ MAX_TABLE_BYTES = 256 * 2**20  # its transitions, 16 bytes each: 16M (the benchm
 
 def build_tables(source: tuple[str, str], trie: TokenTrie, vocab_size: int) -> dict:
     """The tables of `source` ("regex", pattern) or ("json_schema", schema text) over the vocabulary of
-    `trie`: the keyword arguments of `TokenAutomaton.from_tables`. A schema becomes its regex here,
+    `trie`: the keyword arguments of `TokenAutomaton.from_tables`, or of a `LazyAutomaton` (see
+    `byte_tables`). A schema becomes its regex here,
     because that regex can grow exponentially with the schema (4x per level of nested arrays).
 
     Raises `InvalidOption` naming the problem (a schema outlines-core cannot compile, a regex past
@@ -77,7 +78,7 @@ def covers_every_byte(trie: TokenTrie) -> bool:
 
 
 def byte_tables(initial: int, table: np.ndarray, accepting: np.ndarray, trie: TokenTrie | None) -> dict:
-    """The arrays of a `LazyAutomaton` (the keyword arguments of its `from_tables`): the byte automaton
+    """The arrays of a `LazyAutomaton` (the keyword arguments of its constructor): the byte automaton
     with every transition into a state from which it cannot end redirected to the dead state (so that a
     token's walk needs no check after), and where it may end. Its masks are bounded by its states, one
     bias row each at most, which the caller checked against `MAX_MASK_BYTES`, so that no generation can
@@ -88,18 +89,8 @@ def byte_tables(initial: int, table: np.ndarray, accepting: np.ndarray, trie: To
         raise InvalidOption(f"the constraint is too large: its {table.shape[0] - 1:,} states exceed {MAX_TABLE_BYTES >> 20} "
                             f"MiB of tables (limit max_table_bytes)")
     dead = table.shape[0] - 1
-    live = np.zeros(dead + 1, dtype=bool)  # the states it can still end from
-    live[:-1] = accepting
-    frontier = np.flatnonzero(live)
-    sources, on = np.nonzero(table[:-1] != dead)  # the byte transitions that lead somewhere, by their target
-    targets = table[sources, on]
-    order = np.argsort(targets, kind="stable")
-    sources, starts = sources[order], np.searchsorted(targets[order], np.arange(dead + 2))
-    while len(frontier):  # backwards from the accepting states, a level of predecessors at a time
-        _, at = expand(starts[frontier], starts[frontier + 1])
-        before = np.unique(sources[at])
-        frontier = before[~live[before]]
-        live[frontier] = True
+    sources, on = np.nonzero(table[:-1] != dead)  # the byte transitions that lead somewhere
+    live = reachable(np.flatnonzero(accepting), table[sources, on], sources, dead + 1)  # backwards: it can still end
     if not live[initial]:
         raise InvalidOption(f"the vocabulary cannot write any text that matches the constraint"
                             f"{_unwritable(initial, table, accepting, trie)}")
@@ -165,20 +156,15 @@ def _live_transitions(initial: int, table: np.ndarray, accepting: np.ndarray, tr
     states = np.arange(table.shape[0] - 1)
     sources, tokens, targets = token_transitions(table, states, trie, vocab_size)
     count = len(states)
-    edges = np.unique(sources * count + targets)
-    into: dict[int, list[int]] = {}  # the graph of states, tokens merged, both ways
-    out: dict[int, list[int]] = {}
-    for source, target in zip((edges // count).tolist(), (edges % count).tolist()):
-        into.setdefault(target, []).append(source)
-        out.setdefault(source, []).append(target)
-    live = _closure(np.flatnonzero(accepting).tolist(), into)
-    if initial not in live:
+    edges = np.unique(sources * count + targets)  # the graph of states, tokens merged
+    froms, tos = edges // count, edges % count
+    live = reachable(np.flatnonzero(accepting), tos, froms, count)  # backwards
+    if not live[initial]:
         raise InvalidOption(f"the vocabulary cannot write any text that matches the constraint"
                             f"{_unwritable(initial, table, accepting, trie)}")
     # what a state the pattern cannot end from leads to cannot end it either: reachable and live is
     # reachable through live states
-    kept = np.zeros(count, dtype=bool)
-    kept[list(_closure([initial], out) & live)] = True
+    kept = reachable(np.array([initial]), froms, tos, count) & live
     keep = kept[sources] & kept[targets]
     return initial, sources[keep], tokens[keep], targets[keep], sorted(np.flatnonzero(accepting & kept).tolist())
 def _unwritable(initial: int, table: np.ndarray, accepting: np.ndarray, trie: TokenTrie) -> str:
@@ -214,14 +200,19 @@ def _unwritable(initial: int, table: np.ndarray, accepting: np.ndarray, trie: To
     return f": no token holds {missing!r} (U+{ord(missing):04X}), which the shortest text it accepts, {shown}, needs"
 
 
-def _closure(start: list[int], graph: dict[int, list[int]]) -> set[int]:
-    """The states reachable from `start` in `graph` (state -> next states), `start` included."""
-    seen, frontier = set(start), list(start)
-    while frontier:
-        for state in graph.get(frontier.pop(), ()):
-            if state not in seen:
-                seen.add(state)
-                frontier.append(state)
+def reachable(start: np.ndarray, sources: np.ndarray, targets: np.ndarray, count: int) -> np.ndarray:
+    """bool [count]: the states reachable from `start` (included) along the edges `sources[i] -> targets[i]`,
+    a level of them at a time, in numpy: forwards or, edges reversed, backwards, over byte or token edges."""
+    order = np.argsort(sources, kind="stable")
+    following, starts = targets[order], np.searchsorted(sources[order], np.arange(count + 1))
+    seen = np.zeros(count, dtype=bool)
+    seen[start] = True
+    frontier = np.flatnonzero(seen)
+    while len(frontier):
+        _, at = expand(starts[frontier], starts[frontier + 1])
+        after = np.unique(following[at])
+        frontier = after[~seen[after]]
+        seen[frontier] = True
     return seen
 
 

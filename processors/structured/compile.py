@@ -153,7 +153,7 @@ def _automaton(made: dict, vocabulary: Vocabulary) -> TokenAutomaton | LazyAutom
     """The automaton over the tables a child made: a byte automaton whose token masks are made as
     generation reaches its states (`build.byte_tables`), or every state's compiled ahead."""
     if "byte_table" in made:
-        return LazyAutomaton.from_tables(vocabulary=vocabulary, **made)
+        return LazyAutomaton(vocabulary=vocabulary, **made)
     return TokenAutomaton.from_tables(**made)
 
 

@@ -91,19 +91,21 @@ def walkers(vocabulary: Vocabulary) -> tuple[TokenTrie, TokenPaths]:
         return found
 
 
-class LazyAutomaton:
+class LazyAutomaton(token_automaton.Stepping):
     """A compiled regular constraint over a vocabulary in which every byte is a token: the byte automaton
-    (`table`, int64 [S + 1, 256], the dead state S last, every state it cannot end from leading there)
-    and the states where it may end (`accepting`); states are the byte automaton's. Each state's text
-    tokens are found when first asked for (`text_mask`), and distinct sets of them kept once (`texts`)."""
+    (`moves`, int64 [S + 1, 258]: the 256 bytes, then `STAY` and `DEAD`; the dead state S last, every
+    state it cannot end from leading there) and the states where it may end (`accepting`); states are the
+    byte automaton's. Each state's text tokens are found when first asked for (`text_mask`), and distinct
+    sets of them kept once (`texts`)."""
 
-    def __init__(self, initial: int, table: np.ndarray, accepting: np.ndarray, vocabulary: Vocabulary):
-        self.initial, self.table, self.accepting = initial, table, accepting
+    def __init__(self, initial: int, byte_table: np.ndarray, accepting: np.ndarray, vocabulary: Vocabulary):
+        """Over the arrays `build.byte_tables` made."""
+        self.initial, self.accepting = initial, accepting
         self.vocab_size, self.token_bytes = vocabulary.size, vocabulary.token_bytes
         self.trie, self.paths = walkers(vocabulary)
-        states = np.arange(len(table))[:, None]
-        self.moves = np.concatenate([table, states, np.full_like(states, self.dead)], axis=1)  # and STAY, DEAD
-        self.mask_of = np.full(len(table), -1, dtype=np.int64)  # each state's index in `texts`, -1 until asked
+        states = np.arange(len(byte_table))[:, None]
+        self.moves = np.concatenate([byte_table, states, np.full_like(states, len(byte_table) - 1)], axis=1)
+        self.mask_of = np.full(len(byte_table), -1, dtype=np.int64)  # each state's index in `texts`, -1 until asked
         self.texts: list[np.ndarray] = []  # the distinct sets of text tokens, sorted int32 ids (half of int64's bytes)
         self._seen: dict[bytes, int] = {}
         self.text_bytes = 0  # of `texts`, counted as they come (the compile cache asks at every use)
@@ -112,20 +114,15 @@ class LazyAutomaton:
         self.memo: dict = {}  # state * vocab_size + token -> next state
         self.text_mask(initial)  # on the compiling thread: the first step of every generation needs it
 
-    @classmethod
-    def from_tables(cls, initial: int, byte_table, accepting, vocabulary: Vocabulary) -> "LazyAutomaton":
-        """The automaton over the arrays `build.byte_tables` made (shared, not copied)."""
-        return cls(initial, byte_table, accepting, vocabulary)
-
     @property
     def dead(self) -> int:
-        return len(self.table) - 1
+        return len(self.moves) - 1
 
     @property
     def nbytes(self) -> int:
         """Its tables, the masks made so far and the steps it remembers (what the compile cache holds on to);
         the vocabulary's trie is shared by every constraint over it."""
-        own = self.table.nbytes + self.moves.nbytes + self.accepting.nbytes + self.mask_of.nbytes + self.text_bytes
+        own = self.moves.nbytes + self.accepting.nbytes + self.mask_of.nbytes + self.text_bytes
         return own + sum(m.nbytes for m in list(self.bound.values())) + len(self.memo) * token_automaton.MEMO_STEP_BYTES
 
     def to(self, device) -> "LazyAutomaton":
@@ -154,7 +151,7 @@ class LazyAutomaton:
         """The text tokens whose bytes lead from `state` to a state the text can still end from, sorted."""
         if state == self.dead:
             return np.empty(0, dtype=np.int32)
-        return token_transitions(self.table, np.array([state]), self.trie, self.vocab_size)[1].astype(np.int32)
+        return token_transitions(self.moves, np.array([state]), self.trie, self.vocab_size)[1].astype(np.int32)
 
     def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The state after each row's token, walked through the byte automaton for all rows at once, one
@@ -178,36 +175,17 @@ class LazyAutomaton:
                 current = self.moves[current, np.where(lengths > depth, written, STAY)]
         return current
 
-    def step(self, state: int, token: int) -> int:
-        """`advance` for one row on the CPU; steps taken are remembered (see `TokenAutomaton.step`)."""
-        if not 0 <= token < self.vocab_size:  # not remembered: its key would be another step's
+    def _step(self, state: int, token: int) -> int:
+        """Walked in Python: a handful of bytes, where numpy's calls would cost tens of us."""
+        written = self.token_bytes[token]
+        if not written:
             return self.dead
-        wanted = state * self.vocab_size + token
-        found = self.memo.get(wanted)
-        if found is None:  # walked in Python: a handful of bytes, where numpy's calls would cost tens of us
-            written, found = self.token_bytes[token], self.dead
-            if written:
-                found = state
-                for byte in written:
-                    found = self.table.item(found, byte)
-            if len(self.memo) >= token_automaton.MAX_MEMO_STEPS:
-                self.memo.clear()
-            self.memo[wanted] = found
-        return found
+        for byte in written:
+            state = self.moves.item(state, byte)
+        return state
 
-    def one_row(self, state: int) -> torch.Tensor:
-        """`tensor([state])`, made once per state and shared (see `TokenAutomaton.one_row`)."""
-        tensor = self.one_rows.get(state)
-        if tensor is None:
-            tensor = self.one_rows[state] = torch.tensor([state])
-        return tensor
-
-    def masks(self, eos_token_ids: tuple[int, ...], device) -> "LazyMasks":
-        """The masks with end-of-sequence tokens, per set of them and device, made as states are reached."""
-        key = (eos_token_ids, torch.device(device))
-        if key not in self.bound:
-            self.bound[key] = LazyMasks(self, eos_token_ids, torch.device(device))
-        return self.bound[key]
+    def _bind(self, eos_token_ids: tuple[int, ...], device: torch.device) -> "LazyMasks":
+        return LazyMasks(self, eos_token_ids, device)
 
 
 class LazyMasks:
@@ -223,7 +201,7 @@ class LazyMasks:
     def __init__(self, automaton: LazyAutomaton, eos_token_ids: tuple[int, ...], device: torch.device):
         self.automaton, self.device = automaton, device
         self.eos = np.asarray(eos_token_ids, dtype=np.int64)
-        self.mask_of = np.full(len(automaton.table), -1, dtype=np.int64)  # each state's row of `bias`, -1 until asked
+        self.mask_of = np.full(len(automaton.moves), -1, dtype=np.int64)  # each state's row of `bias`, -1 until asked
         self.count = 0
         self._table = np.empty((0, automaton.vocab_size), dtype=np.float32)  # on the CPU, what `bias` shares
         self.bias = self._tensor(self._table)

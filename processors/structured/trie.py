@@ -65,15 +65,15 @@ def expand(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def token_transitions(table: np.ndarray, states: np.ndarray, trie: TokenTrie, vocab_size: int):
-    """The token-level transitions of `states` through the byte automaton `table` (int64 [S + 1, 256],
-    the dead state S last, leading to itself): (sources, tokens, targets) for every token whose bytes all
+    """The token-level transitions of `states` through the byte automaton `table` (int64 [S + 1, 256], or
+    wider with columns past the bytes', the dead state S last, leading to itself): (sources, tokens, targets) for every token whose bytes all
     lead somewhere, sorted by (source, token), as a searchsorted table wants them.
 
     States go a chunk at a time (the pairs of a level are bounded). The transitions come out grouped by
     the length of their tokens, and are put in order by one sort of each transition packed into an
     int64, (source * vocab + token) above the target's bits: at 32k tokens that sort took 35 ms where
     laying them out in a dense block of states x tokens and reading it back took ~250 ms."""
-    dead = table.shape[0] - 1
+    dead, width = table.shape[0] - 1, table.shape[1]
     flat = table.reshape(-1)
     widest = max((len(level.byte) for level in trie.levels), default=1)
     chunk = max(1, PAIRS_PER_CHUNK // widest)
@@ -85,7 +85,7 @@ def token_transitions(table: np.ndarray, states: np.ndarray, trie: TokenTrie, vo
             if not len(node):
                 break
             pair, node = expand(level.child_start[node], level.child_start[node + 1])
-            moved = flat[current[pair] * 256 + level.byte[node]]
+            moved = flat[current[pair] * width + level.byte[node]]
             live = moved != dead
             source, node, current = source[pair[live]], node[live], moved[live]
             ending, token = expand(level.end_start[node], level.end_start[node + 1])
