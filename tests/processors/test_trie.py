@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from processors.structured import trie as trie_module
-from processors.structured.trie import TokenTrie, token_transitions
+from processors.structured.trie import TokenTrie, token_transitions, tokens_from
 
 
 def naive(table, states, tokens_by_bytes, vocab_size):
@@ -27,14 +27,9 @@ def naive(table, states, tokens_by_bytes, vocab_size):
     return found
 
 
-@pytest.mark.parametrize("packed_bits", [63, 0], ids=["packed", "argsort"])
-@pytest.mark.parametrize("pairs_per_chunk", [1, 50, 1 << 22])
-def test_the_trie_walk_finds_every_token_transition_in_order(pairs_per_chunk, packed_bits, monkeypatch):
+def random_automaton_and_vocabulary():
     """A random automaton over a few bytes (so that most walks go somewhere) and a vocabulary with shared
-    prefixes, ids writing the same bytes, single bytes and a special token; chunks from one state at a time
-    to all of them; sorted packed, and by the argsort of what does not fit packed."""
-    monkeypatch.setattr(trie_module, "PAIRS_PER_CHUNK", pairs_per_chunk)
-    monkeypatch.setattr(trie_module, "PACKED_BITS", packed_bits)
+    prefixes, ids writing the same bytes, single bytes and a special token (the last 3 ids write nothing)."""
     rng = np.random.default_rng(0)
     states, alphabet = 40, [0x61, 0x62, 0x63, 0xC3, 0xA9]
     table = np.full((states + 1, 256), states, dtype=np.int64)
@@ -46,11 +41,21 @@ def test_the_trie_walk_finds_every_token_transition_in_order(pairs_per_chunk, pa
         tokens_by_bytes[text] = [next_id] + ([next_id + 1] if next_id % 7 == 0 else [])  # some bytes written twice
         next_id += len(tokens_by_bytes[text])
     tokens_by_bytes[b""] = []  # a special token writes nothing and has no transition
-    vocab_size = next_id + 3
+    return states, table, tokens_by_bytes, next_id + 3
+
+
+@pytest.mark.parametrize("packed_bits", [63, 0], ids=["packed", "argsort"])
+@pytest.mark.parametrize("pairs_per_chunk", [1, 50, 1 << 22])
+def test_the_trie_walk_finds_every_token_transition_in_order(pairs_per_chunk, packed_bits, monkeypatch):
+    """Over `random_automaton_and_vocabulary`: chunks from one state at a time to all of them; sorted
+    packed, and by the argsort of what does not fit packed."""
+    monkeypatch.setattr(trie_module, "PAIRS_PER_CHUNK", pairs_per_chunk)
+    monkeypatch.setattr(trie_module, "PACKED_BITS", packed_bits)
+    states, table, tokens_by_bytes, vocab_size = random_automaton_and_vocabulary()
     walked = token_transitions(table, np.arange(states), TokenTrie.build(tokens_by_bytes), vocab_size)
     expected = naive(table, range(states), tokens_by_bytes, vocab_size)
     assert list(zip(*(part.tolist() for part in walked))) == expected
-    assert 500 < len(expected) < states * next_id  # the walks both end and go on
+    assert 500 < len(expected) < states * (vocab_size - 3)  # the walks both end and go on
 
 
 def test_an_automaton_no_token_can_enter_has_no_transitions():
@@ -58,3 +63,18 @@ def test_an_automaton_no_token_can_enter_has_no_transitions():
     table[0, ord("z")] = 1
     walked = token_transitions(table, np.arange(2), TokenTrie.build({b"a": [0], b"ab": [1]}), 2)
     assert all(len(part) == 0 for part in walked)
+
+
+@pytest.mark.parametrize("dense_from", [10**9, 2, 8, 0], ids=["whole levels", "half-full levels", "mixed", "pair by pair"])
+def test_one_state_walk_finds_the_tokens_of_the_walk_of_all(dense_from, monkeypatch):
+    """`tokens_from`, whether it goes over whole levels after the first, pair by pair to the end, or
+    switches on the way, finds for every state (the dead one too) the tokens the naive walk does."""
+    monkeypatch.setattr(trie_module, "DENSE_FROM", dense_from)
+    states, table, tokens_by_bytes, vocab_size = random_automaton_and_vocabulary()
+    trie = TokenTrie.build(tokens_by_bytes)
+    found = [tokens_from(table, state, trie, vocab_size) for state in range(states + 1)]
+    expected = naive(table, range(states + 1), tokens_by_bytes, vocab_size)
+    assert [tokens.tolist() for tokens in found] == [[t for s, t, _ in expected if s == state] for state in range(states + 1)]
+    assert all(tokens.dtype == np.int32 for tokens in found)
+    sizes = [len(tokens) for tokens in found[:states]]
+    assert not len(found[states]) and 0 < min(sizes) < max(sizes) < vocab_size - 3  # the dead state allows nothing
