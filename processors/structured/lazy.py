@@ -81,7 +81,7 @@ os.register_at_fork(after_in_child=_forget_locks)
 
 
 def walkers(vocabulary: Vocabulary) -> tuple[TokenTrie, TokenPaths]:
-    """The vocabulary's trie and token bytes, made once per vocabulary (a few tenths of a second at 32k tokens)."""
+    """The vocabulary's trie and token bytes, made once per vocabulary (about a tenth of a second at 32k tokens)."""
     with _walkers_lock:
         found = _walkers.get(vocabulary.fingerprint)
         if found is None:

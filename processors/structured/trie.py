@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -48,23 +49,40 @@ class TokenTrie:
 
     @classmethod
     def build(cls, tokens_by_bytes: dict[bytes, list[int]]) -> "TokenTrie":
-        """The trie of a vocabulary's text tokens (bytes -> the ids writing them)."""
-        strings = [s for s in tokens_by_bytes if s]
-        levels, above, depth = [], [b""], 0
-        while strings:
-            depth += 1
-            prefixes = sorted({s[:depth] for s in strings})
-            parent_of = {prefix: index for index, prefix in enumerate(above)}
-            parents = np.fromiter((parent_of[p[:-1]] for p in prefixes), dtype=np.int64, count=len(prefixes))
-            ids = [tokens_by_bytes.get(p, ()) for p in prefixes]
+        """The trie of a vocabulary's text tokens (bytes -> the ids writing them), in numpy from their
+        sorted bytes: in sorted order, the tokens under one node of depth d are consecutive, so a token
+        opens a node of depth d where it shares fewer than d bytes with the token before it (a shorter
+        token before it never shares d). A Python set of each depth's prefixes took 120 ms at 32k tokens."""
+        strings = sorted(s for s in tokens_by_bytes if s)
+        if not strings:
+            return cls(())
+        count = len(strings)
+        lengths = np.fromiter(map(len, strings), dtype=np.int64, count=count)
+        starts = np.cumsum(lengths) - lengths
+        written = np.full((count, int(lengths.max())), 256, dtype=np.uint16)  # 256: past a token's end
+        row, column = expand(starts, starts + lengths)
+        written[row, column - starts[row]] = np.frombuffer(b"".join(strings), dtype=np.uint8)
+        shared = np.zeros(count, dtype=np.int64)  # bytes in common with the token before (they all differ somewhere)
+        shared[1:] = (written[1:] != written[:-1]).argmax(axis=1)
+        groups = list(map(tokens_by_bytes.__getitem__, strings))
+        ids_count = np.fromiter(map(len, groups), dtype=np.int64, count=count)
+        ids = np.fromiter(chain.from_iterable(groups), dtype=np.int64, count=int(ids_count.sum()))
+        ids_start = np.cumsum(ids_count) - ids_count
+        levels, node_above, above = [], np.zeros(count, dtype=np.int64), 1  # each token's node one level up
+        rows = np.arange(count)
+        for depth in range(1, written.shape[1] + 1):
+            rows = rows[lengths[rows] >= depth]
+            opens = shared[rows] < depth
+            firsts = rows[opens]  # each node's first token, the one ending there if any (the shortest sorts first)
+            ending = np.where(lengths[firsts] == depth, ids_count[firsts], 0)
             levels.append(Level(
-                byte=np.fromiter((p[-1] for p in prefixes), dtype=np.int64, count=len(prefixes)),
-                child_start=np.searchsorted(parents, np.arange(len(above) + 1)),
-                end_start=np.concatenate([[0], np.cumsum([len(i) for i in ids])]).astype(np.int64),
-                ends=np.fromiter((t for i in ids for t in i), dtype=np.int64),
+                byte=written[firsts, depth - 1].astype(np.int64),
+                child_start=np.searchsorted(node_above[firsts], np.arange(above + 1)),
+                end_start=np.concatenate([[0], np.cumsum(ending)]),
+                ends=ids[expand(ids_start[firsts], ids_start[firsts] + ending)[1]],
             ))
-            above = prefixes
-            strings = [s for s in strings if len(s) > depth]  # a vocabulary's runs of spaces go 100 bytes deep
+            node_above[rows] = np.cumsum(opens) - 1
+            above = len(firsts)
         return cls(tuple(levels))
 
 

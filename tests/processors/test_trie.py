@@ -1,6 +1,8 @@
 """The trie walk that turns a byte-level automaton into a token-level one, against walking each token's
 bytes one by one."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -78,3 +80,42 @@ def test_one_state_walk_finds_the_tokens_of_the_walk_of_all(dense_from, monkeypa
     assert all(tokens.dtype == np.int32 for tokens in found)
     sizes = [len(tokens) for tokens in found[:states]]
     assert not len(found[states]) and 0 < min(sizes) < max(sizes) < vocab_size - 3  # the dead state allows nothing
+
+
+def trie_of_each_depths_prefixes(tokens_by_bytes):
+    """The trie's levels made the plain way: each depth's distinct prefixes, sorted, each with its parent
+    among the depth above, the ids writing it, and its last byte."""
+    strings, levels, above, depth = [s for s in tokens_by_bytes if s], [], [b""], 0
+    while strings:
+        depth += 1
+        prefixes = sorted({s[:depth] for s in strings})
+        parent = {prefix: index for index, prefix in enumerate(above)}
+        parents = [parent[p[:-1]] for p in prefixes]
+        ids = [tokens_by_bytes.get(p, []) for p in prefixes]
+        levels.append(([p[-1] for p in prefixes], np.searchsorted(parents, np.arange(len(above) + 1)).tolist(),
+                       np.cumsum([0] + [len(i) for i in ids]).tolist(), [t for i in ids for t in i]))
+        above, strings = prefixes, [s for s in strings if len(s) > depth]
+    return levels
+
+
+@pytest.mark.parametrize("vocabulary", ["random", "default", "empty", "only a special token"])
+def test_the_trie_holds_each_depths_prefixes(vocabulary):
+    """`TokenTrie.build` against each depth's distinct prefixes: the random vocabulary (ids writing the same
+    bytes, a special token), the default model's (byte-level, tokens of one byte to runs of spaces)."""
+    if vocabulary == "random":
+        tokens_by_bytes = random_automaton_and_vocabulary()[2]
+    elif vocabulary == "default":
+        from transformers import PreTrainedTokenizerFast
+
+        from processors.structured import Vocabulary
+
+        tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(__file__).resolve().parents[2] /
+                                                               "sidecar/default_model/tokenizer.json"))
+        tokens_by_bytes = Vocabulary.from_tokenizer(tokenizer, len(tokenizer)).text_tokens()
+    else:
+        tokens_by_bytes = {} if vocabulary == "empty" else {b"": [0]}
+    built = TokenTrie.build(tokens_by_bytes)
+    expected = trie_of_each_depths_prefixes(tokens_by_bytes)
+    assert [(level.byte.tolist(), level.child_start.tolist(), level.end_start.tolist(), level.ends.tolist())
+            for level in built.levels] == expected
+    assert vocabulary != "default" or len(expected) > 8
