@@ -323,6 +323,25 @@ def test_a_lazy_constraint_walks_only_the_states_generation_reaches(vocab, token
     assert len(reached) < automaton.dead // 2
 
 
+def test_lazy_masks_grow_past_one_row_per_state(vocab, forks_here):
+    """The table of bias rows holds one per state, and grows past that by a row at a time (a process forked
+    while a row was added leaves that row unnamed, and makes it again): rows already there keep theirs."""
+    automaton = Chain([configure(Regex, pattern="ab?")]).bind(vocab, [EOS]).processors[0].automaton
+    masks = automaton.masks((EOS,), "cpu")
+    first = masks.row(automaton.initial).clone()
+    extra = []
+    for token in range(len(masks.mask_of) + 3):  # more rows than states
+        row = np.full(vocab.size, NEG_INF, dtype=np.float32)
+        row[token] = 0.0
+        extra.append(masks._append(row))
+    assert masks.count == 1 + len(extra) > len(masks.mask_of)
+    assert torch.equal(masks.row(automaton.initial), first)
+    assert [int(masks.bias[index].argmax()) for index in extra] == list(range(len(extra)))
+    after = automaton.step(automaton.initial, vocab.token_bytes.index(b"a"))
+    assert masks.allowed(torch.tensor([after]))[0].nonzero().squeeze(1).tolist() == sorted(
+        {vocab.token_bytes.index(b"b"), EOS})
+
+
 def test_lazy_masks_made_by_threads_at_once_are_those_made_by_one(vocab, monkeypatch, forks_here):
     """Threads reaching the states of one fresh automaton together (one row and batched) get the rows
     that one thread makes for another automaton of the same constraint."""
