@@ -98,12 +98,18 @@ def trie_of_each_depths_prefixes(tokens_by_bytes):
     return levels
 
 
-@pytest.mark.parametrize("vocabulary", ["random", "default", "empty", "only a special token"])
+LONG = b"=" * 20_000  # one token as long as some tokenizers' runs of a character
+
+
+@pytest.mark.parametrize("vocabulary", ["random", "default", "empty", "only a special token", "a very long token"])
 def test_the_trie_holds_each_depths_prefixes(vocabulary):
     """`TokenTrie.build` against each depth's distinct prefixes: the random vocabulary (ids writing the same
-    bytes, a special token), the default model's (byte-level, tokens of one byte to runs of spaces)."""
+    bytes, a special token), the default model's (byte-level, tokens of one byte to runs of spaces), and
+    the random one with a token of 20,000 bytes, sharing a prefix with others."""
     if vocabulary == "random":
         tokens_by_bytes = random_automaton_and_vocabulary()[2]
+    elif vocabulary == "a very long token":
+        tokens_by_bytes = {**random_automaton_and_vocabulary()[2], LONG: [10_000], LONG[:300]: [10_001], b"=": [10_002]}
     elif vocabulary == "default":
         from transformers import PreTrainedTokenizerFast
 
@@ -119,3 +125,19 @@ def test_the_trie_holds_each_depths_prefixes(vocabulary):
     assert [(level.byte.tolist(), level.child_start.tolist(), level.end_start.tolist(), level.ends.tolist())
             for level in built.levels] == expected
     assert vocabulary != "default" or len(expected) > 8
+
+
+def test_the_trie_of_a_vocabulary_with_a_very_long_token_takes_memory_as_its_bytes():
+    """Building the trie holds memory in proportion to the vocabulary's bytes and levels (one a byte of the
+    longest token: ~6 MB here), not to its count of tokens times its longest one (4,000 x 10,000 bytes:
+    80 MB padded as uint16)."""
+    import tracemalloc
+
+    tokens_by_bytes = {f"t{i:04}".encode(): [i] for i in range(4_000)} | {LONG[:10_000]: [4_000]}
+    tracemalloc.start()
+    try:
+        TokenTrie.build(tokens_by_bytes)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 * 2**20
