@@ -55,8 +55,9 @@ SERVER_END_S = 1.0  # how long a child that ended waits to see whether its serve
 # path can be longer than a command line may be): the same numpy and outlines-core, whatever the
 # environment says. Every package above this module is an empty stand-in,
 # so that importing it runs no package's `__init__` (which imports torch). A terminal's Ctrl-C reaches the
-# whole process group: it is the caller's to handle, and the server ends with the caller's socket. A
-# start that fails says why on the socket, framed as `_send` frames.
+# whole process group: it is the caller's to handle, and the server ends with the caller's socket. It
+# warms outlines-core up for its children (`build.warm`) before it answers. A start that fails, in the
+# imports or the warm-up, says why on the socket, framed as `_send` frames.
 BOOT = """
 import json, pickle, signal, socket, struct, sys, traceback, types
 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -67,12 +68,13 @@ for name, path in setup["packages"]:
     sys.modules[name].__path__ = path
 try:
     from importlib import import_module
-    serve = import_module(setup["module"]).serve
+    server = import_module(setup["module"])
+    server.warm()
 except BaseException as error:
     body = pickle.dumps(("failed", "".join(traceback.format_exception_only(type(error), error)).strip()))
     socket.socket(fileno=setup["fd"]).sendall(struct.pack("!Q", len(body)) + body)
     raise SystemExit(1)
-serve(setup["fd"])
+server.serve(setup["fd"])
 """
 
 
@@ -216,7 +218,6 @@ def serve(fd: int) -> None:
     """The server's loop on the socket `fd`, until the caller's end closes."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
     channel, server = socket.socket(fileno=fd), os.getpid()
-    warm()
     _send(channel, ("ready",))
     tries: OrderedDict[str, TokenTrie] = OrderedDict()
     while True:

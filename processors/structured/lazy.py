@@ -157,8 +157,7 @@ class LazyAutomaton(token_automaton.Stepping):
     def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The state after each row's token, walked through the byte automaton for all rows at once, one
         byte a pass; a token that cannot be written from its row's state leads to the dead state."""
-        here = states.cpu().numpy() if not states.is_cpu else states.numpy()
-        after = torch.from_numpy(self._walk_tokens(here, (tokens if tokens.is_cpu else tokens.cpu()).numpy()))
+        after = torch.from_numpy(self._walk_tokens(states.cpu().numpy(), tokens.cpu().numpy()))  # cpu(): itself there
         return after if states.is_cpu else after.to(states.device)
 
     def _walk_tokens(self, states: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -228,7 +227,7 @@ class LazyMasks:
 
     def rows(self, states: torch.Tensor) -> torch.Tensor:
         """float32 [rows, vocab]: each state's bias row."""
-        here = states.numpy() if states.is_cpu else states.cpu().numpy()
+        here = states.cpu().numpy()
         index = self.mask_of[here]
         if (index < 0).any():
             for state in np.unique(here[index < 0]).tolist():

@@ -104,6 +104,15 @@ def expand(starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return owner, starts[owner] + offsets
 
 
+def _descend(level: Level, node: np.ndarray, current: np.ndarray, flat: np.ndarray, width: int, dead: int):
+    """One level down from the pairs (`node` of the level above, its state `current`): every child whose
+    byte leads somewhere, as (the index of the pair it came from, its node in `level`, its state)."""
+    pair, child = expand(level.child_start[node], level.child_start[node + 1])
+    moved = flat[current[pair] * width + level.byte[child]]
+    live = moved != dead
+    return pair[live], child[live], moved[live]
+
+
 def token_transitions(table: np.ndarray, states: np.ndarray, trie: TokenTrie, vocab_size: int):
     """The token-level transitions of `states` through the byte automaton `table` (int64 [S + 1, 256], or
     wider with columns past the bytes', the dead state S last, leading to itself): (sources, tokens, targets) for every token whose bytes all
@@ -124,10 +133,8 @@ def token_transitions(table: np.ndarray, states: np.ndarray, trie: TokenTrie, vo
         for level in trie.levels:
             if not len(node):
                 break
-            pair, node = expand(level.child_start[node], level.child_start[node + 1])
-            moved = flat[current[pair] * width + level.byte[node]]
-            live = moved != dead
-            source, node, current = source[pair[live]], node[live], moved[live]
+            kept, node, current = _descend(level, node, current, flat, width, dead)
+            source = source[kept]
             ending, token = expand(level.end_start[node], level.end_start[node + 1])
             found.append((source[ending] * vocab_size + level.ends[token], current[ending]))
     keys = np.concatenate([np.empty(0, dtype=np.int64), *(part[0] for part in found)])
@@ -158,10 +165,7 @@ def tokens_from(table: np.ndarray, state: int, trie: TokenTrie, vocab_size: int)
     states = None  # walking whole levels: the state of every node of the last level, `dead` where it went nowhere
     for level in trie.levels:
         if states is None:
-            pair, node = expand(level.child_start[node], level.child_start[node + 1])
-            moved = flat[current[pair] * width + level.byte[node]]
-            live = moved != dead
-            node, current = node[live], moved[live]
+            _, node, current = _descend(level, node, current, flat, width, dead)
             allowed[level.ends[expand(level.end_start[node], level.end_start[node + 1])[1]]] = True
             if not len(node):
                 break

@@ -237,6 +237,23 @@ def test_a_server_that_cannot_start_says_why(nothing_compiled, monkeypatch):
     assert own.pid is None
 
 
+def test_a_server_whose_warm_up_fails_says_why(nothing_compiled, monkeypatch, tmp_path, capfd):
+    """The server imports, then warms outlines-core up for its children before it answers: an
+    outlines-core that imports but fails there (here one found first on the path, whose schema module
+    raises) fails the start with the server's own words, as a failed import does, and no traceback."""
+    shadow = tmp_path / "outlines_core"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("class Index:\n    pass\n\nclass Vocabulary:\n    pass\n")
+    (shadow / "json_schema.py").write_text("def build_regex_from_schema(schema):\n    raise RuntimeError('no schemas here')\n")
+    own = forkserver.ForkServer()
+    monkeypatch.setattr(structured_compile, "_forkserver", own)
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    with pytest.raises(ProcessorError, match="^the compile server could not start: RuntimeError: no schemas here$"):
+        structured_compile.compile_regex(("regex", "[0-9]"), VOCAB, 10)
+    assert own.pid is None
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def test_the_run_again_after_the_server_ended_has_what_is_left_of_the_timeout(server, monkeypatch):
     """A compile is bounded by its timeout, however often its server ends: what the second run did not
     end in says nothing about the constraint either, so it is not remembered."""
