@@ -91,10 +91,7 @@ defmodule Sidecar.Connection do
 
       {:error, failure, tail} ->
         # A sidecar still loading would only notice its closed input once loaded: stop it now.
-        if Port.info(port) do
-          kill(state.os_pid)
-          Port.close(port)
-        end
+        if close_port(port), do: kill(state.os_pid)
 
         tail = Enum.take(close_relay(relay) ++ tail, @startup_tail_lines) |> Enum.reverse()
         {:stop, startup_error(failure, tail, opts[:python], relay != nil)}
@@ -179,7 +176,7 @@ defmodule Sidecar.Connection do
     else
       _ ->
         # its shell, if still waiting for our line, reads EOF and removes the FIFO
-        if Port.info(port), do: Port.close(port)
+        close_port(port)
         no_relay(fifo)
     end
   end
@@ -201,7 +198,7 @@ defmodule Sidecar.Connection do
     after
       @relay_drain_ms ->
         kill(port_os_pid(port))
-        if Port.info(port), do: Port.close(port)
+        close_port(port)
         :error
     end
   end
@@ -241,9 +238,18 @@ defmodule Sidecar.Connection do
       {^cat, {:exit_status, _}} -> lines
     after
       remaining(deadline) ->
-        if Port.info(cat), do: Port.close(cat)
+        close_port(cat)
         lines
     end
+  end
+
+  # A port closes on its own once its program exits, which can happen between any check of
+  # Port.info and the close: Port.close then raises (badarg). A port already closed is what we want.
+  # True when this closed it, so its program may still run.
+  defp close_port(port) do
+    Port.close(port)
+  rescue
+    ArgumentError -> false
   end
 
   defp port_os_pid(port) do
@@ -582,7 +588,7 @@ defmodule Sidecar.Connection do
 
   @impl true
   def terminate(_reason, state) do
-    if state.port && Port.info(state.port), do: Port.close(state.port)
+    if state.port, do: close_port(state.port)
     close_relay(state.relay)
   end
 
