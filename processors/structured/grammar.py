@@ -8,6 +8,7 @@ left pointing at one matcher after a reorder get their own copy when they next c
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -18,6 +19,13 @@ from ..errors import InvalidInput, InvalidOption
 from .constraints import NEG_INF, Constraint, _pattern, _validate_lark, rust_panics_as
 
 _BIT = torch.arange(32, dtype=torch.int32)
+
+# llguidance checks a grammar, and builds its parser, by recursion over chains of rules: the longest chain
+# that fits in max_pattern_chars (12,748 rules `ab:ac`) needs 32-64 MiB of stack, where a thread has 8 MiB,
+# and running out of it kills the process. So both run on a thread of their own with this much stack: address
+# space reserved, touched only as deep as the grammar goes. A parser once built steps on any thread.
+GRAMMAR_STACK_BYTES = 256 << 20
+_stack_size_lock = threading.Lock()  # threading.stack_size is the process's, for threads started meanwhile
 
 
 @dataclass(frozen=True)
@@ -32,7 +40,7 @@ class Grammar(Constraint):
         import llguidance
 
         with rust_panics_as(InvalidOption, "option 'grammar' cannot be checked"):
-            ok, problem = _validate_lark(llguidance.LLMatcher.grammar_from_lark(self.grammar))
+            ok, problem = _on_deep_stack(lambda: _validate_lark(llguidance.LLMatcher.grammar_from_lark(self.grammar)))
         if not ok:
             raise InvalidOption(f"option 'grammar' is not a valid Lark grammar: {problem}")
 
@@ -43,7 +51,7 @@ class Grammar(Constraint):
         tokenizer = vocabulary.llguidance_tokenizer()
         # a grammar whose language the vocabulary cannot begin is refused now, as a regex's is when it compiles
         with rust_panics_as(InvalidOption, "the grammar cannot be bound to the vocabulary"):
-            start = _matcher(tokenizer, self.grammar)
+            start = _on_deep_stack(lambda: _matcher(tokenizer, self.grammar))
             llg.fill_next_token_bitmask(start, llg.allocate_token_bitmask(1, tokenizer.vocab_size), 0)
         if start.is_error():
             raise InvalidOption(f"the vocabulary cannot write any text that the grammar accepts ({_reason(start)})")
@@ -106,6 +114,29 @@ class GrammarProcessor(LogitsProcessor):
         if bool(stuck.any()):
             logits[stuck.nonzero()[:, :1], self.eos_token_ids] = 0.0
         return state, logits
+
+
+def _on_deep_stack(work):
+    """`work()` on a thread of its own with `GRAMMAR_STACK_BYTES` of stack: its value, or what it raised."""
+    outcome = {}
+
+    def run():
+        try:
+            outcome["value"] = work()
+        except BaseException as error:  # a Rust panic too: the caller says what failed
+            outcome["error"] = error
+
+    with _stack_size_lock:
+        previous = threading.stack_size(GRAMMAR_STACK_BYTES)
+        try:
+            thread = threading.Thread(target=run, name="grammar-build")
+            thread.start()
+        finally:
+            threading.stack_size(previous)
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _matcher(tokenizer, grammar: str):

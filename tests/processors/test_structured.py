@@ -2,9 +2,11 @@
 regular constraints, a plain-Python walk for user automata, a recursive checker for a context-free grammar,
 and the tokenizer's own encoding for the bytes of each token."""
 
+import itertools
 import json
 import os
 import random
+import string
 import subprocess
 import time
 from pathlib import Path
@@ -540,6 +542,45 @@ def test_grammar_texts_are_balanced_through_reorders(vocab, tokenizer):
         texts += [tokenizer.decode(ids) for ids in run_chain(chain, 4, 200, 1024, seed=seed, reorder=(3, index))]
     assert all(balanced(t) for t in texts), texts
     assert any(t.count("(") > 1 for t in texts)  # nesting happened: this is not a finite pattern
+
+
+def rule_chain(limit: int) -> str:
+    """`start: a`, `a: b`, `b: c`, ... down to `"e"+`: the most rules (named as shortly as names come) that fit
+    in `limit` characters, a chain llguidance walks by recursion."""
+    names = (first + "".join(more) for size in range(3) for first in string.ascii_lowercase
+             for more in itertools.product(string.ascii_lowercase + string.digits, repeat=size))
+    previous, lines, chars = next(names), [], 0
+    head, tail = f"start:{previous}\n", '"e"+\n'
+    for name in names:
+        line = f"{previous}:{name}\n"
+        if len(head) + chars + len(line) + len(name) + 1 + len(tail) > limit:
+            break
+        lines.append(line)
+        chars += len(line)
+        previous = name
+    return head + "".join(lines) + f"{previous}:{tail}"
+
+
+def test_a_chain_of_rules_as_long_as_the_limit_allows_is_checked_built_and_run(vocab):
+    """llguidance checks and builds a grammar by recursion: 12,700 chained rules overflowed a thread's 8 MiB
+    of stack and killed the process (a segfault, the sidecar with it). Both now run on a deep stack of their
+    own; the steps run here, on this thread's own stack, and allow what the one-rule grammar allows."""
+    from processors.structured.constraints import MAX_PATTERN_CHARS
+
+    text = rule_chain(MAX_PATTERN_CHARS)
+    assert len(text) <= MAX_PATTERN_CHARS and text.count("\n") > 12_000
+    chains = [Chain([configure(Grammar, grammar=g)]).bind(vocab, [EOS]) for g in (text, 'start: "e"+')]
+    e = vocab.token_bytes.index(b"e")
+    sequence = torch.full((1, 3), e, dtype=torch.long)
+    masks = []
+    for chain in chains:
+        states, allowed = chain.init(Context(sequence, 1, 1, vocab.size)), []
+        for length in (1, 2, 3):
+            states, logits = chain.process(states, torch.zeros(1, vocab.size), Context(sequence, length, 1, vocab.size))
+            allowed.append(logits.isfinite())
+        masks.append(torch.cat(allowed))
+    assert torch.equal(masks[0], masks[1])
+    assert masks[0][0, e] and not masks[0][0, EOS] and masks[0][1, EOS]
 
 
 PANICKING = "(((é|[é-ü])|(( |.|中)|[é-ü])|\\w)){3,}"  # llguidance's regex simplifier panics on it (derivre 0.3.13)
