@@ -6,6 +6,7 @@ what `Nx.from_binary(data, {:f, 32}) |> Nx.reshape(List.to_tuple(shape))` reads 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from math import prod
 
@@ -27,13 +28,52 @@ def pack(message) -> bytes:
 
 
 def unpack(payload: bytes):
-    """Decodes one msgpack value that must fill the payload exactly; anything else is `invalid_msgpack`."""
+    """Decodes one msgpack value that must fill the payload exactly; anything else is `invalid_msgpack`.
+
+    A payload whose only fault is a str that is not UTF-8 is still a request whose id can be read: its
+    error carries that id (and says where the str is), so the client waiting on it gets its reply."""
     try:
         return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except UnicodeDecodeError as error:
+        raise _not_utf8(payload, error) from error
     except TypeError as error:  # a map or list used as a map key: valid msgpack, but no Python map can hold it
         raise ProtocolError(INVALID_MSGPACK, f"map keys must be strings, numbers, booleans or nil ({error})") from error
     except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError, msgpack.exceptions.StackError) as error:
         raise ProtocolError(INVALID_MSGPACK, f"the frame is not one valid msgpack value ({type(error).__name__}: {error or 'malformed data'})") from error
+
+
+def _not_utf8(payload: bytes, error: UnicodeDecodeError) -> ProtocolError:
+    """The `invalid_msgpack` error of a payload with a str that is not UTF-8, attributed to its request
+    when the rest decodes (each undecodable byte read as a lone surrogate, U+DC80-U+DCFF)."""
+    try:
+        message = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True, unicode_errors="surrogateescape")
+    except Exception:  # something else is wrong with it too
+        message, where = None, ""
+    else:
+        where = _where_undecodable(message)
+    return ProtocolError(INVALID_MSGPACK, f"a str{where} is not valid UTF-8 ({error.reason} at byte {error.start} of it); "
+                                          f"text travels as UTF-8, bytes as bin", request_id_of(message))
+
+
+def _where_undecodable(value) -> str:
+    """' at <path>' of the first str (value or map key) holding a byte read as a lone surrogate, or ''."""
+    pending = [(value, "")]
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, str) and _UNDECODABLE.search(value):
+            return f" at {path or 'the top'}"
+        if isinstance(value, dict):
+            for key, item in reversed(list(value.items())):
+                name = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and _UNDECODABLE.search(key):
+                    return f" in a map key at {path or 'the top'}"
+                pending.append((item, name))
+        elif isinstance(value, list):
+            pending += [(item, f"{path}[{index}]") for index, item in reversed(list(enumerate(value)))]
+    return ""
+
+
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
 
 
 def peek_request_id(head: bytes) -> int | None:

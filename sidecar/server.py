@@ -179,7 +179,10 @@ class Server:
                 raise ProtocolError(codes.DUPLICATE_ID, f"request id {rid} is already in flight", rid)
             self.dispatch(parse_request(message, self.limits), len(payload))
         except ProtocolError as problem:
-            self.writer.send(problem_reply(problem.request_id, problem))
+            rid = problem.request_id
+            if rid in self.in_flight and problem.code != codes.DUPLICATE_ID:  # read from a payload that did not decode
+                problem = ProtocolError(codes.DUPLICATE_ID, f"request id {rid} is already in flight", rid)
+            self.writer.send(problem_reply(rid, problem))
         except SidecarError as problem:
             self.writer.send(problem_reply(request_id_of(message), problem))
         except (Shutdown, BrokenPipeError, Hangup):

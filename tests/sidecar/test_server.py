@@ -130,6 +130,34 @@ def test_cancel_stops_within_a_step_and_returns_the_tokens_so_far(peer):
     assert after["ok"] and after["result"]["stats"]["reused_tokens"] == 2 + len(streamed) - 1
 
 
+def test_a_str_that_is_not_utf8_is_answered_on_its_request(peer):
+    """msgpack that decodes but for one str's bytes still names its request: the client waiting on that id
+    gets its reply (it got one with id null, and waited for ever); a request in flight is left alone."""
+    import msgpack
+
+    def not_utf8(message):  # bytes packed as msgpack str, as a careless encoder does
+        peer.send_bytes(frame(msgpack.packb(message, use_bin_type=False)))
+
+    peer.call("open_session", session="u")
+    generate(peer, 30, session="u", token_ids=[5, 6], max_new_tokens=40, eos_token_ids=[], stream=True)
+    first = peer.next_for(30)["token_ids"]
+    not_utf8({"id": 31, "op": "generate", "session": "u", "prompt": b"caf\xe9"})
+    not_utf8({"id": 32, "op": "generate", "session": "u", "prompt": "a", "processors": [
+        {"name": "regex", "options": {"pattern": b"a\xc3"}}]})
+    not_utf8({"id": 30, "op": "ping", "x": b"\xff"})  # the id of the generation in flight
+    not_utf8({"id": -1, "op": "ping", "x": b"\xff"})  # no valid id: not attributable
+    error = peer.reply_for(31)[1]["error"]
+    assert error["code"] == "invalid_msgpack" and error["message"].startswith("a str at prompt is not valid UTF-8")
+    error = peer.reply_for(32)[1]["error"]
+    assert error["code"] == "invalid_msgpack" and "a str at processors[0].options.pattern" in error["message"]
+    before, duplicate = peer.reply_for(30)
+    assert duplicate["error"]["code"] == "duplicate_id"
+    assert peer.reply_for(None)[1]["error"]["code"] == "invalid_msgpack"
+    after, final = peer.reply_for(30)
+    assert final["ok"] and final["result"]["token_ids"] == first + [t for e in before + after for t in e["token_ids"]]
+    assert len(final["result"]["token_ids"]) == 40
+
+
 def test_cancel_of_a_queued_request_and_shutdown_with_work_in_flight(peer):
     peer.call("open_session", session="q")
     generate(peer, 60, session="q", token_ids=[5, 6], max_new_tokens=1500, eos_token_ids=[], stream=True)
