@@ -138,13 +138,17 @@ def _pointer(link) -> str:
 # Keywords whose values map names to schemas, and keywords whose values are JSON instances, not schemas.
 NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 INSTANCES = frozenset({"const", "default", "enum", "examples"})
+# Keywords that say nothing about which values are valid.
+ANNOTATIONS = frozenset({"$schema", "$id", "$comment", "$defs", "definitions", "title", "description", "default",
+                         "examples", "deprecated", "readOnly", "writeOnly"})
 
 
 def _check_miscompiled(name: str, schema) -> None:
     """What outlines-core compiles into a wrong automaton rather than refusing. It writes property names
     into its regex unescaped: a quote, a backslash or a control character in one would make every
-    generated object invalid JSON. And it writes an empty `enum` as the empty text, where no value
-    matches: either is refused. Walks the schemas only (not `default` values, say)."""
+    generated object invalid JSON. It writes an empty `enum` as the empty text, where no value
+    matches. And it writes the schemas of an `allOf` one after the other (`true` then `null`), and
+    drops an `allOf` beside other keywords: each is refused. Walks the schemas only (not `default` values, say)."""
     stack = [(schema, False)]  # (node, whether its keys are names, each of a schema)
     while stack:
         node, named = stack.pop()
@@ -159,6 +163,11 @@ def _check_miscompiled(name: str, schema) -> None:
                                         f"a control character, which the JSON-schema compiler does not escape")
             if node.get("enum") == []:
                 raise InvalidOption(f"option {name!r}: an empty enum matches no value at all")
+            if "allOf" in node and not (isinstance(node["allOf"], list) and len(node["allOf"]) == 1
+                                        and set(node) - ANNOTATIONS <= {"allOf"}):
+                raise InvalidOption(f"option {name!r}: allOf is taken only alone, of one schema; the JSON-schema "
+                                    f"compiler writes several one after the other, and drops allOf beside other "
+                                    f"keywords: merge them into one schema")
             stack.extend((child, key in NAMED_SCHEMAS) for key, child in node.items() if key not in INSTANCES)
         elif isinstance(node, list):
             stack.extend((child, False) for child in node)

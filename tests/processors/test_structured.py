@@ -636,6 +636,11 @@ for _ in range(40):
     (JsonSchema, {"schema": {"properties": {b"k": {}}}}, "keys must be strings, got b'k' .bytes."),
     (JsonSchema, {"schema": {"enum": []}}, "an empty enum matches no value at all"),  # outlines-core writes ''
     (JsonSchema, {"schema": {"type": "object", "properties": {"a": {"enum": []}}}}, "an empty enum"),
+    # outlines-core writes allOf's schemas one after the other ('truenull', '""1'), and drops it beside others
+    (JsonSchema, {"schema": {"allOf": [{"type": "boolean"}, {"type": "null"}]}}, "allOf is taken only alone, of one schema"),
+    (JsonSchema, {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"required": ["a"]}]}},
+     "allOf is taken only alone"),
+    (JsonSchema, {"schema": {"type": "array", "items": {"allOf": [{"const": 1}, {"const": 2}]}}}, "allOf"),
     (JsonSchema, {"schema": CYCLE}, "contains itself at /properties/a/items: JSON cannot write a cycle"),
     (JsonSchema, {"schema": SHARED_40_TIMES_OVER}, "more than 100000 characters written as JSON .limit max_pattern_chars"),
     (JsonSchema, {"schema": "[" * 50_000 + "]" * 50_000}, "not valid JSON|nests too deeply"),
@@ -655,12 +660,14 @@ def test_bad_constraints_are_refused_at_configure_time(cls, options, message):
 
 def test_schemas_the_checks_must_not_refuse(vocab):
     """A sub-schema shared by two properties (written out twice), an empty enum inside a `default` value (an
-    instance, not a schema), and a property named "enum" or "default" (a schema by that name) compile."""
+    instance, not a schema), a property named "enum" or "default" (a schema by that name), an allOf of one
+    schema beside annotations only, and a property named "allOf" compile."""
     integer = {"type": "integer"}
     for schema in ({"type": "object", "properties": {"a": integer, "b": integer}, "required": ["a", "b"]},
                    {"type": "object", "default": {"enum": []}, "properties": {"a": integer}, "required": ["a"]},
                    {"type": "object", "properties": {"enum": integer, "default": {"enum": [1]}},
-                    "required": ["enum", "default"]}):
+                    "required": ["enum", "default"]},
+                   {"title": "one schema", "allOf": [integer]}, {"type": "object", "properties": {"allOf": integer}}):
         configure(JsonSchema, schema=schema).bind(vocab, [EOS])
 
 
