@@ -163,14 +163,58 @@ def _check_miscompiled(name: str, schema) -> None:
                                         f"a control character, which the JSON-schema compiler does not escape")
             if node.get("enum") == []:
                 raise InvalidOption(f"option {name!r}: an empty enum matches no value at all")
-            if "allOf" in node and not (isinstance(node["allOf"], list) and len(node["allOf"]) == 1
-                                        and set(node) - ANNOTATIONS <= {"allOf"}):
-                raise InvalidOption(f"option {name!r}: allOf is taken only alone, of one schema; the JSON-schema "
-                                    f"compiler writes several one after the other, and drops allOf beside other "
-                                    f"keywords: merge them into one schema")
+            if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+                raise InvalidOption(f"option {name!r}: allOf is taken of one schema only; the JSON-schema compiler "
+                                    f"writes several one after the other: merge them into one schema")
+            _check_one_reading(name, schema, node)
             stack.extend((child, key in NAMED_SCHEMAS) for key, child in node.items() if key not in INSTANCES)
         elif isinstance(node, list):
             stack.extend((child, False) for child in node)
+
+
+# outlines-core reads one of these in a schema object, the first it holds, and compiles it alone.
+READ_FIRST = ("properties", "allOf", "anyOf", "oneOf", "prefixItems", "enum", "const", "$ref", "type")
+# Keywords the one read takes into account, beside itself (the others beside them are not enforced).
+READ_WITH = {"properties": {"type", "required", "additionalProperties"}, "prefixItems": {"type"}}
+_TYPE_OF = {"properties": "object", "prefixItems": "array"}
+
+
+def _check_one_reading(name: str, schema: dict, node: dict) -> None:
+    """Refuses a schema object whose keywords outlines-core would not all enforce: it compiles only the first
+    of `READ_FIRST` that the object holds, so `{"type": "string", "anyOf": [...]}` wrote what the anyOf
+    allows, strings or not, and `{"$ref": ..., "type": ...}` dropped the $ref. An enum or a const beside
+    others is kept when every value it lists is valid against the whole object (the common
+    `{"type": "string", "enum": [...]}`); and a string's `pattern` is dropped beside `minLength`/`maxLength`."""
+    read = next((key for key in READ_FIRST if key in node), None)
+    if read is None:
+        return
+    beside = set(node) - ANNOTATIONS - {read} - READ_WITH.get(read, set())
+    if read == "properties" or read == "prefixItems":
+        types = node.get("type", _TYPE_OF[read])
+        if _TYPE_OF[read] not in (types if isinstance(types, list) else [types]):
+            beside.add("type")
+        beside &= set(READ_FIRST)  # the rest of an object's or an array's keywords: see the spec
+    elif read in ("enum", "const"):
+        import jsonschema
+
+        values = node["enum"] if read == "enum" else [node["const"]]
+        validator = jsonschema.validators.validator_for(schema)(schema).evolve(schema=node)
+        for value in values if isinstance(values, list) else []:
+            error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+            if error is not None:
+                raise InvalidOption(f"option {name!r}: the {read} value {json.dumps(value)[:60]} is not valid against "
+                                    f"the keywords beside it ({error.message[:120]}); only the {read} is compiled")
+        return
+    elif read == "type":
+        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+        if "string" in types and "pattern" in node and ("minLength" in node or "maxLength" in node):
+            raise InvalidOption(f"option {name!r}: a string's pattern is not enforced beside minLength/maxLength "
+                                f"by the JSON-schema compiler: write the length into the pattern")
+        return
+    if beside:
+        raise InvalidOption(f"option {name!r}: {read} is compiled alone, and {', '.join(sorted(beside))} beside it would "
+                            f"not be enforced (the JSON-schema compiler reads only the first of {', '.join(READ_FIRST)} "
+                            f"in an object): move {'them' if len(beside) > 1 else 'it'} into the {read}")
 
 
 STATE_ID = {"type": "integer", "minimum": 0, "maximum": checks.MAX_TOKEN_ID}

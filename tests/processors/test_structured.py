@@ -637,10 +637,18 @@ for _ in range(40):
     (JsonSchema, {"schema": {"enum": []}}, "an empty enum matches no value at all"),  # outlines-core writes ''
     (JsonSchema, {"schema": {"type": "object", "properties": {"a": {"enum": []}}}}, "an empty enum"),
     # outlines-core writes allOf's schemas one after the other ('truenull', '""1'), and drops it beside others
-    (JsonSchema, {"schema": {"allOf": [{"type": "boolean"}, {"type": "null"}]}}, "allOf is taken only alone, of one schema"),
-    (JsonSchema, {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"required": ["a"]}]}},
-     "allOf is taken only alone"),
+    (JsonSchema, {"schema": {"allOf": [{"type": "boolean"}, {"type": "null"}]}}, "allOf is taken of one schema only"),
     (JsonSchema, {"schema": {"type": "array", "items": {"allOf": [{"const": 1}, {"const": 2}]}}}, "allOf"),
+    # and it compiles one keyword of an object alone, the first of properties, allOf, anyOf, ... $ref, type
+    (JsonSchema, {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"required": ["a"]}]}},
+     "properties is compiled alone, and allOf beside it would not be enforced"),
+    (JsonSchema, {"schema": {"type": "string", "anyOf": [{"const": 1}, {"const": "1"}]}}, "anyOf is compiled alone, and type"),
+    (JsonSchema, {"schema": {"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n", "type": "string"}}, r"\$ref is compiled alone"),
+    (JsonSchema, {"schema": {"type": "string", "properties": {"a": {}}}}, "properties is compiled alone, and type"),
+    (JsonSchema, {"schema": {"type": "string", "enum": ["x", "yy"], "maxLength": 1}},
+     "the enum value \"yy\" is not valid against the keywords beside it"),
+    (JsonSchema, {"schema": {"type": "integer", "const": "1"}}, "the const value \"1\" is not valid"),
+    (JsonSchema, {"schema": {"type": "string", "pattern": "^[0-9]+$", "maxLength": 5}}, "pattern is not enforced beside"),
     (JsonSchema, {"schema": CYCLE}, "contains itself at /properties/a/items: JSON cannot write a cycle"),
     (JsonSchema, {"schema": SHARED_40_TIMES_OVER}, "more than 100000 characters written as JSON .limit max_pattern_chars"),
     (JsonSchema, {"schema": "[" * 50_000 + "]" * 50_000}, "not valid JSON|nests too deeply"),
@@ -661,13 +669,16 @@ def test_bad_constraints_are_refused_at_configure_time(cls, options, message):
 def test_schemas_the_checks_must_not_refuse(vocab):
     """A sub-schema shared by two properties (written out twice), an empty enum inside a `default` value (an
     instance, not a schema), a property named "enum" or "default" (a schema by that name), an allOf of one
-    schema beside annotations only, and a property named "allOf" compile."""
+    schema beside annotations only, a property named "allOf", an enum whose values are all valid beside the
+    keywords next to it, properties of a type that allows objects, and pydantic's optional field compile."""
     integer = {"type": "integer"}
     for schema in ({"type": "object", "properties": {"a": integer, "b": integer}, "required": ["a", "b"]},
                    {"type": "object", "default": {"enum": []}, "properties": {"a": integer}, "required": ["a"]},
                    {"type": "object", "properties": {"enum": integer, "default": {"enum": [1]}},
                     "required": ["enum", "default"]},
-                   {"title": "one schema", "allOf": [integer]}, {"type": "object", "properties": {"allOf": integer}}):
+                   {"title": "one schema", "allOf": [integer]}, {"type": "object", "properties": {"allOf": integer}},
+                   {"type": "string", "enum": ["x", "y"], "maxLength": 1}, {"type": ["object", "null"], "properties": {}},
+                   {"anyOf": [integer, {"type": "null"}], "default": None, "title": "what pydantic writes"}):
         configure(JsonSchema, schema=schema).bind(vocab, [EOS])
 
 
