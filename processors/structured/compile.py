@@ -141,9 +141,9 @@ def _build(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, ca
     try:
         return _automaton(_in_child(source, vocabulary, timeout_s, cancelled), vocabulary)
     except ServerEnded as ended:
-        left = ended.deadline - time.monotonic()
+        deadline = ended.deadline  # the new server's start counts against it too
     try:
-        return _automaton(_in_child(source, vocabulary, timeout_s, cancelled, left), vocabulary)
+        return _automaton(_in_child(source, vocabulary, timeout_s, cancelled, deadline), vocabulary)
     except CompileTimedOut:
         raise ServerEnded(f"the compile server ended during the compile, and the compile run again did not end in "
                           f"what was left of compile_timeout_s = {timeout_s:g} s") from None
@@ -168,9 +168,10 @@ def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: floa
     return failed is not None and not _retried(failed, timeout_s)
 
 
-def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled, wait_s: float | None = None):
-    """Has the fork server start a compiling child and returns what it sent; waits `wait_s` (default
-    `timeout_s`) at most, in polls of `POLL_S` between which it asks `cancelled`. A child that sent all
+def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float, cancelled, deadline: float | None = None):
+    """Has the fork server start a compiling child and returns what it sent; waits until `deadline` (on the
+    monotonic clock; by default `timeout_s` after the fork) at most, in polls of `POLL_S` between which it
+    asks `cancelled`. A child that sent all
     it sends, or ended, exits on its own and the server reaps it; one that did not is killed. Raises
     `ServerEnded` when the child ended because its server did."""
     if cancelled():
@@ -188,7 +189,8 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
         raise
     finally:
         sender.close()
-    deadline = time.monotonic() + (timeout_s if wait_s is None else wait_s)
+    if deadline is None:
+        deadline = time.monotonic() + timeout_s
     ended = False  # whether the child was seen closing the pipe
     try:
         while not receiver.poll(max(0.0, min(POLL_S, deadline - time.monotonic()))):  # True at EOF too

@@ -168,8 +168,11 @@ def test_a_server_ended_mid_compile_is_no_failure_of_the_constraint(server, monk
         return child
 
     monkeypatch.setattr(server, "fork", killing)
-    automaton = structured_compile.compile_regex(("regex", "[0-9a-f]{6}"), VOCAB, 10)
-    assert automaton.step(automaton.initial, 3) != automaton.dead
+    # a compile of about half a second: a child that finished before its server was killed ended the
+    # compile on the first server (1 run in 16 with [0-9a-f]{6})
+    automaton = structured_compile.compile_regex(("regex", "(a|b)*a(a|b){14}"), VOCAB, 30)
+    a, zero = VOCAB.token_bytes.index(b"a"), VOCAB.token_bytes.index(b"0")
+    assert automaton.step(automaton.initial, a) != automaton.dead == automaton.step(automaton.initial, zero)
     assert gone(ended[0]) and server.pid != ended[0]
     assert not structured_compile._failures
 
