@@ -13,7 +13,7 @@ import pytest
 from protocol import conformance
 
 SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "WARNING"]
-RUNNER = [sys.executable, "-m", "protocol.conformance", "--timeout", "30"]
+RUNNER = [sys.executable, "-m", "protocol.conformance", "--timeout", "60"]  # a step; the first waits for the server to start (12 s under load)
 
 
 def summary(output: str) -> str:

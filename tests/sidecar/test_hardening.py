@@ -246,11 +246,29 @@ def test_eof_while_blocked_writing_to_a_client_that_stopped_reading_ends_the_pro
     process.stdin.write(frame(pack({"id": 2, "op": "generate", "session": "w", "token_ids": [5, 6],
                                     "max_new_tokens": 1900, "eos_token_ids": [], "stream": True})))
     process.stdin.flush()
-    time.sleep(1.0)  # the server fills the pipe and blocks
-    assert process.poll() is None
+    assert pipe_fills(process.stdout.fileno(), [process]), "the server never blocked writing"
     process.stdin.close()
     assert process.wait(timeout=10) == 0
     process.stdout.close()
+
+
+def pipe_fills(fd: int, running: list, timeout_s: float = 120.0) -> bool:
+    """Whether the pipe `fd` reads from comes to hold what it can (its bytes stop growing near its capacity)
+    while every process of `running` runs: a server under load takes 12 s and more to start serving, so
+    no fixed sleep says it has got there."""
+    import fcntl
+    import termios
+
+    capacity = fcntl.fcntl(fd, 1032)  # F_GETPIPE_SZ
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and all(p.poll() is None for p in running):
+        held = int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, bytes(4)), sys.byteorder)
+        if held > capacity - 1024:
+            time.sleep(0.2)  # no more comes: the writer is blocked, not between two writes
+            if int.from_bytes(fcntl.ioctl(fd, termios.FIONREAD, bytes(4)), sys.byteorder) == held:
+                return True
+        time.sleep(0.05)
+    return False
 
 
 def test_frames_written_after_eof_are_whole(default_dir):
@@ -285,14 +303,18 @@ def test_eof_is_noticed_even_when_the_inbox_is_full(default_dir, tmp_path):
                       + b"".join(frame(pack({"id": 10_000 + i, "op": "tokenize", "text": "x" * 60_000})) for i in range(1500)))
     read_end, write_end = os.pipe()
     server = subprocess.Popen(SERVER, stdin=read_end, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    watch = os.dup(read_end)  # to see how much waits in the server's input; never read
     os.close(read_end)
     import fcntl
 
     fcntl.fcntl(server.stdout.fileno(), 1031, 4096)  # we never read: the server blocks writing
     client = subprocess.Popen(["cat", str(flood)], stdout=write_end)
     os.close(write_end)
-    time.sleep(3.0)  # the inbox fills up, the reader waits for room, the client's writes block
-    assert client.poll() is None and server.poll() is None, "nothing was full"
+    try:  # the server serves and blocks writing; its inbox fills up, its reader waits for room, the client's writes block
+        assert pipe_fills(server.stdout.fileno(), [server, client]), "the server never blocked writing"
+        assert pipe_fills(watch, [server, client]), "the server's input never filled"
+    finally:
+        os.close(watch)
     client.kill()
     client.wait()
     assert server.wait(timeout=10) == 0
@@ -409,12 +431,17 @@ def test_a_ping_during_a_long_prefill_is_answered_between_chunks(default_dir):
 def test_cancel_stops_a_prefill_between_chunks_and_keeps_what_was_computed(default_dir, engine):
     with Peer(SERVER + ["--prefill-chunk", "16"], stderr=subprocess.DEVNULL) as peer:
         peer.call("open_session", session="c")
-        peer.send({"id": 1, "op": "generate", "session": "c", "token_ids": LONG, "max_new_tokens": 4, "stream": True})
-        time.sleep(0.05)
-        peer.send({"id": 2, "op": "cancel", "target": 1})
-        error = peer.reply_for(1)[1]["error"]
-        assert error["code"] == "cancelled" and error["token_ids"] == []
-        done = error["stats"]["prefill_tokens"]
+        # a server that wakes late reads the cancel with the generate, before any chunk (and keeps nothing):
+        # then again, waiting longer before the cancel
+        for rid, wait_s in ((1, 0.05), (3, 0.1), (5, 0.2), (7, 0.4)):
+            peer.send({"id": rid, "op": "generate", "session": "c", "token_ids": LONG, "max_new_tokens": 4, "stream": True})
+            time.sleep(wait_s)
+            peer.send({"id": rid + 1, "op": "cancel", "target": rid})
+            error = peer.reply_for(rid)[1]["error"]
+            assert error["code"] == "cancelled" and error["token_ids"] == []
+            done = error["stats"]["prefill_tokens"]
+            if done:
+                break
         assert 0 < done < len(LONG) - 1 and done % 16 == 0
         after = peer.call("generate", session="c", token_ids=LONG, max_new_tokens=4, eos_token_ids=[])["result"]
     assert after["stats"]["reused_tokens"] == done

@@ -90,9 +90,11 @@ def test_other_sessions_and_pings_are_not_held_up(peer):
     peer.call("open_session", session="short")
     generate(peer, 100, session="long", token_ids=[5, 6], max_new_tokens=1500, eos_token_ids=[], stream=True)
     assert peer.next_for(100)["event"] == "token"
-    peer.send({"id": 101, "op": "ping"})
-    generate(peer, 102, session="short", token_ids=[7, 8], max_new_tokens=4, eos_token_ids=[])
-    peer.send({"id": 103, "op": "tokenize", "text": "hi"})
+    # in one write: a test paused between two sends would let 102 end before 103 was even sent
+    peer.send_bytes(b"".join(frame(pack(m)) for m in (
+        {"id": 101, "op": "ping"},
+        {"id": 102, "op": "generate", "session": "short", "token_ids": [7, 8], "max_new_tokens": 4, "eos_token_ids": []},
+        {"id": 103, "op": "tokenize", "text": "hi"})))
     order = []
     while len(order) < 3:
         message = peer.read_message()

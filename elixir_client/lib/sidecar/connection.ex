@@ -169,7 +169,7 @@ defmodule Sidecar.Connection do
 
     with :ok <- fifo_made(port),
          {:ok, writer} <- File.open(fifo, [:read, :write, :raw]),
-         true <- Port.command(port, "\n"),
+         true <- port_command(port, "\n"),
          relay = %{port: port, fifo: fifo, writer: writer, sh: sh},
          :ok <- relay_ready(relay) do
       relay
