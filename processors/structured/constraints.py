@@ -22,6 +22,7 @@ import torch
 from .. import checks
 from ..contract import Context, LogitsProcessor, option
 from ..errors import InvalidOption, ProcessorError
+from .anchors import unanchored
 from .automaton import BoundMasks, TokenAutomaton
 from .compile import compile_regex, is_compiled
 from .vocabulary import Vocabulary
@@ -337,6 +338,7 @@ class Regex(RegularConstraint):
     compile_timeout_s: float = _compile_timeout()
 
     def validate(self):
+        unanchored(self.pattern)  # an anchor left inside is refused, by this message rather than the checker's
         _check_syntax(self.pattern, "pattern")
 
     def source(self):
@@ -435,20 +437,6 @@ class AutomatonProcessor(LogitsProcessor):
             if bool(stuck.any()):
                 logits[stuck.nonzero()[:, :1], self.eos_token_ids] = 0.0
         return state, logits
-
-
-def unanchored(pattern: str) -> str:
-    r"""The whole text must match anyway: a leading `^`/`\A` and a trailing `$`/`\z`, which the compiler
-    cannot take, are dropped."""
-    if pattern.startswith("^"):
-        pattern = pattern[1:]
-    elif pattern.startswith("\\A"):
-        pattern = pattern[2:]
-    if pattern.endswith("\\z") and not pattern.endswith("\\\\z"):
-        pattern = pattern[:-2]
-    elif pattern.endswith("$") and not pattern.endswith("\\$"):
-        pattern = pattern[:-1]
-    return pattern
 
 
 _META = set(r"\.+*?()|[]{}^$#&-~")

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerFast
 import processors as P
 from processors import Chain, Context, configure
 from processors.structured import AutomatonProcessor, Choice, Dfa, Grammar, JsonSchema, Regex, Vocabulary
+from processors.structured import anchors
 from processors.structured import automaton as automaton_module
 from processors.structured import build as build_module
 from processors.structured import compile as structured_compile
@@ -820,6 +821,38 @@ def test_anchors_mean_what_fullmatch_means_already(vocab, tokenizer):
         chain = Chain([configure(Regex, pattern=pattern)]).bind(vocab, [EOS])
         for ids in run_chain(chain, 4, 10, 1024, seed=1):
             assert regex.fullmatch(r"[0-9]{3}", tokenizer.decode(ids))
+
+
+@pytest.mark.parametrize("pattern, unanchored", [
+    # each the pattern without the anchors a whole-text match makes redundant: the same language (checked below)
+    (r"a\\$", r"a\\"),  # an escaped backslash, then the anchor (was read as an escaped $: "matches no text")
+    (r"a\$", r"a\$"), ("a$|b$", "a|b"), ("^a|^b", "a|b"), ("(^ab$)", "(ab)"), ("^^a", "a"), ("(?:^a|b)$", "(?:a|b)"),
+    ("(?i)^a$", "(?i)a"), ("(a|^b)c", "(a|b)c"), ("a|(b$)", "a|(b)"), ("(?P<n>^a)b$", "(?P<n>a)b"),
+    ("[$^]a", "[$^]a"), (r"[\]^$]x$", r"[\]^$]x"), ("[[:alpha:]^]$", "[[:alpha:]^]"), (r"\x24$", r"\x24"),
+    ("(?m)abc", "(?m)abc"),
+])
+def test_anchors_that_always_hold_are_dropped(pattern, unanchored):
+    assert anchors.unanchored(pattern) == unanchored
+    for text in ("a", "b", "ab", "bc", "ac", "a\\", "a$", "$a", "^a", "]x", "$x", "xyz", "A", "$", "aa", "abc"):
+        assert bool(regex.fullmatch(pattern, text)) == bool(regex.fullmatch(unanchored, text)), text
+
+
+@pytest.mark.parametrize("pattern", ["a^b", "a$b", "(^a)*", "(a$)+b", "(?m)^a$", "(?x)a$", "(?m:^a)"])
+def test_an_anchor_that_may_not_hold_is_refused_at_configure_time(pattern):
+    with pytest.raises(P.InvalidOption, match=r"an anchor \(\^, \$, \\A, \\z\) is taken only at the start or the end"):
+        configure(Regex, pattern=pattern)
+
+
+def test_an_anchored_alternation_compiles_to_the_automaton_of_the_plain_one(vocab):
+    anchored, plain = (configure(Regex, pattern=p).bind(vocab, [EOS]) for p in ("^ab$|^ba$", "ab|ba"))
+    for text in ("ab", "ba", "aa", "b"):
+        states = [bound.automaton.initial for bound in (anchored, plain)]
+        for byte in text.encode():
+            token = vocab.token_bytes.index(bytes([byte]))
+            states = [bound.automaton.step(state, token) for bound, state in zip((anchored, plain), states)]
+        ends = [state != bound.automaton.dead and bool(bound.automaton.accepting[state])
+                for bound, state in zip((anchored, plain), states)]
+        assert ends[0] == ends[1] == (text in ("ab", "ba"))
 
 
 def test_a_pathological_pattern_is_stopped_by_its_timeout(vocab):

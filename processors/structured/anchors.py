@@ -1,0 +1,136 @@
+"""The anchors a whole-text match makes redundant, taken out of a regex (Rust's `regex` syntax).
+
+A constraint matches the whole generated text, so a `^` or `\\A` that nothing can precede, and a `$` or
+`\\z` that nothing can follow, always hold; outlines-core cannot compile anchors at all. They are found
+on a light parse of the pattern: its tokens (escapes, classes, groups, alternations, quantifiers) and
+how they nest, nothing more. An anchor with something before (or after) it, or inside a repeated group,
+stays, and is refused with a clear message; so is every anchor under the multi-line (`m`) or verbose (`x`)
+flag, where `^`/`$` mean lines or the text holds comments this parse does not read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..errors import InvalidOption
+
+_TOKEN = re.compile(r"""
+    (?P<escape>\\(?:[xuUpP]\{[^}]*\}|x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|[pP][A-Za-z]|.))
+  | (?P<flags>\(\?[A-Za-z-]*\))
+  | (?P<open>\((?:\?(?:[A-Za-z-]*:|P?<[^>]*>))?)
+  | (?P<close>\))
+  | (?P<alt>\|)
+  | (?P<start>\^)
+  | (?P<end>\$)
+  | (?P<quant>(?:[*+?]|\{\d*(?:,\d*)?\})[?+]?)
+  | (?P<class>\[)
+  | (?P<atom>.)
+""", re.VERBOSE | re.DOTALL)
+
+
+@dataclass
+class _Group:
+    """Alternatives (each a list of items: token indices or groups) and whether a quantifier follows."""
+
+    branches: list = field(default_factory=lambda: [[]])
+    repeated: bool = False
+
+
+def unanchored(pattern: str) -> str:
+    """`pattern` without its redundant anchors; raises `InvalidOption` for an anchor left inside."""
+    tokens = _tokens(pattern)
+    if any(_sets_flag(kind, text, "mx") for kind, text in tokens):
+        return pattern if not any(kind in ("start", "end") for kind, _ in tokens) else _refuse("the m or x flag")
+    root, stack = _Group(), []
+    for index, (kind, _) in enumerate(tokens):
+        group = stack[-1] if stack else root
+        if kind == "open":
+            inner = _Group()
+            group.branches[-1].append(inner)
+            stack.append(inner)
+        elif kind == "close" and stack:
+            stack.pop()
+        elif kind == "alt":
+            group.branches.append([])
+        elif kind == "quant" and group.branches[-1]:
+            last = group.branches[-1][-1]
+            if isinstance(last, _Group):
+                last.repeated = True
+            elif tokens[last][0] in ("start", "end"):
+                tokens[last] = ("atom", tokens[last][1])  # a repeated anchor: left for the compiler to refuse
+        else:
+            group.branches[-1].append(index)
+    dropped: set[int] = set()
+    _drop(root, tokens, dropped, "start")
+    _drop(root, tokens, dropped, "end")
+    if any(kind in ("start", "end") and i not in dropped for i, (kind, _) in enumerate(tokens)):
+        _refuse("something before or after it in the text (or a repetition around it)")
+    return "".join(text for i, (_, text) in enumerate(tokens) if i not in dropped)
+
+
+def _sets_flag(kind: str, text: str, flags: str) -> bool:
+    """Whether a `(?flags)` or `(?flags:` token turns one of `flags` on."""
+    if kind not in ("flags", "open") or not text.startswith("(?") or text[2:3] in ("P", "<"):
+        return False
+    return any(flag in text[2:].split("-")[0] for flag in flags)
+
+
+def _tokens(pattern: str) -> list[tuple[str, str]]:
+    tokens, at = [], 0
+    while at < len(pattern):
+        found = _TOKEN.match(pattern, at)
+        kind, text = found.lastgroup, found.group()
+        if kind == "class":
+            text = pattern[at:_class_end(pattern, at)]
+            kind = "atom"
+        elif kind == "escape" and text in ("\\A", "\\z"):
+            kind = "start" if text == "\\A" else "end"
+        tokens.append((kind, text))
+        at += len(text)
+    return tokens
+
+
+def _class_end(pattern: str, at: int) -> int:
+    """Where the class opening at `at` ends: classes nest, `]` first in one is a literal, escapes skip."""
+    depth, i = 0, at
+    while i < len(pattern):
+        if pattern[i] == "\\":
+            i += 2
+            continue
+        if pattern[i] == "[" and not pattern.startswith("[:", i):
+            depth += 1
+            i += 1
+            i += pattern.startswith("^", i)
+            i += pattern.startswith("]", i)
+            continue
+        if pattern.startswith("[:", i) and (close := pattern.find(":]", i + 2)) != -1:
+            i = close + 2
+            continue
+        if pattern[i] == "]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    return len(pattern)  # unclosed: the compiler says so
+
+
+def _drop(group: _Group, tokens: list, dropped: set, kind: str) -> None:
+    """Marks the anchors of `kind` that open (start) or close (end) every alternative of `group`, through
+    the groups that open or close them, flags groups being zero-width."""
+    for branch in group.branches:
+        items = branch if kind == "start" else branch[::-1]
+        for item in items:
+            if isinstance(item, _Group):
+                if not item.repeated:
+                    _drop(item, tokens, dropped, kind)
+                break
+            if tokens[item][0] == kind:
+                dropped.add(item)
+            elif tokens[item][0] != "flags":
+                break
+
+
+def _refuse(why: str):
+    raise InvalidOption(f"option 'pattern': the whole text is matched, so an anchor (^, $, \\A, \\z) is taken only at "
+                        f"the start or the end of the pattern; this one has {why}")
