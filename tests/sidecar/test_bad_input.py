@@ -401,11 +401,11 @@ def send(peer, message):
     return peer.reply_for(request_id_of(message))[1]
 
 
-def raw(payload):
-    """A scenario that sends payload bytes no client library would produce."""
+def raw(payload, rid=None):
+    """A scenario that sends payload bytes no client library would produce; their reply comes with `rid`."""
     def scenario(s):
         s["main"].send_bytes(frame(payload))
-        return s["main"].reply_for(None)[1]
+        return s["main"].reply_for(rid)[1]
     return scenario
 
 
@@ -592,8 +592,9 @@ PROTOCOL_ROWS = [
     ("processor entry not a map", exactly("main", gen(prompt="a", processors=[processor("top_k", k=5), "regex"]),
                                           code="invalid_params", param="processors", index=1), "invalid_params", "index"),
     ("map with a list as a key", raw(b"\x81\x91\x01\x01"), "invalid_msgpack", None),
-    ("invalid UTF-8 in a str", raw(BAD_UTF8), "invalid_msgpack", None),
-    ("lone surrogate encoded in a str", raw(ENCODED_SURROGATE), "invalid_msgpack", None),
+    # msgpack but for a str's bytes: the reply names the request (its id is readable)
+    ("invalid UTF-8 in a str", raw(BAD_UTF8, rid=1), "invalid_msgpack", None),
+    ("lone surrogate encoded in a str", raw(ENCODED_SURROGATE, rid=1), "invalid_msgpack", None),
     ("truncated msgpack", raw(pack({"id": 1, "op": "ping"})[:-2]), "invalid_msgpack", None),
     ("two msgpack values in one frame", raw(pack(1) + pack(2)), "invalid_msgpack", None),
     ("request not a map", raw(pack([1, "ping"])), "invalid_message", None),
