@@ -710,6 +710,13 @@ def test_what_only_binding_can_tell_is_refused_when_bound(vocab):
         configure(Regex, pattern="a").bind(vocab, [])
     with pytest.raises(P.InvalidOption, match="the constraint matches no text at all"):
         configure(Regex, pattern=r"[^\x00-\x{10FFFF}]").bind(vocab, [EOS])
+    # what outlines-core's regex engine refuses with no word of why (llguidance's check lets these through)
+    with pytest.raises(P.InvalidOption, match="option 'pattern' cannot be compiled: its regular expression holds what "
+                                              "outlines-core's regex engine refuses: a look-around, a trailing backslash"):
+        configure(Regex, pattern="a\\").bind(vocab, [EOS])
+    with pytest.raises(P.InvalidOption, match=r"option 'schema' cannot be compiled: its regular expression \(from a "
+                                              r"pattern or a count like maxItems or maxLength\)"):
+        configure(JsonSchema, schema={"type": "array", "maxItems": 10**18}).bind(vocab, [EOS])
     tiny = Vocabulary((b"a", b"b", None))
     # the refusal names a character the shortest accepted text needs and no token holds, when there is one
     with pytest.raises(P.InvalidOption, match=r"cannot write any text .*: no token holds 'c' \(U\+0063\), which the "
