@@ -190,6 +190,12 @@ def _check_one_reading(name: str, schema: dict, node: dict) -> None:
     if read is None:
         return
     beside = set(node) - ANNOTATIONS - {read} - READ_WITH.get(read, set())
+    if read in ("properties", "type") and isinstance(node.get("required"), list):
+        listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        unlisted = [key for key in node["required"] if key not in listed]
+        if unlisted:  # the compiler writes listed properties only (any keys at all, with no properties)
+            raise InvalidOption(f"option {name!r}: required property {str(unlisted[0])[:40]!r} is not in the object's "
+                                f"properties; the JSON-schema compiler writes only the properties it lists")
     if read == "properties" or read == "prefixItems":
         types = node.get("type", _TYPE_OF[read])
         if _TYPE_OF[read] not in (types if isinstance(types, list) else [types]):

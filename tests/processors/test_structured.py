@@ -650,6 +650,10 @@ for _ in range(40):
      "the enum value \"yy\" is not valid against the keywords beside it"),
     (JsonSchema, {"schema": {"type": "integer", "const": "1"}}, "the const value \"1\" is not valid"),
     (JsonSchema, {"schema": {"type": "string", "pattern": "^[0-9]+$", "maxLength": 5}}, "pattern is not enforced beside"),
+    # outlines-core writes an object's listed properties only: a required one not listed never comes
+    (JsonSchema, {"schema": {"type": "object", "properties": {"a": {}}, "required": ["a", "z"]}},
+     "required property 'z' is not in the object's properties"),
+    (JsonSchema, {"schema": {"type": "object", "required": ["z"]}}, "required property 'z' is not in"),
     (JsonSchema, {"schema": CYCLE}, "contains itself at /properties/a/items: JSON cannot write a cycle"),
     (JsonSchema, {"schema": SHARED_40_TIMES_OVER}, "more than 100000 characters written as JSON .limit max_pattern_chars"),
     (JsonSchema, {"schema": "[" * 50_000 + "]" * 50_000}, "not valid JSON|nests too deeply"),
