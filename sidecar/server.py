@@ -176,12 +176,12 @@ class Server:
             message = unpack(payload)
             rid = request_id_of(message)
             if rid in self.in_flight:  # before anything else: any other error would settle the request in flight
-                raise ProtocolError(codes.DUPLICATE_ID, f"request id {rid} is already in flight", rid)
+                raise duplicate_id(rid)
             self.dispatch(parse_request(message, self.limits), len(payload))
         except ProtocolError as problem:
             rid = problem.request_id
             if rid in self.in_flight and problem.code != codes.DUPLICATE_ID:  # read from a payload that did not decode
-                problem = ProtocolError(codes.DUPLICATE_ID, f"request id {rid} is already in flight", rid)
+                problem = duplicate_id(rid)
             self.writer.send(problem_reply(rid, problem))
         except SidecarError as problem:
             self.writer.send(problem_reply(request_id_of(message), problem))
@@ -666,6 +666,12 @@ def problem_reply(request_id: int | None, problem: ProtocolError | SidecarError)
     return error(request_id, problem.code, problem.message, **problem.details)
 
 
+def duplicate_id(rid: int, why: str = "") -> ProtocolError:
+    """The error of a frame whose id a request in flight holds, whatever else is wrong with it: any other
+    error under that id would read as the final reply of the request in flight."""
+    return ProtocolError(codes.DUPLICATE_ID, f"request id {rid} is already in flight{why}", rid)
+
+
 def internal_reply(request_id: int | None, bug: Exception) -> dict:
     """A defect of ours: logged with its traceback on stderr, reported on its request, never fatal."""
     log.error("internal error on request %s", request_id, exc_info=bug)
@@ -674,8 +680,8 @@ def internal_reply(request_id: int | None, bug: Exception) -> dict:
 
 def oversized_frame_reply(item: OversizedFrame, limit: int, in_flight) -> dict:
     rid = peek_request_id(item.head)
-    if rid in in_flight:  # never settle the request in flight under that id
-        return error(rid, codes.DUPLICATE_ID, f"request id {rid} is already in flight (and its frame was too large)")
+    if rid in in_flight:
+        return problem_reply(rid, duplicate_id(rid, " (and its frame was too large)"))
     return error(rid, codes.FRAME_TOO_LARGE,
                  f"the frame declares {item.declared} bytes, over the limit max_frame_bytes = {limit}; it was discarded",
                  limit="max_frame_bytes", max=limit, value=item.declared)

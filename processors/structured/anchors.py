@@ -3,13 +3,14 @@
 A constraint matches the whole generated text, so a `^` or `\\A` that nothing can precede, and a `$` or
 `\\z` that nothing can follow, always hold; outlines-core cannot compile anchors at all. They are found
 on a light parse of the pattern: its tokens (escapes, classes, groups, alternations, quantifiers) and
-how they nest, nothing more. An anchor with something before (or after) it, or inside a repeated group,
-stays, and is refused with a clear message; so is every anchor under the multi-line (`m`) or verbose (`x`)
+how they nest, nothing more. An anchor with something before (or after) it, repeated, or inside a repeated
+group, stays, and is refused with a clear message; so is every anchor under the multi-line (`m`) or verbose (`x`)
 flag, where `^`/`$` mean lines or the text holds comments this parse does not read.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
@@ -37,11 +38,18 @@ class _Group:
     repeated: bool = False
 
 
+@functools.lru_cache(maxsize=64)
 def unanchored(pattern: str) -> str:
-    """`pattern` without its redundant anchors; raises `InvalidOption` for an anchor left inside."""
+    """`pattern` without its redundant anchors; raises `InvalidOption` for an anchor left inside.
+
+    Kept for the patterns last asked for: a constraint's compile key asks at every request that names it,
+    and the parse of a pattern of `max_pattern_chars` takes 0.1-0.2 s."""
     tokens = _tokens(pattern)
-    if any(_sets_flag(kind, text, "mx") for kind, text in tokens):
-        return pattern if not any(kind in ("start", "end") for kind, _ in tokens) else _refuse("the m or x flag")
+    anchored = any(kind in ("start", "end") for kind, _ in tokens)
+    if any(_sets_m_or_x(kind, text) for kind, text in tokens):
+        if anchored:
+            _refuse("the m or x flag")
+        return pattern
     root, stack = _Group(), []
     for index, (kind, _) in enumerate(tokens):
         group = stack[-1] if stack else root
@@ -58,7 +66,7 @@ def unanchored(pattern: str) -> str:
             if isinstance(last, _Group):
                 last.repeated = True
             elif tokens[last][0] in ("start", "end"):
-                tokens[last] = ("atom", tokens[last][1])  # a repeated anchor: left for the compiler to refuse
+                _refuse("a repetition on it")
         else:
             group.branches[-1].append(index)
     dropped: set[int] = set()
@@ -69,11 +77,11 @@ def unanchored(pattern: str) -> str:
     return "".join(text for i, (_, text) in enumerate(tokens) if i not in dropped)
 
 
-def _sets_flag(kind: str, text: str, flags: str) -> bool:
-    """Whether a `(?flags)` or `(?flags:` token turns one of `flags` on."""
+def _sets_m_or_x(kind: str, text: str) -> bool:
+    """Whether a `(?flags)` or `(?flags:` token turns the multi-line or the verbose flag on."""
     if kind not in ("flags", "open") or not text.startswith("(?") or text[2:3] in ("P", "<"):
         return False
-    return any(flag in text[2:].split("-")[0] for flag in flags)
+    return bool(set("mx") & set(text[2:].split("-")[0]))
 
 
 def _tokens(pattern: str) -> list[tuple[str, str]]:
@@ -115,22 +123,24 @@ def _class_end(pattern: str, at: int) -> int:
     return len(pattern)  # unclosed: the compiler says so
 
 
-def _drop(group: _Group, tokens: list, dropped: set, kind: str) -> None:
-    """Marks the anchors of `kind` that open (start) or close (end) every alternative of `group`, through
-    the groups that open or close them, flags groups being zero-width."""
-    for branch in group.branches:
-        items = branch if kind == "start" else branch[::-1]
-        for item in items:
-            if isinstance(item, _Group):
-                if not item.repeated:
-                    _drop(item, tokens, dropped, kind)
-                break
-            if tokens[item][0] == kind:
-                dropped.add(item)
-            elif tokens[item][0] != "flags":
-                break
+def _drop(root: _Group, tokens: list, dropped: set, kind: str) -> None:
+    """Marks the anchors of `kind` that open (start) or close (end) every alternative of `root`, through
+    the groups that open or close them, flags groups being zero-width. A loop, not a recursion: groups
+    nest as deep as `max_pattern_chars` lets them."""
+    groups = [root]
+    while groups:
+        for branch in groups.pop().branches:
+            for item in branch if kind == "start" else reversed(branch):
+                if isinstance(item, _Group):
+                    if not item.repeated:
+                        groups.append(item)
+                    break
+                if tokens[item][0] == kind:
+                    dropped.add(item)
+                elif tokens[item][0] != "flags":
+                    break
 
 
-def _refuse(why: str):
+def _refuse(why: str) -> None:
     raise InvalidOption(f"option 'pattern': the whole text is matched, so an anchor (^, $, \\A, \\z) is taken only at "
                         f"the start or the end of the pattern; this one has {why}")

@@ -62,10 +62,10 @@ def build_tables(source: tuple[str, str], trie: TokenTrie, vocab_size: int) -> d
         if "vocabulary provided is incompatible" in message:  # over every byte: no text can begin a match
             message = "the constraint matches no text at all"
         elif "building NFA" in message:  # what its regex engine refused, with no word of why
-            message = (f"option {'schema' if source[0] == 'json_schema' else 'pattern'!r} cannot be compiled: its regular "
-                       f"expression{' (from a pattern or a count like maxItems or maxLength)' if source[0] == 'json_schema' else ''} "
-                       f"holds what outlines-core's regex engine refuses: a look-around, a trailing backslash, or a "
-                       f"repetition count too large ({message})")
+            option, origin = (("schema", " (from a pattern or a count like maxItems or maxLength)")
+                              if source[0] == "json_schema" else ("pattern", ""))
+            message = (f"option {option!r} cannot be compiled: its regular expression{origin} holds what outlines-core's "
+                       f"regex engine refuses: a look-around, a trailing backslash, or a repetition count too large ({message})")
         raise InvalidOption(message) from None
     initial, table, accepting = _byte_automaton(index)
     if covers_every_byte(trie) and table.shape[0] * vocab_size * 4 <= MAX_MASK_BYTES:

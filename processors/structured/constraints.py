@@ -83,13 +83,14 @@ def _schema(name, value) -> str:
         raise InvalidOption(f"option {name!r} is not JSON: {error}") from None
     import jsonschema
 
+    validator = jsonschema.validators.validator_for(value)
     try:
-        jsonschema.validators.validator_for(value).check_schema(value)
+        validator.check_schema(value)
     except jsonschema.SchemaError as error:
         raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message[:300]}") from None
     except RecursionError:
         raise InvalidOption(f"option {name!r} nests too deeply to be checked") from None
-    _check_miscompiled(name, value)
+    _check_miscompiled(name, value, validator(value))
     return _pattern(name, text)
 
 
@@ -144,12 +145,14 @@ ANNOTATIONS = frozenset({"$schema", "$id", "$comment", "$defs", "definitions", "
                          "examples", "deprecated", "readOnly", "writeOnly"})
 
 
-def _check_miscompiled(name: str, schema) -> None:
-    """What outlines-core compiles into a wrong automaton rather than refusing. It writes property names
+def _check_miscompiled(name: str, schema, validator) -> None:
+    """What outlines-core compiles into a wrong automaton rather than refusing (`validator`: the schema's
+    own, from jsonschema, for the values an enum or a const lists). It writes property names
     into its regex unescaped: a quote, a backslash or a control character in one would make every
     generated object invalid JSON. It writes an empty `enum` as the empty text, where no value
-    matches. And it writes the schemas of an `allOf` one after the other (`true` then `null`), and
-    drops an `allOf` beside other keywords: each is refused. Walks the schemas only (not `default` values, say)."""
+    matches. It writes the schemas of an `allOf` one after the other (`true` then `null`). And it
+    compiles one keyword of an object alone (`_check_one_reading`). Each is refused. Walks the schemas
+    only (not `default` values, say)."""
     stack = [(schema, False)]  # (node, whether its keys are names, each of a schema)
     while stack:
         node, named = stack.pop()
@@ -167,7 +170,7 @@ def _check_miscompiled(name: str, schema) -> None:
             if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
                 raise InvalidOption(f"option {name!r}: allOf is taken of one schema only; the JSON-schema compiler "
                                     f"writes several one after the other: merge them into one schema")
-            _check_one_reading(name, schema, node)
+            _check_one_reading(name, node, validator)
             stack.extend((child, key in NAMED_SCHEMAS) for key, child in node.items() if key not in INSTANCES)
         elif isinstance(node, list):
             stack.extend((child, False) for child in node)
@@ -175,49 +178,45 @@ def _check_miscompiled(name: str, schema) -> None:
 
 # outlines-core reads one of these in a schema object, the first it holds, and compiles it alone.
 READ_FIRST = ("properties", "allOf", "anyOf", "oneOf", "prefixItems", "enum", "const", "$ref", "type")
-# Keywords the one read takes into account, beside itself (the others beside them are not enforced).
-READ_WITH = {"properties": {"type", "required", "additionalProperties"}, "prefixItems": {"type"}}
-_TYPE_OF = {"properties": "object", "prefixItems": "array"}
+_TYPE_OF = {"properties": "object", "prefixItems": "array"}  # what these two write, whatever `type` says
 
 
-def _check_one_reading(name: str, schema: dict, node: dict) -> None:
+def _check_one_reading(name: str, node: dict, validator) -> None:
     """Refuses a schema object whose keywords outlines-core would not all enforce: it compiles only the first
     of `READ_FIRST` that the object holds, so `{"type": "string", "anyOf": [...]}` wrote what the anyOf
     allows, strings or not, and `{"$ref": ..., "type": ...}` dropped the $ref. An enum or a const beside
-    others is kept when every value it lists is valid against the whole object (the common
-    `{"type": "string", "enum": [...]}`); and a string's `pattern` is dropped beside `minLength`/`maxLength`."""
+    others is kept when every value it lists is valid against the whole object (checked with `validator`,
+    the root schema's: the common `{"type": "string", "enum": [...]}`); a string's `pattern` is dropped beside
+    `minLength`/`maxLength`; and an object writes its listed properties only (any keys, with none listed)."""
     read = next((key for key in READ_FIRST if key in node), None)
     if read is None:
         return
-    beside = set(node) - ANNOTATIONS - {read} - READ_WITH.get(read, set())
-    if read in ("properties", "type") and isinstance(node.get("required"), list):
+    types = node["type"] if isinstance(node.get("type"), list) else [node.get("type", _TYPE_OF.get(read))]
+    if read in ("properties", "type") and "object" in types and isinstance(node.get("required"), list):
         listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
         unlisted = [key for key in node["required"] if key not in listed]
-        if unlisted:  # the compiler writes listed properties only (any keys at all, with no properties)
+        if unlisted:
             raise InvalidOption(f"option {name!r}: required property {str(unlisted[0])[:40]!r} is not in the object's "
                                 f"properties; the JSON-schema compiler writes only the properties it lists")
-    if read == "properties" or read == "prefixItems":
-        types = node.get("type", _TYPE_OF[read])
-        if _TYPE_OF[read] not in (types if isinstance(types, list) else [types]):
-            beside.add("type")
-        beside &= set(READ_FIRST)  # the rest of an object's or an array's keywords: see the spec
-    elif read in ("enum", "const"):
-        import jsonschema
+    if read in ("enum", "const"):
+        from jsonschema.exceptions import best_match
 
         values = node["enum"] if read == "enum" else [node["const"]]
-        validator = jsonschema.validators.validator_for(schema)(schema).evolve(schema=node)
         for value in values if isinstance(values, list) else []:
-            error = jsonschema.exceptions.best_match(validator.iter_errors(value))
+            error = best_match(validator.evolve(schema=node).iter_errors(value))
             if error is not None:
                 raise InvalidOption(f"option {name!r}: the {read} value {json.dumps(value)[:60]} is not valid against "
                                     f"the keywords beside it ({error.message[:120]}); only the {read} is compiled")
         return
-    elif read == "type":
-        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+    if read == "type":
         if "string" in types and "pattern" in node and ("minLength" in node or "maxLength" in node):
             raise InvalidOption(f"option {name!r}: a string's pattern is not enforced beside minLength/maxLength "
                                 f"by the JSON-schema compiler: write the length into the pattern")
         return
+    if read in _TYPE_OF:  # the object's or array's other keywords: see the spec
+        beside = (set(node) & set(READ_FIRST)) - {read, "type"} | ({"type"} if _TYPE_OF[read] not in types else set())
+    else:  # a combinator or a $ref reads nothing beside it
+        beside = set(node) - ANNOTATIONS - {read}
     if beside:
         raise InvalidOption(f"option {name!r}: {read} is compiled alone, and {', '.join(sorted(beside))} beside it would "
                             f"not be enforced (the JSON-schema compiler reads only the first of {', '.join(READ_FIRST)} "

@@ -24,6 +24,7 @@ from processors.structured import AutomatonProcessor, Choice, Dfa, Grammar, Json
 from processors.structured import anchors
 from processors.structured import automaton as automaton_module
 from processors.structured import build as build_module
+from processors.structured import grammar as grammar_module
 from processors.structured import compile as structured_compile
 from processors.structured import forkserver as forkserver_module
 from processors.structured.automaton import TokenAutomaton
@@ -608,6 +609,26 @@ def test_a_panic_in_llguidance_is_a_typed_error(vocab, monkeypatch):
         chain.process(states, torch.zeros(1, 1024), context)
 
 
+def test_a_panic_while_a_grammar_is_checked_or_built_on_its_own_thread_is_a_typed_error(vocab, monkeypatch):
+    """Checked and built on a thread with a deep stack (`grammar._on_deep_stack`), a panic there still
+    reaches the caller as the processor's error."""
+    with pytest.raises(P.InvalidOption) as caught:
+        configure(Regex, pattern=PANICKING)
+    panic = type(caught.value.__context__)
+
+    def panicking(*args):
+        raise panic("called `Option::unwrap()` on a `None` value")
+
+    monkeypatch.setattr(grammar_module, "_validate_lark", panicking)
+    with pytest.raises(P.InvalidOption, match="option 'grammar' cannot be checked: llguidance failed on it"):
+        configure(Grammar, grammar='start: "a"+')
+    monkeypatch.undo()
+    config = configure(Grammar, grammar='start: "a"+')
+    monkeypatch.setattr(grammar_module, "_matcher", panicking)
+    with pytest.raises(P.InvalidOption, match="the grammar cannot be bound to the vocabulary: llguidance failed on it"):
+        config.bind(vocab, [EOS])
+
+
 # from Python: a schema that holds itself (json.dumps refuses it, but a walk before it never ended), and one
 # whose objects are shared so often that written out it doubles 40 times
 CYCLE = {"type": "object", "properties": {"a": {"type": "array"}}}
@@ -848,7 +869,15 @@ def test_anchors_that_always_hold_are_dropped(pattern, unanchored):
         assert bool(regex.fullmatch(pattern, text)) == bool(regex.fullmatch(unanchored, text)), text
 
 
-@pytest.mark.parametrize("pattern", ["a^b", "a$b", "(^a)*", "(a$)+b", "(?m)^a$", "(?x)a$", "(?m:^a)"])
+def test_anchors_inside_groups_nested_as_deep_as_the_limit_allows():
+    """The parse walks groups in a loop: 3,000 nested groups made its recursion fail (RecursionError)."""
+    deep = "(?:" * 3000 + "^a$" + ")" * 3000
+    assert anchors.unanchored(deep) == "(?:" * 3000 + "a" + ")" * 3000
+    with pytest.raises(P.InvalidOption, match="an anchor"):
+        anchors.unanchored("(?:" * 3000 + "a^a" + ")" * 3000)
+
+
+@pytest.mark.parametrize("pattern", ["a^b", "a$b", "(^a)*", "(a$)+b", "(?m)^a$", "(?x)a$", "(?m:^a)", "^*a", "a$+"])
 def test_an_anchor_that_may_not_hold_is_refused_at_configure_time(pattern):
     with pytest.raises(P.InvalidOption, match=r"an anchor \(\^, \$, \\A, \\z\) is taken only at the start or the end"):
         configure(Regex, pattern=pattern)
