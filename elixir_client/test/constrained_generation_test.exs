@@ -113,6 +113,17 @@ defmodule Sidecar.ConstrainedGenerationTest do
     assert ok_at < n_at
   end
 
+  test "json_schema: numeric bounds are enforced (llguidance runs such a schema)",
+       %{conn: conn, session: session} do
+    schema = Sidecar.configure(Processors.JSONSchema, schema: %{type: :integer, minimum: 10, maximum: 99})
+
+    for seed <- 1..4 do
+      opts = [processors: [schema], max_new_tokens: 8, strategy: %{type: :multinomial_sampling}, seed: seed]
+      assert {:ok, %{text: text, finish_reason: "eos"}} = Sidecar.generate(conn, session, "n", opts)
+      assert Sidecar.Test.JSON.decode!(text) in 10..99
+    end
+  end
+
   test "grammar: a context-free language, balanced parentheses", %{conn: conn, session: session} do
     grammar = Sidecar.configure(Processors.Grammar, grammar: ~S|start: "(" start* ")"|)
 
@@ -192,7 +203,9 @@ defmodule Sidecar.ConstrainedGenerationTest do
             Sidecar.configure(Processors.Regex, pattern: "a(?=b)"),
             Sidecar.configure(Processors.DFA, initial_state: 0, transitions: [{0, 5, 1}, {0, 5, 2}]),
             Sidecar.configure(Processors.Grammar, grammar: "start: ("),
-            Sidecar.configure(Processors.JSONSchema, schema: %{type: :objekt})
+            Sidecar.configure(Processors.JSONSchema, schema: %{type: :objekt}),
+            # what neither backend enforces
+            Sidecar.configure(Processors.JSONSchema, schema: %{type: :array, items: %{}, uniqueItems: true})
           ] do
         assert {:error, %Error{reason: :invalid_processor}} =
                  Sidecar.generate(conn, session, "hi", processors: [bad])

@@ -4,8 +4,9 @@
 """
 
 from .automaton import TokenAutomaton
-from .constraints import AutomatonProcessor, Choice, Constraint, Dfa, JsonSchema, Regex
+from .constraints import AutomatonProcessor, Choice, Constraint, Dfa, Regex
 from .grammar import Grammar, GrammarProcessor
+from .json_schema import JsonSchema
 from .vocabulary import Vocabulary
 
 __all__ = ["AutomatonProcessor", "Choice", "Constraint", "Dfa", "Grammar", "GrammarProcessor", "JsonSchema", "Regex", "TokenAutomaton", "Vocabulary"]

@@ -84,6 +84,16 @@ def _sets_m_or_x(kind: str, text: str) -> bool:
     return bool(set("mx") & set(text[2:].split("-")[0]))
 
 
+def alternates_at_top(pattern: str) -> bool:
+    """Whether the pattern holds a `|` outside every group (`a|b`, which Python's parser reads as a class)."""
+    depth = 0
+    for kind, _ in _tokens(pattern):
+        depth += (kind == "open") - (kind == "close")
+        if kind == "alt" and depth == 0:
+            return True
+    return False
+
+
 def _tokens(pattern: str) -> list[tuple[str, str]]:
     tokens, at = [], 0
     while at < len(pattern):

@@ -1,4 +1,5 @@
-"""Processors that constrain the generated text: `Regex`, `Choice`, `JsonSchema` and a user's own `Dfa`.
+"""Processors that constrain the generated text: `Regex`, `Choice` and a user's own `Dfa` (`JsonSchema` and
+`Grammar` have modules of their own).
 
 A constraint is configured with what the user names (a pattern, options, a schema, transitions) and is
 checked then. It runs only once bound to a model's vocabulary and end-of-sequence tokens (`bind`, which
@@ -13,7 +14,6 @@ exactly in the states that may end: accepting ones, and any the vocabulary canno
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -60,167 +60,6 @@ def _choices(name, value) -> tuple[str, ...]:
     for index, text in enumerate(value):
         _check_unicode(f"{name}[{index}]", text)
     return tuple(value)
-
-
-@checks._with_schema({"anyOf": [{"type": "object"}, {"type": "string"}]})
-def _schema(name, value) -> str:
-    """A JSON schema given as a map or as JSON text, kept as JSON text in the order it was declared (the
-    order of `properties` is the order the generated object writes its keys in)."""
-    if isinstance(value, str):
-        _pattern(name, value)
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError) as error:
-            raise InvalidOption(f"option {name!r} is not valid JSON: {str(error)[:200]}") from None
-    if not isinstance(value, dict):  # a boolean schema (true: any JSON at all, false: none) has no automaton
-        raise InvalidOption(f"option {name!r} must be a JSON schema (an object), got {checks._shown(value)}")
-    # before json.dumps, which would turn a key 1 into "1" silently (next to a "1" of its own), never end on
-    # a cycle, and write a much-shared object out every time
-    _check_writable_as_json(name, value)
-    try:  # a map from msgpack may hold what JSON cannot (bytes, NaN)
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as error:
-        raise InvalidOption(f"option {name!r} is not JSON: {error}") from None
-    import jsonschema
-
-    validator = jsonschema.validators.validator_for(value)
-    try:
-        validator.check_schema(value)
-    except jsonschema.SchemaError as error:
-        raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message[:300]}") from None
-    except RecursionError:
-        raise InvalidOption(f"option {name!r} nests too deeply to be checked") from None
-    _check_miscompiled(name, value, validator(value))
-    return _pattern(name, text)
-
-
-def _check_writable_as_json(name: str, schema) -> None:
-    """Refuses what JSON cannot write, or not within `max_pattern_chars`: a map anywhere in the schema with
-    a key that is not a string (msgpack allows them, JSON does not), named by its JSON pointer; and, from
-    Python, a schema that contains itself (a cycle) or whose objects are shared so often that, each written
-    out every time, it passes the limit. Paths are built only for the key refused: a node holds its
-    parent's link, not a copy of its path."""
-    stack, inside, nodes = [(schema, None, False)], set(), 0  # inside: the containers on the path walked
-    while stack:
-        node, link, leaving = stack.pop()
-        if leaving:
-            inside.discard(id(node))
-            continue
-        if id(node) in inside:
-            raise InvalidOption(f"option {name!r} contains itself at {_pointer(link)}: JSON cannot write a cycle")
-        nodes += 1 + len(node)  # each written as one character at least
-        if nodes > MAX_PATTERN_CHARS:
-            raise InvalidOption(f"option {name!r} is more than {MAX_PATTERN_CHARS} characters written as JSON "
-                                f"(limit max_pattern_chars)")
-        inside.add(id(node))
-        stack.append((node, link, True))
-        if isinstance(node, dict):
-            for key, child in node.items():
-                if not isinstance(key, str):
-                    where = f"in the map at {_pointer(link)}" if link is not None else "at the top of the schema"
-                    raise InvalidOption(f"option {name!r}: JSON object keys must be strings, got {checks._shown(key)} "
-                                        f"({type(key).__name__}) {where}")
-                if isinstance(child, (dict, list)):
-                    stack.append((child, (link, key), False))
-        else:
-            stack.extend((child, (link, index), False) for index, child in enumerate(node) if isinstance(child, (dict, list)))
-
-
-def _pointer(link) -> str:
-    """The JSON pointer (RFC 6901) of a node from its chain of (parent link, key), each key cut to 40 characters."""
-    parts = []
-    while link is not None:
-        link, key = link
-        text = str(key)
-        parts.append((text if len(text) <= 40 else text[:37] + "...").replace("~", "~0").replace("/", "~1"))
-    path = "/" + "/".join(reversed(parts))
-    return path if len(path) <= 200 else "..." + path[-197:]
-
-
-# Keywords whose values map names to schemas, and keywords whose values are JSON instances, not schemas.
-NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
-INSTANCES = frozenset({"const", "default", "enum", "examples"})
-# Keywords that say nothing about which values are valid.
-ANNOTATIONS = frozenset({"$schema", "$id", "$comment", "$defs", "definitions", "title", "description", "default",
-                         "examples", "deprecated", "readOnly", "writeOnly"})
-
-
-def _check_miscompiled(name: str, schema, validator) -> None:
-    """What outlines-core compiles into a wrong automaton rather than refusing (`validator`: the schema's
-    own, from jsonschema, for the values an enum or a const lists). It writes property names
-    into its regex unescaped: a quote, a backslash or a control character in one would make every
-    generated object invalid JSON. It writes an empty `enum` as the empty text, where no value
-    matches. It writes the schemas of an `allOf` one after the other (`true` then `null`). And it
-    compiles one keyword of an object alone (`_check_one_reading`). Each is refused. Walks the schemas
-    only (not `default` values, say)."""
-    stack = [(schema, False)]  # (node, whether its keys are names, each of a schema)
-    while stack:
-        node, named = stack.pop()
-        if isinstance(node, dict) and named:
-            stack.extend((child, False) for child in node.values())
-        elif isinstance(node, dict):
-            properties = node.get("properties")
-            if isinstance(properties, dict):
-                bad = [key for key in properties if any(c in key for c in '"\\') or any(ord(c) < 32 for c in key)]
-                if bad:
-                    raise InvalidOption(f"option {name!r}: property name {bad[0][:40]!r} holds a quote, a backslash or "
-                                        f"a control character, which the JSON-schema compiler does not escape")
-            if node.get("enum") == []:
-                raise InvalidOption(f"option {name!r}: an empty enum matches no value at all")
-            if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
-                raise InvalidOption(f"option {name!r}: allOf is taken of one schema only; the JSON-schema compiler "
-                                    f"writes several one after the other: merge them into one schema")
-            _check_one_reading(name, node, validator)
-            stack.extend((child, key in NAMED_SCHEMAS) for key, child in node.items() if key not in INSTANCES)
-        elif isinstance(node, list):
-            stack.extend((child, False) for child in node)
-
-
-# outlines-core reads one of these in a schema object, the first it holds, and compiles it alone.
-READ_FIRST = ("properties", "allOf", "anyOf", "oneOf", "prefixItems", "enum", "const", "$ref", "type")
-_TYPE_OF = {"properties": "object", "prefixItems": "array"}  # what these two write, whatever `type` says
-
-
-def _check_one_reading(name: str, node: dict, validator) -> None:
-    """Refuses a schema object whose keywords outlines-core would not all enforce: it compiles only the first
-    of `READ_FIRST` that the object holds, so `{"type": "string", "anyOf": [...]}` wrote what the anyOf
-    allows, strings or not, and `{"$ref": ..., "type": ...}` dropped the $ref. An enum or a const beside
-    others is kept when every value it lists is valid against the whole object (checked with `validator`,
-    the root schema's: the common `{"type": "string", "enum": [...]}`); a string's `pattern` is dropped beside
-    `minLength`/`maxLength`; and an object writes its listed properties only (any keys, with none listed)."""
-    read = next((key for key in READ_FIRST if key in node), None)
-    if read is None:
-        return
-    types = node["type"] if isinstance(node.get("type"), list) else [node.get("type", _TYPE_OF.get(read))]
-    if read in ("properties", "type") and "object" in types and isinstance(node.get("required"), list):
-        listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-        unlisted = [key for key in node["required"] if key not in listed]
-        if unlisted:
-            raise InvalidOption(f"option {name!r}: required property {str(unlisted[0])[:40]!r} is not in the object's "
-                                f"properties; the JSON-schema compiler writes only the properties it lists")
-    if read in ("enum", "const"):
-        from jsonschema.exceptions import best_match
-
-        values = node["enum"] if read == "enum" else [node["const"]]
-        for value in values if isinstance(values, list) else []:
-            error = best_match(validator.evolve(schema=node).iter_errors(value))
-            if error is not None:
-                raise InvalidOption(f"option {name!r}: the {read} value {json.dumps(value)[:60]} is not valid against "
-                                    f"the keywords beside it ({error.message[:120]}); only the {read} is compiled")
-        return
-    if read == "type":
-        if "string" in types and "pattern" in node and ("minLength" in node or "maxLength" in node):
-            raise InvalidOption(f"option {name!r}: a string's pattern is not enforced beside minLength/maxLength "
-                                f"by the JSON-schema compiler: write the length into the pattern")
-        return
-    if read in _TYPE_OF:  # the object's or array's other keywords: see the spec
-        beside = (set(node) & set(READ_FIRST)) - {read, "type"} | ({"type"} if _TYPE_OF[read] not in types else set())
-    else:  # a combinator or a $ref reads nothing beside it
-        beside = set(node) - ANNOTATIONS - {read}
-    if beside:
-        raise InvalidOption(f"option {name!r}: {read} is compiled alone, and {', '.join(sorted(beside))} beside it would "
-                            f"not be enforced (the JSON-schema compiler reads only the first of {', '.join(READ_FIRST)} "
-                            f"in an object): move {'them' if len(beside) > 1 else 'it'} into the {read}")
 
 
 STATE_ID = {"type": "integer", "minimum": 0, "maximum": checks.MAX_TOKEN_ID}
@@ -363,19 +202,6 @@ class Choice(RegularConstraint):
 
 
 @dataclass(frozen=True)
-class JsonSchema(RegularConstraint):
-    """The generated text is JSON valid against `schema`, in outlines-core's subset of JSON Schema. Numeric
-    bounds (`minimum`, `maximum`) are not enforced: use an `enum` or a string `pattern` for those."""
-
-    name: ClassVar[str] = "json_schema"
-    schema: str = option("the JSON schema, as a map or as JSON text", check=_schema)
-    compile_timeout_s: float = _compile_timeout()
-
-    def source(self):
-        return ("json_schema", self.schema)  # its regex is built by the compiling child: it can be huge
-
-
-@dataclass(frozen=True)
 class Dfa(Constraint):
     """A user's own token-level automaton, as the DFA processor built on Bumblebee's stateful processors
     takes it: `(state, token_id, next_state)` triples from `initial_state`. Tokens without a transition
@@ -457,12 +283,12 @@ def _check_syntax(pattern: str, name: str) -> None:
     import llguidance
 
     with rust_panics_as(InvalidOption, f"option {name!r} cannot be checked"):
-        ok, problem = _validate_lark(llguidance.LLMatcher.grammar_from_regex(pattern))
+        ok, problem = _validate_grammar(llguidance.LLMatcher.grammar_from_regex(pattern))
     if not ok:
         raise InvalidOption(f"option {name!r} is not a valid regular expression: {problem}")
 
 
-def _validate_lark(grammar: str) -> tuple[bool, str]:
+def _validate_grammar(grammar: str) -> tuple[bool, str]:
     import llguidance
 
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)

@@ -8,17 +8,18 @@ left pointing at one matcher after a reorder get their own copy when they next c
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from ..contract import LogitsProcessor, option
 from ..errors import InvalidInput, InvalidOption
-from .constraints import NEG_INF, Constraint, _pattern, _validate_lark, rust_panics_as
+from .constraints import NEG_INF, Constraint, _pattern, _validate_grammar, rust_panics_as
 
-_BIT = torch.arange(32, dtype=torch.int32)
 
 # llguidance checks a grammar, and builds its parser, by recursion over chains of rules: the longest chain
 # that fits in max_pattern_chars (12,748 rules `ab:ac`) needs 32-64 MiB of stack, where a thread has 8 MiB,
@@ -26,6 +27,11 @@ _BIT = torch.arange(32, dtype=torch.int32)
 # space reserved, touched only as deep as the grammar goes. A parser once built steps on any thread.
 GRAMMAR_STACK_BYTES = 256 << 20
 _stack_size_lock = threading.Lock()  # threading.stack_size is the process's, for threads started meanwhile
+
+
+# The biases of the 8 tokens of each byte of a bitmask, bit j of the byte for its j-th token: 0 if set, else -inf.
+_BYTE_BIASES = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
+                        np.float32(0), np.float32(NEG_INF))
 
 
 @dataclass(frozen=True)
@@ -40,22 +46,32 @@ class Grammar(Constraint):
         import llguidance
 
         with rust_panics_as(InvalidOption, "option 'grammar' cannot be checked"):
-            ok, problem = _on_deep_stack(lambda: _validate_lark(llguidance.LLMatcher.grammar_from_lark(self.grammar)))
+            ok, problem = _on_deep_stack(lambda: _validate_grammar(llguidance.LLMatcher.grammar_from_lark(self.grammar)))
         if not ok:
             raise InvalidOption(f"option 'grammar' is not a valid Lark grammar: {problem}")
 
     def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True):
-        import llguidance.torch as llg
+        import llguidance
 
-        eos = self.end_tokens(eos_token_ids, vocabulary)
-        tokenizer = vocabulary.llguidance_tokenizer()
-        # a grammar whose language the vocabulary cannot begin is refused now, as a regex's is when it compiles
-        with rust_panics_as(InvalidOption, "the grammar cannot be bound to the vocabulary"):
-            start = _on_deep_stack(lambda: _matcher(tokenizer, self.grammar))
-            llg.fill_next_token_bitmask(start, llg.allocate_token_bitmask(1, tokenizer.vocab_size), 0)
-        if start.is_error():
-            raise InvalidOption(f"the vocabulary cannot write any text that the grammar accepts ({_reason(start)})")
-        return GrammarProcessor(self, tokenizer, torch.tensor(eos, dtype=torch.long, device=device), start)
+        return bind_llguidance(self, llguidance.LLMatcher.grammar_from_lark(self.grammar), vocabulary, eos_token_ids,
+                               device)
+
+
+def bind_llguidance(constraint: Constraint, grammar: str, vocabulary, eos_token_ids, device) -> "GrammarProcessor":
+    """`constraint` bound to `vocabulary`, run by llguidance on `grammar` (in llguidance's own format, as its
+    `grammar_from_lark` or `grammar_from_json_schema` write it). A grammar whose language the vocabulary
+    cannot begin is refused now, as a regex's is when it compiles."""
+    import llguidance.numpy as llg  # not llguidance.torch, whose import costs 2-3 s (it sets up torch.compile)
+
+    eos = constraint.end_tokens(eos_token_ids, vocabulary)
+    tokenizer = vocabulary.llguidance_tokenizer()
+    with rust_panics_as(InvalidOption, f"the {constraint.name} constraint cannot be bound to the vocabulary"):
+        start = _on_deep_stack(lambda: _matcher(tokenizer, grammar))
+        llg.fill_next_token_bitmask(start, llg.allocate_token_bitmask(1, tokenizer.vocab_size), 0)
+    if start.is_error():
+        raise InvalidOption(f"the vocabulary cannot write any text that the {constraint.name} constraint accepts "
+                            f"({_reason(start)})")
+    return GrammarProcessor(constraint, tokenizer, torch.tensor(eos, dtype=torch.long, device=device), start)
 
 
 @dataclass(frozen=True)
@@ -64,7 +80,7 @@ class GrammarProcessor(LogitsProcessor):
     matchers ride on the pool tensor (`pool.matchers`): shared by every row, it lives as long as the state."""
 
     name: ClassVar[str] = "grammar"
-    constraint: Grammar = option("the grammar this runs")
+    constraint: Constraint = option("the constraint this runs (a grammar, or a JSON schema as llguidance reads it)")
     tokenizer: Any = option("llguidance's view of the model's tokenizer")
     eos_token_ids: torch.Tensor = option("the end-of-sequence tokens")
     start: Any = option("a matcher at the grammar's start, parsed once at bind: each row begins as a copy")
@@ -76,11 +92,11 @@ class GrammarProcessor(LogitsProcessor):
         return {"slot": torch.arange(rows, device=context.sequence.device), "pool": pool}
 
     def process(self, state, logits, context):
-        with rust_panics_as(InvalidInput, "grammar: the parser failed"):
+        with rust_panics_as(InvalidInput, f"{self.constraint.name}: the parser failed"):
             return self._process(state, logits, context)
 
     def _process(self, state, logits, context):
-        import llguidance.torch as llg
+        import llguidance.numpy as llg
 
         pool = state["pool"]
         matchers = pool.matchers
@@ -99,21 +115,35 @@ class GrammarProcessor(LogitsProcessor):
             state = {"slot": torch.arange(len(rows), device=logits.device), "pool": pool}
         else:
             matchers = [matchers[slot] for slot in slots]
-        width = logits.shape[1]
         bitmask = llg.allocate_token_bitmask(len(matchers), self.tokenizer.vocab_size)
+        if len({id(m) for m in matchers}) > 1 and len({id(m) for m in matchers}) == len(matchers):
+            llg.fill_next_token_bitmask_par(_executor(), list(zip(matchers, range(len(matchers)))), bitmask)
+        else:  # one row, or rows sharing a matcher (no consume since a reorder): never one matcher on two threads
+            for row, matcher in enumerate(matchers):
+                llg.fill_next_token_bitmask(matcher, bitmask, row)
         for row, matcher in enumerate(matchers):
-            llg.fill_next_token_bitmask(matcher, bitmask, row)
             if matcher.is_error():  # its parser gave up (a limit of llguidance's): no text it allows is known
-                raise InvalidInput(f"grammar: the parser of row {row} stopped after {context.length - context.input_length} "
+                raise InvalidInput(f"{self.constraint.name}: the parser of row {row} stopped after {context.length - context.input_length} "
                                    f"tokens: {_reason(matcher)}")
-        allowed = ((bitmask.unsqueeze(-1) >> _BIT) & 1).bool().view(len(matchers), -1)[:, :width].to(logits.device)
-        ends = torch.tensor([m.is_accepting() or m.is_stopped() for m in matchers], device=logits.device)
-        allowed[:, self.eos_token_ids] = ends.unsqueeze(1)
-        logits = logits.masked_fill(~allowed, NEG_INF)
+        # token i is bit i % 32 of word i // 32: each byte of the little-endian words looked up as its 8
+        # tokens' biases (a third of the cost of unpacking the bits and masked_fill, 25 against 80 us at 32k)
+        bias = np.take(_BYTE_BIASES, bitmask.astype("<i4", copy=False).view(np.uint8), axis=0)
+        bias = bias.reshape(len(matchers), -1)[:, :logits.shape[1]]
+        ends = np.array([m.is_accepting() or m.is_stopped() for m in matchers])
+        bias[:, self.eos_token_ids.cpu().numpy()] = np.where(ends, np.float32(0), np.float32(NEG_INF))[:, None]
+        logits = torch.from_numpy(bias).to(logits.device, logits.dtype).add_(logits)
         stuck = logits.amax(dim=1) == NEG_INF
         if bool(stuck.any()):
             logits[stuck.nonzero()[:, :1], self.eos_token_ids] = 0.0
         return state, logits
+
+
+@functools.cache
+def _executor():
+    """llguidance's thread pool for the masks of several rows, made at the first need."""
+    import llguidance
+
+    return llguidance.LLExecutor()
 
 
 def _on_deep_stack(work):
@@ -140,10 +170,10 @@ def _on_deep_stack(work):
 
 
 def _matcher(tokenizer, grammar: str):
-    """An llguidance matcher of a Lark grammar, quiet: what goes wrong is raised, not printed."""
+    """An llguidance matcher of a grammar in its own format, quiet: what goes wrong is raised, not printed."""
     import llguidance
 
-    return llguidance.LLMatcher(tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    return llguidance.LLMatcher(tokenizer, grammar, log_level=0)
 
 
 def _reason(matcher) -> str:

@@ -6,11 +6,13 @@ import itertools
 import json
 import os
 import random
+import re
 import string
 import subprocess
 import time
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pytest
 import regex
@@ -20,8 +22,8 @@ from transformers import PreTrainedTokenizerFast
 
 import processors as P
 from processors import Chain, Context, configure
-from processors.structured import AutomatonProcessor, Choice, Dfa, Grammar, JsonSchema, Regex, Vocabulary
-from processors.structured import anchors
+from processors.structured import AutomatonProcessor, Choice, Dfa, Grammar, GrammarProcessor, JsonSchema, Regex, Vocabulary
+from processors.structured import anchors, schema_fit
 from processors.structured import automaton as automaton_module
 from processors.structured import build as build_module
 from processors.structured import grammar as grammar_module
@@ -391,9 +393,10 @@ def test_the_compile_cache_weighs_its_automata_again_when_one_is_used(vocab, mon
     assert grows.bind(vocab, [EOS]).automaton is not grown.automaton and len(forks_here.pids) == 3
 
 
-def run_chain(chain: Chain, rows: int, steps: int, vocab_size: int, seed: int = 0, reorder=None):
+def run_chain(chain: Chain, rows: int, steps: int, vocab_size: int, seed: int = 0, reorder=None, every_row_ends=True):
     """Samples from random logits through `chain`; returns each row's tokens up to EOS (EOS excluded).
-    Every row must end with EOS within `steps`."""
+    Every row must end with EOS within `steps`, or, if not `every_row_ends`, only the rows that did are
+    returned (a random walk through "any JSON value" may not end)."""
     g = torch.Generator().manual_seed(seed)
     sequence = torch.zeros(rows, steps + 1, dtype=torch.long)
     states = chain.init(Context(sequence, 1, 1, vocab_size))
@@ -413,8 +416,8 @@ def run_chain(chain: Chain, rows: int, steps: int, vocab_size: int, seed: int = 
             finished = [finished[i] for i in reorder[1].tolist()]
         if all(f is not None for f in finished):
             break
-    assert None not in finished, "a row did not end: give it more steps"
-    return [sequence[row, 1:end].tolist() for row, end in enumerate(finished)]
+    assert None not in finished or not every_row_ends, "a row did not end: give it more steps"
+    return [sequence[row, 1:end].tolist() for row, end in enumerate(finished) if end is not None]
 
 
 def test_sampled_texts_match_and_end_with_eos(vocab, tokenizer):
@@ -602,9 +605,9 @@ def test_a_panic_in_llguidance_is_a_typed_error(vocab, monkeypatch):
     def panicking(*args):
         raise panic("called `Option::unwrap()` on a `None` value")
 
-    import llguidance.torch
+    import llguidance.numpy
 
-    monkeypatch.setattr(llguidance.torch, "fill_next_token_bitmask", panicking)
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask", panicking)
     with pytest.raises(P.InvalidInput, match="grammar: the parser failed: llguidance failed on it"):
         chain.process(states, torch.zeros(1, 1024), context)
 
@@ -619,13 +622,13 @@ def test_a_panic_while_a_grammar_is_checked_or_built_on_its_own_thread_is_a_type
     def panicking(*args):
         raise panic("called `Option::unwrap()` on a `None` value")
 
-    monkeypatch.setattr(grammar_module, "_validate_lark", panicking)
+    monkeypatch.setattr(grammar_module, "_validate_grammar", panicking)
     with pytest.raises(P.InvalidOption, match="option 'grammar' cannot be checked: llguidance failed on it"):
         configure(Grammar, grammar='start: "a"+')
     monkeypatch.undo()
     config = configure(Grammar, grammar='start: "a"+')
     monkeypatch.setattr(grammar_module, "_matcher", panicking)
-    with pytest.raises(P.InvalidOption, match="the grammar cannot be bound to the vocabulary: llguidance failed on it"):
+    with pytest.raises(P.InvalidOption, match="the grammar constraint cannot be bound to the vocabulary: llguidance failed on it"):
         config.bind(vocab, [EOS])
 
 
@@ -649,7 +652,6 @@ for _ in range(40):
     (JsonSchema, {"schema": {"type": "no such type"}}, "not a valid JSON schema"),
     (JsonSchema, {"schema": {"const": b"bytes"}}, "is not JSON"),
     (JsonSchema, {"schema": {"const": float("nan")}}, "is not JSON"),
-    (JsonSchema, {"schema": {"properties": {'a"b': {"type": "boolean"}}}}, "property name"),
     # msgpack maps may have keys of any type; JSON objects only strings (json.dumps would make 1 into "1")
     (JsonSchema, {"schema": {"type": "object", "properties": {1: {}}}}, "JSON object keys must be strings, got 1 .int. in the map at /properties$"),
     (JsonSchema, {"schema": {"type": "object", "properties": {"1": {}, 1: {}}}}, "keys must be strings"),
@@ -658,23 +660,15 @@ for _ in range(40):
     (JsonSchema, {"schema": {"properties": {b"k": {}}}}, "keys must be strings, got b'k' .bytes."),
     (JsonSchema, {"schema": {"enum": []}}, "an empty enum matches no value at all"),  # outlines-core writes ''
     (JsonSchema, {"schema": {"type": "object", "properties": {"a": {"enum": []}}}}, "an empty enum"),
-    # outlines-core writes allOf's schemas one after the other ('truenull', '""1'), and drops it beside others
-    (JsonSchema, {"schema": {"allOf": [{"type": "boolean"}, {"type": "null"}]}}, "allOf is taken of one schema only"),
-    (JsonSchema, {"schema": {"type": "array", "items": {"allOf": [{"const": 1}, {"const": 2}]}}}, "allOf"),
-    # and it compiles one keyword of an object alone, the first of properties, allOf, anyOf, ... $ref, type
-    (JsonSchema, {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"required": ["a"]}]}},
-     "properties is compiled alone, and allOf beside it would not be enforced"),
-    (JsonSchema, {"schema": {"type": "string", "anyOf": [{"const": 1}, {"const": "1"}]}}, "anyOf is compiled alone, and type"),
-    (JsonSchema, {"schema": {"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n", "type": "string"}}, r"\$ref is compiled alone"),
-    (JsonSchema, {"schema": {"type": "string", "properties": {"a": {}}}}, "properties is compiled alone, and type"),
-    (JsonSchema, {"schema": {"type": "string", "enum": ["x", "yy"], "maxLength": 1}},
-     "the enum value \"yy\" is not valid against the keywords beside it"),
-    (JsonSchema, {"schema": {"type": "integer", "const": "1"}}, "the const value \"1\" is not valid"),
-    (JsonSchema, {"schema": {"type": "string", "pattern": "^[0-9]+$", "maxLength": 5}}, "pattern is not enforced beside"),
-    # outlines-core writes an object's listed properties only: a required one not listed never comes
-    (JsonSchema, {"schema": {"type": "object", "properties": {"a": {}}, "required": ["a", "z"]}},
-     "required property 'z' is not in the object's properties"),
-    (JsonSchema, {"schema": {"type": "object", "required": ["z"]}}, "required property 'z' is not in"),
+    # what neither backend enforces: llguidance, which runs what outlines-core would not compile exactly, says why
+    (JsonSchema, {"schema": {"not": {"type": "string"}}}, r'cannot be enforced: Unimplemented keys: \["not"\] \(it is run '
+                                                          r"by llguidance, since outlines-core would not compile it exactly"),
+    (JsonSchema, {"schema": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}}, "uniqueItems"),
+    (JsonSchema, {"schema": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}, "oneOf constraints are not supported"),
+    (JsonSchema, {"schema": {"type": "string", "format": "no such format"}}, "Unknown format"),
+    (JsonSchema, {"schema": {"type": "integer", "const": "1"}}, "cannot be enforced"),
+    (JsonSchema, {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]},
+                             "then": {"required": ["b"]}}}, "Unimplemented keys"),
     (JsonSchema, {"schema": CYCLE}, "contains itself at /properties/a/items: JSON cannot write a cycle"),
     (JsonSchema, {"schema": SHARED_40_TIMES_OVER}, "more than 100000 characters written as JSON .limit max_pattern_chars"),
     (JsonSchema, {"schema": "[" * 50_000 + "]" * 50_000}, "not valid JSON|nests too deeply"),
@@ -692,11 +686,13 @@ def test_bad_constraints_are_refused_at_configure_time(cls, options, message):
         configure(cls, **options)
 
 
-def test_schemas_the_checks_must_not_refuse(vocab):
+def test_schemas_outlines_core_compiles_exactly_run_as_automata(vocab):
     """A sub-schema shared by two properties (written out twice), an empty enum inside a `default` value (an
     instance, not a schema), a property named "enum" or "default" (a schema by that name), an allOf of one
     schema beside annotations only, a property named "allOf", an enum whose values are all valid beside the
-    keywords next to it, properties of a type that allows objects, and pydantic's optional field compile."""
+    keywords next to it, properties of a type that allows objects, pydantic's optional field, patterns that
+    match only plain string content, number keywords beside a type that is not a number, and a no-op
+    uniqueItems compile to token automata."""
     integer = {"type": "integer"}
     for schema in ({"type": "object", "properties": {"a": integer, "b": integer}, "required": ["a", "b"]},
                    {"type": "object", "default": {"enum": []}, "properties": {"a": integer}, "required": ["a"]},
@@ -704,8 +700,93 @@ def test_schemas_the_checks_must_not_refuse(vocab):
                     "required": ["enum", "default"]},
                    {"title": "one schema", "allOf": [integer]}, {"type": "object", "properties": {"allOf": integer}},
                    {"type": "string", "enum": ["x", "y"], "maxLength": 1}, {"type": ["object", "null"], "properties": {}},
-                   {"anyOf": [integer, {"type": "null"}], "default": None, "title": "what pydantic writes"}):
-        configure(JsonSchema, schema=schema).bind(vocab, [EOS])
+                   {"anyOf": [integer, {"type": "null"}], "default": None, "title": "what pydantic writes"},
+                   {"type": "string", "pattern": "^[0-9]{5}$"}, {"type": "string", "pattern": r"[a-z_]+(-\d)*"},
+                   {"type": ["string", "null"], "minimum": 3}, {"type": "array", "items": integer, "uniqueItems": False},
+                   {"type": "object", "additionalProperties": integer, "maxProperties": 2}):
+        constraint = configure(JsonSchema, schema=schema)
+        assert constraint.dfa_obstacle is None, schema
+        assert isinstance(constraint.bind(vocab, [EOS]), AutomatonProcessor)
+
+
+# Schemas outlines-core would compile into a wrong automaton, or ignore part of, or take seconds over, each
+# with a random walk that ends often enough: llguidance runs them.
+RUN_BY_LLGUIDANCE = [
+    ({"type": "integer", "minimum": -3, "exclusiveMaximum": 17}, "exclusiveMaximum, minimum, which outlines-core"),
+    ({"type": "number", "minimum": 0.5, "maximum": 1}, "maximum, minimum"),
+    ({"type": "integer", "multipleOf": 7}, "multipleOf"),
+    ({"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 2}]}, "oneOf, which outlines-core reads as anyOf"),
+    ({"allOf": [{"type": "integer", "minimum": 0}, {"maximum": 9}]}, "an allOf of several schemas"),
+    ({"type": "string", "anyOf": [{"maxLength": 1}, {"minLength": 3, "maxLength": 4}]}, "type beside anyOf"),
+    ({"$defs": {"n": {"type": "integer", "maximum": 5}}, "$ref": "#/$defs/n", "minimum": 3}, r"minimum beside \$ref"),
+    ({"type": "string", "pattern": "^[0-9]+$", "maxLength": 3}, "a string pattern beside minLength/maxLength"),
+    ({"type": "string", "pattern": "a.b"}, "a string pattern with one anchor, an alternation outside a group, or"),
+    ({"type": "string", "pattern": "x|yz"}, "a string pattern with one anchor"),
+    ({"type": "string", "pattern": "^ab"}, "a string pattern with one anchor"),
+    ({"type": "string", "format": "date"}, "format, which outlines-core does not enforce"),
+    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a", "z"]},
+     "a required property that its properties do not list"),
+    ({"type": "object", "properties": {'a"b': {"type": "boolean"}}, "required": ['a"b']}, "a property name holding a quote"),
+    ({"type": "object", "properties": {"a": {"type": "boolean"}}, "patternProperties": {"^x[0-9]$": {"type": "null"}},
+      "additionalProperties": False}, "^patternProperties beside properties"),
+    ({"type": "array", "prefixItems": [{"type": "boolean"}], "items": {"type": "null"}, "maxItems": 2},
+     "maxItems beside prefixItems"),
+    ({}, "a schema that allows any JSON value"),
+    ({"type": "object"}, "an object with no properties and no schema for its members"),
+    ({"type": "array", "maxItems": 2}, "an array with no schema for its items"),
+    ({"type": "object", "properties": {"a": True}, "required": ["a"]}, "a schema that is true or false"),
+]
+
+
+@pytest.mark.parametrize("schema, why", RUN_BY_LLGUIDANCE, ids=[json.dumps(s)[:40] for s, _ in RUN_BY_LLGUIDANCE])
+def test_schemas_outlines_core_would_not_enforce_are_run_by_llguidance(schema, why, vocab, tokenizer):
+    """Each is run by llguidance, and every text a random walk ends validates with jsonschema (formats
+    checked); string patterns are matched whole, as outlines-core matches them."""
+    constraint = configure(JsonSchema, schema=schema)
+    assert re.search(why, constraint.dfa_obstacle), constraint.dfa_obstacle
+    chain = Chain([constraint]).bind(vocab, [EOS])
+    assert isinstance(chain.processors[0], GrammarProcessor)
+    texts = [tokenizer.decode(ids) for seed in range(2) for ids in run_chain(chain, 16, 100, 1024, seed, every_row_ends=False)]
+    assert len(texts) >= 4, texts
+    checker = jsonschema.FormatChecker()
+    whole = lambda node: {**node, "pattern": f"^(?:{node['pattern']})$"} if "pattern" in node else node
+    for text in texts:
+        jsonschema.validate(json.loads(text), whole(schema), format_checker=checker)
+
+
+def test_a_pattern_is_matched_whole_on_either_backend(vocab, tokenizer):
+    """JSON Schema finds a pattern anywhere in the string; outlines-core matches it whole, and llguidance is
+    made to: "[0-9]{2}" allows "12" and not "a12b", whichever backend runs the schema."""
+    for schema in ({"type": "string", "pattern": "[0-9]{2}"}, {"type": "string", "pattern": "[0-9]{2}", "maxLength": 9}):
+        bound = configure(JsonSchema, schema=schema).bind(vocab, [EOS])
+        for text, whole in (('"12"', True), ('"a12b"', False), ('"123"', False)):
+            assert accepts(bound, tokenizer.encode(text, add_special_tokens=False)) == whole, (schema, text)
+
+
+@pytest.mark.parametrize("pattern, fits", [
+    ("^[0-9]{5}$", True), ("[a-z]+(-[a-z]+)*", True), (r"^\d{3}\w$", True), ("^(a|b)c$", True), ("^[ !#-~]$", False),
+    ("a|b", False), ("^a|b$", False), ("^ab", False), ("ab$", False), ("a^b", False), (r"a\Z", False),
+    ("a.b", False), ("[^a]", False), (r"a\sb", False), ('a"', False), (r"a\\", False), ("[ -~]", False),
+    ("(?i)a", False), ("(?=a)a", False), (r"(a)\1", False), (r"\p{L}", False), ("a\x01", False), ("(", False),
+])
+def test_which_string_patterns_outlines_core_writes_exactly(pattern, fits):
+    """Those anchored at both ends or not at all, with no bare alternation, whose texts are plain JSON
+    string content (no quote, backslash or control character; `^[ !#-~]$` spans the backslash)."""
+    assert schema_fit._pattern_fits(pattern) is fits
+
+
+def accepts(bound, tokens: list[int]) -> bool:
+    """Whether a bound constraint lets `tokens` through and then allows EOS."""
+    chain = Chain([bound])
+    sequence = torch.tensor([[0] + tokens], dtype=torch.long)
+    states = chain.init(Context(sequence, 1, 1, 1024))
+    for step in range(len(tokens) + 1):
+        states, logits = chain.process(states, torch.zeros(1, 1024), Context(sequence, step + 1, 1, 1024))
+        allowed = logits[0] > NEG_INF
+        if step == len(tokens):
+            return bool(allowed[EOS])
+        if not allowed[tokens[step]]:
+            return False
 
 
 def test_refs_as_the_docs_say(vocab):
@@ -741,7 +822,7 @@ def test_what_only_binding_can_tell_is_refused_when_bound(vocab):
         configure(Regex, pattern="a\\").bind(vocab, [EOS])
     with pytest.raises(P.InvalidOption, match=r"option 'schema' cannot be compiled: its regular expression \(from a "
                                               r"pattern or a count like maxItems or maxLength\)"):
-        configure(JsonSchema, schema={"type": "array", "maxItems": 10**18}).bind(vocab, [EOS])
+        configure(JsonSchema, schema={"type": "array", "items": {"type": "null"}, "maxItems": 10**18}).bind(vocab, [EOS])
     tiny = Vocabulary((b"a", b"b", None))
     # the refusal names a character the shortest accepted text needs and no token holds, when there is one
     with pytest.raises(P.InvalidOption, match=r"cannot write any text .*: no token holds 'c' \(U\+0063\), which the "
@@ -771,7 +852,7 @@ def test_what_only_compiling_can_tell_is_refused_when_bound_and_remembered(vocab
             configure(JsonSchema, schema=nested, compile_timeout_s=20).bind(vocab, [EOS])
     assert len(children) == 1
     with pytest.raises(P.InvalidOption, match="cannot be compiled"):
-        configure(JsonSchema, schema={"1": "a", "b": 2}).bind(vocab, [EOS])
+        configure(JsonSchema, schema={"$ref": "https://example.com/schema.json"}).bind(vocab, [EOS])
 
 
 def test_a_constraint_whose_tables_pass_their_limit_is_refused(vocab, monkeypatch, forks_here):

@@ -379,9 +379,16 @@ def test_constraints_by_name_through_the_server(peer):
     for index, sequence in enumerate(reply["result"]["sequences"]):
         assert isinstance(json.loads(sequence["text"])["ok"], bool)
         assert "".join(e["text"] for e in events if e["sequence"] == index) == sequence["text"]
+    # a schema llguidance runs (outlines-core would ignore the bounds), and one neither backend enforces
+    bounded = {"type": "integer", "minimum": 10, "maximum": 99}
+    reply = peer.call("generate", session="c", prompt="N", max_new_tokens=8, strategy="sample", seed=3, num_samples=4,
+                      processors=[{"name": "json_schema", "options": {"schema": bounded}}])["result"]
+    assert all(10 <= json.loads(s["text"]) <= 99 and s["finish_reason"] == "eos" for s in reply["sequences"]), reply
     bad = peer.call("generate", session="c", prompt="x", processors=[{"name": "regex", "options": {"pattern": "(?<=a)b"}}])
     assert bad["error"]["code"] == "invalid_processor" and bad["error"]["index"] == 0
     assert "look-around" in bad["error"]["message"]
+    bad = peer.call("generate", session="c", prompt="x", processors=[{"name": "json_schema", "options": {"schema": {"not": {}}}}])
+    assert bad["error"]["code"] == "invalid_processor" and 'Unimplemented keys: ["not"]' in bad["error"]["message"]
     names = set(peer.call("hello")["result"]["capabilities"]["processors"])
     assert {"regex", "choice", "json_schema", "grammar", "dfa"} <= names
 

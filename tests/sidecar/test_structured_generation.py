@@ -23,6 +23,7 @@ SCHEMA = {
     },
     "required": ["name", "role", "address"],
 }
+RANGE = {"type": "integer", "minimum": -40, "maximum": 300}
 PHONE = r"\([0-9]{3}\) [0-9]{3}-[0-9]{4}"
 EMAIL = r"[a-z]{1,10}@[a-z]{2,8}\.(com|org|net)"
 BYTE = r"(0|[1-9][0-9]?|1[0-9]{2}|2[0-4][0-9]|25[0-5])"  # an integer in [0, 255]
@@ -58,11 +59,13 @@ CONSTRAINTS = {  # name: (config, check, max_new_tokens)
     "choice": (configure(Choice, options=OPTIONS), lambda t: t in OPTIONS, 16),
     "integer range": (configure(Regex, pattern=BYTE), in_range, 8),
     "json": (configure(JsonSchema, schema=SCHEMA), valid_json, 400),
+    # run by llguidance: outlines-core would not enforce the bounds
+    "json integer range": (configure(JsonSchema, schema=RANGE), lambda t: -40 <= json.loads(t) <= 300, 8),
     "grammar": (configure(Grammar, grammar=NESTED), balanced, 200),
 }
 
 
-@pytest.mark.parametrize("name", ["phone", "email", "choice", "integer range", "json"])
+@pytest.mark.parametrize("name", ["phone", "email", "choice", "integer range", "json", "json integer range"])
 def test_200_seeded_samples_all_comply(name, engine):
     config, check, budget = CONSTRAINTS[name]
     texts = []

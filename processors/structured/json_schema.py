@@ -1,0 +1,191 @@
+"""`JsonSchema`: the generated text is JSON valid against a schema, run by whichever backend enforces it.
+
+A schema outlines-core compiles exactly (see `schema_fit`) becomes a token automaton, as a regex does:
+masks at the cost of a lookup per step. Any other schema is run by llguidance's JSON grammar, which parses
+the text as it grows and refuses, at configure time, what it cannot enforce (`not`, `uniqueItems`, a `oneOf`
+whose branches may overlap...). The user names only the schema.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .. import checks
+from ..contract import option
+from ..errors import InvalidOption
+from .constraints import MAX_PATTERN_CHARS, RegularConstraint, _compile_timeout, _pattern, _validate_grammar, rust_panics_as
+from .grammar import _on_deep_stack, bind_llguidance
+from .schema_fit import NAMED_SCHEMAS, dfa_obstacle
+
+
+@checks._with_schema({"anyOf": [{"type": "object"}, {"type": "string"}]})
+def _schema(name, value) -> str:
+    """A JSON schema given as a map or as JSON text, kept as JSON text in the order it was declared (the
+    order of `properties` is the order the generated object writes its keys in)."""
+    if isinstance(value, str):
+        _pattern(name, value)
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError) as error:
+            raise InvalidOption(f"option {name!r} is not valid JSON: {str(error)[:200]}") from None
+    if not isinstance(value, dict):  # a boolean schema (true: any JSON at all, false: none) has no automaton
+        raise InvalidOption(f"option {name!r} must be a JSON schema (an object), got {checks._shown(value)}")
+    # before json.dumps, which would turn a key 1 into "1" silently (next to a "1" of its own), never end on
+    # a cycle, and write a much-shared object out every time
+    _check_writable_as_json(name, value)
+    try:  # a map from msgpack may hold what JSON cannot (bytes, NaN)
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise InvalidOption(f"option {name!r} is not JSON: {error}") from None
+    import jsonschema
+
+    validator = jsonschema.validators.validator_for(value)
+    try:
+        validator.check_schema(value)
+    except jsonschema.SchemaError as error:
+        raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message[:300]}") from None
+    except RecursionError:
+        raise InvalidOption(f"option {name!r} nests too deeply to be checked") from None
+    _check_empty_enums(name, value)
+    return _pattern(name, text)
+
+
+def _check_writable_as_json(name: str, schema) -> None:
+    """Refuses what JSON cannot write, or not within `max_pattern_chars`: a map anywhere in the schema with
+    a key that is not a string (msgpack allows them, JSON does not), named by its JSON pointer; and, from
+    Python, a schema that contains itself (a cycle) or whose objects are shared so often that, each written
+    out every time, it passes the limit. Paths are built only for the key refused: a node holds its
+    parent's link, not a copy of its path."""
+    stack, inside, nodes = [(schema, None, False)], set(), 0  # inside: the containers on the path walked
+    while stack:
+        node, link, leaving = stack.pop()
+        if leaving:
+            inside.discard(id(node))
+            continue
+        if id(node) in inside:
+            raise InvalidOption(f"option {name!r} contains itself at {_pointer(link)}: JSON cannot write a cycle")
+        nodes += 1 + len(node)  # each written as one character at least
+        if nodes > MAX_PATTERN_CHARS:
+            raise InvalidOption(f"option {name!r} is more than {MAX_PATTERN_CHARS} characters written as JSON "
+                                f"(limit max_pattern_chars)")
+        inside.add(id(node))
+        stack.append((node, link, True))
+        if isinstance(node, dict):
+            for key, child in node.items():
+                if not isinstance(key, str):
+                    where = f"in the map at {_pointer(link)}" if link is not None else "at the top of the schema"
+                    raise InvalidOption(f"option {name!r}: JSON object keys must be strings, got {checks._shown(key)} "
+                                        f"({type(key).__name__}) {where}")
+                if isinstance(child, (dict, list)):
+                    stack.append((child, (link, key), False))
+        else:
+            stack.extend((child, (link, index), False) for index, child in enumerate(node) if isinstance(child, (dict, list)))
+
+
+def _pointer(link) -> str:
+    """The JSON pointer (RFC 6901) of a node from its chain of (parent link, key), each key cut to 40 characters."""
+    parts = []
+    while link is not None:
+        link, key = link
+        text = str(key)
+        parts.append((text if len(text) <= 40 else text[:37] + "...").replace("~", "~0").replace("/", "~1"))
+    path = "/" + "/".join(reversed(parts))
+    return path if len(path) <= 200 else "..." + path[-197:]
+
+
+# Keywords whose values are JSON instances, not schemas.
+INSTANCES = frozenset({"const", "default", "enum", "examples"})
+
+
+def _check_empty_enums(name: str, schema) -> None:
+    """Refuses an empty `enum`, which no value matches (outlines-core would write it as the empty text).
+    Walks the schemas only (not `default` values, say)."""
+    stack = [(schema, False)]  # (node, whether its keys are names, each of a schema)
+    while stack:
+        node, named = stack.pop()
+        if isinstance(node, dict) and named:
+            stack.extend((child, False) for child in node.values())
+        elif isinstance(node, dict):
+            if node.get("enum") == []:
+                raise InvalidOption(f"option {name!r}: an empty enum matches no value at all")
+            stack.extend((child, key in NAMED_SCHEMAS) for key, child in node.items() if key not in INSTANCES)
+        elif isinstance(node, list):
+            stack.extend((child, False) for child in node)
+
+
+@functools.lru_cache(maxsize=64)
+def dfa_obstacle_of(schema_text: str) -> str | None:
+    """`schema_fit.dfa_obstacle` of a checked schema's text, kept for the schemas last asked for: the server
+    asks at every request that names one."""
+    import jsonschema
+
+    schema = json.loads(schema_text)
+    return dfa_obstacle(schema, jsonschema.validators.validator_for(schema)(schema))
+
+
+@functools.lru_cache(maxsize=64)
+def llguidance_grammar(schema_text: str) -> str:
+    """llguidance's grammar of a schema (its own format, which embeds the schema), read as outlines-core
+    reads it: a string `pattern` is matched whole, and at most one space is written where JSON allows any
+    (llguidance's default, any run of spaces, tabs and newlines, lets a model spend its tokens on them)."""
+    import llguidance
+
+    whole = json.dumps(_patterns_matched_whole(json.loads(schema_text)), ensure_ascii=False)
+    return llguidance.LLMatcher.grammar_from_json_schema(whole, defaults={"whitespace_pattern": "[ ]?"})
+
+
+def _patterns_matched_whole(node, named: bool = False):
+    """A copy of a schema whose string patterns match only whole strings: `^(?:pattern)$`. JSON Schema finds
+    a pattern anywhere in the string, which outlines-core does not; matched whole, `"[0-9]{5}"` means the same
+    on both backends, and what it allows still validates. (Recursive: the schema passed jsonschema's own
+    recursive check, which takes more frames a level.)"""
+    if isinstance(node, list):
+        return [_patterns_matched_whole(child) for child in node]
+    if not isinstance(node, dict):
+        return node
+    if named:
+        return {key: _patterns_matched_whole(child) for key, child in node.items()}
+    copy = {key: child if key in INSTANCES else _patterns_matched_whole(child, key in NAMED_SCHEMAS)
+            for key, child in node.items()}
+    if isinstance(copy.get("pattern"), str):
+        copy["pattern"] = f"^(?:{copy['pattern']})$"
+    return copy
+
+
+@dataclass(frozen=True)
+class JsonSchema(RegularConstraint):
+    """The generated text is JSON valid against `schema`. Compiled to a token automaton by outlines-core
+    where that is exact (most schemas with typed, listed members), run by llguidance's JSON grammar
+    otherwise; what neither enforces is refused when configured."""
+
+    name: ClassVar[str] = "json_schema"
+    schema: str = option("the JSON schema, as a map or as JSON text", check=_schema)
+    compile_timeout_s: float = _compile_timeout()
+
+    def validate(self):
+        if self.dfa_obstacle is None:
+            return
+        with rust_panics_as(InvalidOption, "option 'schema' cannot be checked"):
+            ok, problem = _on_deep_stack(lambda: _validate_grammar(llguidance_grammar(self.schema)))
+        if not ok:
+            raise InvalidOption(f"option 'schema' cannot be enforced: {problem[:300]} (it is run by llguidance, since "
+                                f"outlines-core would not compile it exactly: {self.dfa_obstacle})")
+
+    @property
+    def dfa_obstacle(self) -> str | None:
+        """Why outlines-core would not compile the schema exactly (then llguidance runs it), or None."""
+        return dfa_obstacle_of(self.schema)
+
+    def source(self):
+        return ("json_schema", self.schema)  # its regex is built by the compiling child: it can be huge
+
+    def compiled_for(self, vocabulary) -> bool:
+        return self.dfa_obstacle is not None or super().compiled_for(vocabulary)
+
+    def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True):
+        if self.dfa_obstacle is None:
+            return super().bind(vocabulary, eos_token_ids, device, after_others)
+        return bind_llguidance(self, llguidance_grammar(self.schema), vocabulary, eos_token_ids, device)

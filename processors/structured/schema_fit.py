@@ -1,0 +1,204 @@
+"""Whether outlines-core compiles a JSON schema exactly, and if not, why: the choice of `JsonSchema`'s backend.
+
+outlines-core turns a schema into one regular expression, hence a token automaton whose masks cost a lookup
+per step. But it compiles one keyword of each schema object, the first it holds of `READ_FIRST`, and only
+part of JSON Schema: it ignores numeric bounds, `uniqueItems`, `not` and more without a word, reads `oneOf`
+as `anyOf`, writes a string `pattern` into the JSON text unescaped, and expands "any value" (`{}`, an object
+or array with no schema for its members) into a regex so large that `{}` does not compile in 10 s.
+A schema that needs any of these is run by llguidance instead, which parses JSON with a grammar and refuses
+what it cannot enforce. `dfa_obstacle` says which: None, or the first reason found.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .anchors import alternates_at_top
+
+# outlines-core reads one of these in a schema object, the first it holds, and compiles it alone.
+READ_FIRST = ("properties", "allOf", "anyOf", "oneOf", "prefixItems", "enum", "const", "$ref", "type")
+# Keywords whose values map names to schemas.
+NAMED_SCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+# The keywords of JSON Schema (2020-12 and the drafts before it) that say which values are valid; any other
+# key (an annotation, or a keyword of no vocabulary) is ignored by validators, and here.
+ASSERTIONS = frozenset({
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "maxContains",
+    "minContains", "contains", "maxProperties", "minProperties", "required", "dependentRequired", "dependencies",
+    "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas", "prefixItems", "items",
+    "additionalItems", "unevaluatedItems", "properties", "patternProperties", "additionalProperties",
+    "propertyNames", "unevaluatedProperties", "$ref", "$dynamicRef", "$recursiveRef",
+})
+# What outlines-core enforces of each type, read beside `type` (a keyword of another type is moot there).
+_BY_TYPE = {
+    "string": {"minLength", "maxLength", "pattern"},
+    "number": set(), "integer": set(), "boolean": set(), "null": set(),
+    "object": {"additionalProperties", "minProperties", "maxProperties"},
+    "array": {"items", "minItems", "maxItems"},
+}
+_OF_TYPE = {keyword: kind for kind, keywords in _BY_TYPE.items() for keyword in keywords} | {
+    "multipleOf": "number", "maximum": "number", "exclusiveMaximum": "number", "minimum": "number",
+    "exclusiveMinimum": "number", "format": "string", "uniqueItems": "array", "contains": "array",
+    "maxContains": "array", "minContains": "array", "prefixItems": "array", "additionalItems": "array",
+    "unevaluatedItems": "array", "required": "object", "dependentRequired": "object", "properties": "object",
+    "patternProperties": "object", "propertyNames": "object", "unevaluatedProperties": "object",
+}
+_OF_TYPE_TOO = {"integer": "number"}  # the number keywords apply to integers too
+
+
+def dfa_obstacle(schema: dict, validator) -> str | None:
+    """Why outlines-core would not compile `schema` exactly (None: it would). `validator` is the schema's
+    own, from jsonschema, for the values an enum or a const lists. Walks every schema a compiled one can
+    reach through the keywords outlines-core reads, and the `$defs`."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            return "a schema that is true or false, not an object"
+        reason, children = _node(node, validator)
+        if reason is not None:
+            return reason
+        stack.extend(children)
+    return None
+
+
+def _node(node: dict, validator) -> tuple[str | None, list]:
+    """(why not, None if none; the schemas beneath it to look at next)."""
+    children = [child for key in ("$defs", "definitions") if isinstance(node.get(key), dict)
+                for child in node[key].values()]
+    asserted = {key for key in set(node) & ASSERTIONS if not (key == "uniqueItems" and node[key] is False)}  # a no-op
+    read = next((key for key in READ_FIRST if key in node), None)
+    if read is None:
+        return ("a schema that allows any JSON value (slow to compile)" if not asserted else
+                f"{_listed(asserted)} without a type, properties, items or a combinator"), []
+    if read in ("enum", "const"):
+        return _listed_values(node, read, validator), children
+    types = node["type"] if isinstance(node.get("type"), list) else [node.get("type", _OF_TYPE.get(read))]
+    if read == "properties":
+        properties = node["properties"]
+        unread = asserted - {"properties", "type", "required", "additionalProperties"}
+        required = node.get("required", [])
+        if "object" not in types:
+            unread.add("type")
+        if unread:
+            return _beside(read, unread), []
+        if any(key not in properties for key in required):
+            return "a required property that its properties do not list", []
+        if any(any(c in key for c in '"\\') or any(ord(c) < 32 for c in key) for key in properties):
+            return "a property name holding a quote, a backslash or a control character (written unescaped)", []
+        return None, children + list(properties.values())
+    if read == "prefixItems":
+        unread = asserted - {"prefixItems", "type", "items"} | ({"type"} if "array" not in types else set())
+        return (_beside(read, unread) if unread else None), children + list(node["prefixItems"])
+    if read != "type":  # a combinator or a $ref, compiled alone
+        if read == "oneOf":
+            return "oneOf, which outlines-core reads as anyOf", []
+        if read == "allOf" and len(node["allOf"]) > 1:
+            return "an allOf of several schemas (outlines-core writes them one after the other)", []
+        unread = asserted - {read}
+        return (_beside(read, unread) if unread else None), children + (node[read] if read != "$ref" else [])
+    reason = _typed(node, types, asserted)
+    if reason is not None:
+        return reason, []
+    if "object" in types and isinstance(node.get("additionalProperties"), dict):
+        children.append(node["additionalProperties"])
+    if "array" in types and "items" in node:
+        children.append(node["items"])
+    return None, children
+
+
+def _typed(node: dict, types: list, asserted: set) -> str | None:
+    """Why a schema object read by its `type` alone is not compiled exactly."""
+    enforced = {"type"}.union(*(_BY_TYPE.get(kind, set()) for kind in types))
+    moot = {keyword for keyword in asserted if keyword in _OF_TYPE and _OF_TYPE[keyword] not in types
+            and not any(_OF_TYPE_TOO.get(kind) == _OF_TYPE[keyword] for kind in types)}
+    unread = asserted - enforced - moot
+    if unread:
+        return f"{_listed(unread)}, which outlines-core does not enforce"
+    if "string" in types:
+        if "pattern" in node and ({"minLength", "maxLength"} & asserted):
+            return "a string pattern beside minLength/maxLength (outlines-core drops the pattern)"
+        if "pattern" in node and not _pattern_fits(node["pattern"]):
+            return ("a string pattern with one anchor, an alternation outside a group, or that may match a quote, "
+                    "a backslash or a control character (outlines-core writes its match unescaped between quotes)")
+    if "object" in types and not isinstance(node.get("additionalProperties"), dict):
+        return ("an object with no properties and no schema for its members (any object: outlines-core's "
+                "expansion of it takes seconds to compile)")
+    if "array" in types and not isinstance(node.get("items"), dict):
+        return "an array with no schema for its items (any array: slow to compile)"
+    return None
+
+
+def _listed_values(node: dict, read: str, validator) -> str | None:
+    """An enum or a const is compiled alone: exact when every value it lists is valid against the object."""
+    from jsonschema.exceptions import best_match
+
+    values = node["enum"] if read == "enum" else [node["const"]]
+    for value in values if isinstance(values, list) else []:
+        error = best_match(validator.evolve(schema=node).iter_errors(value))
+        if error is not None:
+            return f"the {read} value {json.dumps(value)[:60]} is not valid against the keywords beside it"
+    return None
+
+
+def _pattern_fits(pattern: str) -> bool:
+    """Whether outlines-core writes exactly the strings a `pattern` matches whole (as both backends take it,
+    see `json_schema`). It strips a leading ^ with a trailing $ and writes the rest between quotes,
+    unescaped. So the pattern fits when it has both those anchors or none (and none elsewhere), no
+    alternative left bare (the quotes would go to the alternatives), and every text it matches is plain JSON
+    string content: no quote, backslash or control character, read by Python's regex parser, which takes
+    the syntax both share. Anything the parser cannot read does not fit."""
+    try:
+        import re._parser as parser
+        from re import _constants as sre
+
+        parsed = parser.parse(pattern)
+    except Exception:
+        return False
+    if parsed.state.flags & ~sre.SRE_FLAG_UNICODE:  # (?i), (?x)...: meant differently by Rust's regex
+        return False
+    items = list(parsed)
+    if pattern.startswith("^") and pattern.endswith("$") and len(items) >= 2 \
+            and items[0] == (sre.AT, sre.AT_BEGINNING) and items[-1] == (sre.AT, sre.AT_END):
+        items = items[1:-1]
+    if alternates_at_top(pattern):
+        return False
+    plain = {sre.CATEGORY_DIGIT, sre.CATEGORY_WORD}
+    stack = items
+    while stack:
+        op, value = stack.pop()
+        if op is sre.LITERAL:
+            ok = _plain_char(value)
+        elif op is sre.IN:
+            ok = all((kind is sre.LITERAL and _plain_char(v)) or (kind is sre.RANGE and _plain_range(*v))
+                     or (kind is sre.CATEGORY and v in plain) for kind, v in value)
+        elif op in (sre.MAX_REPEAT, sre.MIN_REPEAT):
+            stack.extend(value[2])
+            ok = True
+        elif op is sre.SUBPATTERN:
+            ok = not value[1] and not value[2]  # no flags set or cleared inside
+            stack.extend(value[3])
+        elif op is sre.BRANCH:
+            stack.extend(item for branch in value[1] for item in branch)
+            ok = True
+        else:  # ., a negated class or literal, \s, an anchor inside, a look-around, a back-reference
+            ok = False
+        if not ok:
+            return False
+    return True
+
+
+def _plain_char(code: int) -> bool:
+    return code >= 0x20 and code not in (0x22, 0x5C)
+
+
+def _plain_range(low: int, high: int) -> bool:
+    return low >= 0x20 and not low <= 0x22 <= high and not low <= 0x5C <= high
+
+
+def _beside(read: str, unread: set) -> str:
+    return f"{_listed(unread)} beside {read}, which outlines-core compiles alone"
+
+
+def _listed(keywords: set) -> str:
+    return ", ".join(sorted(keywords))
