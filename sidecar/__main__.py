@@ -167,6 +167,16 @@ def main(argv=None) -> int:
             return 2
     in_fd, out_fd = protocol_fds(args.fds)
     logging.basicConfig(stream=sys.stderr, level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    template = None
+    if args.chat_template:  # read before torch and the model load: a typo fails in milliseconds, not seconds
+        try:
+            template = _read_template(args.chat_template)
+        except OSError as problem:
+            logging.getLogger("sidecar").error("cannot read --chat-template %s: %s", args.chat_template, problem.strerror)
+            return 2
+        except ValueError as problem:
+            logging.getLogger("sidecar").error("cannot use --chat-template %s: %s", args.chat_template, problem)
+            return 2
     from transformers.utils import logging as transformers_logging
 
     # transformers logs on a handler of its own: quieter with the level, never chattier than its warnings
@@ -199,14 +209,11 @@ def main(argv=None) -> int:
         except SidecarError as problem:
             logging.getLogger("sidecar").error("cannot load --model %s: %s (%s)", args.model, problem.message, problem.code)
             return 2
-        if args.chat_template:
+        if template is not None:
             engine = server.engines["default"]
             try:
-                server.use_chat_template(engine, _read_template(args.chat_template))
+                server.use_chat_template(engine, template)
                 chat.check_template(engine.tokenizer)
-            except OSError as problem:
-                logging.getLogger("sidecar").error("cannot read --chat-template %s: %s", args.chat_template, problem.strerror)
-                return 2
             except ValueError as problem:
                 logging.getLogger("sidecar").error("cannot use --chat-template %s: %s", args.chat_template, problem)
                 return 2

@@ -63,6 +63,8 @@ def test_a_model_that_cannot_load_is_one_line_and_status_2(tmp_path, default_dir
     (["--model", "default", "--chat-template", "/nonexistent.jinja"], "cannot read --chat-template"),
     (["--chat-template", "/nonexistent.jinja"], "--chat-template applies to the startup model: give --model too"),
     (["--model", "default", "--chat-template", "/dev/zero"], "cannot use --chat-template /dev/zero: it is not a regular file"),
+    # the template is read before the model loads: a typo fails at once, whatever the model
+    (["--model", "/nonexistent/model", "--chat-template", "/dev/zero"], "cannot use --chat-template /dev/zero: it is not"),
     (["--fds", "99,98"], "--fds: descriptor 99 is not open; it must be open to be read"),
     (["--fds", "2147483648,1"], "--fds: descriptor 2147483648 is not a descriptor number"),
     (["--fds", "1,1"], "--fds: descriptor 1 is open the other way; it must be open to be read"),  # stdout: a pipe's write end
