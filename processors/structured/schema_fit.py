@@ -132,10 +132,14 @@ def _typed(node: dict, types: list, asserted: set) -> str | None:
 def _listed_values(node: dict, read: str, validator) -> str | None:
     """An enum or a const is compiled alone: exact when every value it lists is valid against the object."""
     from jsonschema.exceptions import best_match
+    from referencing.exceptions import Unresolvable
 
     values = node["enum"] if read == "enum" else [node["const"]]
     for value in values if isinstance(values, list) else []:
-        error = best_match(validator.evolve(schema=node).iter_errors(value))
+        try:
+            error = best_match(validator.evolve(schema=node).iter_errors(value))
+        except Unresolvable as problem:  # a $ref beside it to nowhere: llguidance says so when it is checked
+            return f"a $ref beside the {read} that does not resolve ({str(problem)[:80]})"
         if error is not None:
             return f"the {read} value {json.dumps(value)[:60]} is not valid against the keywords beside it"
     return None

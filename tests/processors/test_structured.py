@@ -667,6 +667,9 @@ for _ in range(40):
     (JsonSchema, {"schema": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}, "oneOf constraints are not supported"),
     (JsonSchema, {"schema": {"type": "string", "format": "no such format"}}, "Unknown format"),
     (JsonSchema, {"schema": {"type": "integer", "const": "1"}}, "cannot be enforced"),
+    # a $ref to nowhere beside an enum (checking the enum's values against it raised jsonschema's own error)
+    (JsonSchema, {"schema": {"enum": [1], "$ref": "#/nope"}}, "cannot be enforced: Pointer '/nope' does not exist"),
+    (JsonSchema, {"schema": {"const": 1, "$ref": "https://example.com/x.json"}}, "cannot be enforced: Resource"),
     (JsonSchema, {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]},
                              "then": {"required": ["b"]}}}, "Unimplemented keys"),
     (JsonSchema, {"schema": CYCLE}, "contains itself at /properties/a/items: JSON cannot write a cycle"),
