@@ -49,7 +49,7 @@ def _schema(name, value) -> str:
         raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message[:300]}") from None
     except RecursionError:
         raise InvalidOption(f"option {name!r} nests too deeply to be checked") from None
-    _check_empty_enums(name, value)
+    _check_values(name, value)
     return _pattern(name, text)
 
 
@@ -96,13 +96,17 @@ def _pointer(link) -> str:
     return path if len(path) <= 200 else "..." + path[-197:]
 
 
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+MAX_BOUND = 2**53
 # Keywords whose values are JSON instances, not schemas.
 INSTANCES = frozenset({"const", "default", "enum", "examples"})
 
 
-def _check_empty_enums(name: str, schema) -> None:
-    """Refuses an empty `enum`, which no value matches (outlines-core would write it as the empty text).
-    Walks the schemas only (not `default` values, say)."""
+def _check_values(name: str, schema) -> None:
+    """Refuses an empty `enum`, which no value matches (outlines-core would write it as the empty text), and
+    a numeric bound beyond +-2^53, the integers a JSON number holds exactly: llguidance clamped an integer
+    bound past 2^63 (so `minimum: 2**63` wrote 2^63 - 1), and one near -2^63 crashed the process while the
+    schema was checked. Walks the schemas only (not `default` values, say)."""
     stack = [(schema, False)]  # (node, whether its keys are names, each of a schema)
     while stack:
         node, named = stack.pop()
@@ -111,9 +115,29 @@ def _check_empty_enums(name: str, schema) -> None:
         elif isinstance(node, dict):
             if node.get("enum") == []:
                 raise InvalidOption(f"option {name!r}: an empty enum matches no value at all")
+            free = _free_keys_asked(node)
+            if free >= 2:
+                raise InvalidOption(f"option {name!r}: minProperties {node['minProperties']} asks for {free} keys beyond the "
+                                    f"required properties, and neither backend keeps such keys distinct (a key written "
+                                    f"twice counts once): list them as properties")
+            for keyword in BOUNDS:
+                value = node.get(keyword)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_BOUND:
+                    raise InvalidOption(f"option {name!r}: {keyword} {value} is beyond +-2^53 ({MAX_BOUND}), the integers "
+                                        f"a JSON number holds exactly")
             stack.extend((child, key in NAMED_SCHEMAS) for key, child in node.items() if key not in INSTANCES)
         elif isinstance(node, list):
             stack.extend((child, False) for child in node)
+
+
+def _free_keys_asked(node: dict) -> int:
+    """How many keys an object's `minProperties` asks for beyond its listed, required properties."""
+    low = node.get("minProperties")
+    if not isinstance(low, int) or isinstance(low, bool):
+        return 0
+    listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    return low - len(set(required) & set(listed))
 
 
 @functools.lru_cache(maxsize=64)
@@ -129,7 +153,7 @@ def dfa_obstacle_of(schema_text: str) -> str | None:
 @functools.lru_cache(maxsize=64)
 def llguidance_grammar(schema_text: str) -> str:
     """llguidance's grammar of a schema (its own format, which embeds the schema), read as outlines-core
-    reads it: a string `pattern` is matched whole, and at most one space is written where JSON allows any
+    reads it: a string `pattern` is matched whole, and a space or none is written where JSON allows any
     (llguidance's default, any run of spaces, tabs and newlines, lets a model spend its tokens on them)."""
     import llguidance
 

@@ -15,6 +15,8 @@ import json
 
 from .anchors import alternates_at_top
 
+INSTANCES = ("const", "default", "enum", "examples")  # keywords whose values are JSON values, not schemas
+MAX_REF_DEPTH = 2  # $refs within $refs that outlines-core is left to follow
 # outlines-core reads one of these in a schema object, the first it holds, and compiles it alone.
 READ_FIRST = ("properties", "allOf", "anyOf", "oneOf", "prefixItems", "enum", "const", "$ref", "type")
 # Keywords whose values map names to schemas.
@@ -33,7 +35,7 @@ ASSERTIONS = frozenset({
 _BY_TYPE = {
     "string": {"minLength", "maxLength", "pattern"},
     "number": set(), "integer": set(), "boolean": set(), "null": set(),
-    "object": {"additionalProperties", "minProperties", "maxProperties"},
+    "object": {"additionalProperties"},  # min/maxProperties: read, then written as {0,} (not enforced)
     "array": {"items", "minItems", "maxItems"},
 }
 _OF_TYPE = {keyword: kind for kind, keywords in _BY_TYPE.items() for keyword in keywords} | {
@@ -42,6 +44,7 @@ _OF_TYPE = {keyword: kind for kind, keywords in _BY_TYPE.items() for keyword in 
     "maxContains": "array", "minContains": "array", "prefixItems": "array", "additionalItems": "array",
     "unevaluatedItems": "array", "required": "object", "dependentRequired": "object", "properties": "object",
     "patternProperties": "object", "propertyNames": "object", "unevaluatedProperties": "object",
+    "minProperties": "object", "maxProperties": "object",
 }
 _OF_TYPE_TOO = {"integer": "number"}  # the number keywords apply to integers too
 
@@ -50,6 +53,8 @@ def dfa_obstacle(schema: dict, validator) -> str | None:
     """Why outlines-core would not compile `schema` exactly (None: it would). `validator` is the schema's
     own, from jsonschema, for the values an enum or a const lists. Walks every schema a compiled one can
     reach through the keywords outlines-core reads, and the `$defs`."""
+    if (reason := _refs_obstacle(schema)) is not None:
+        return reason
     stack = [schema]
     while stack:
         node = stack.pop()
@@ -107,6 +112,63 @@ def _node(node: dict, validator) -> tuple[str | None, list]:
     return None, children
 
 
+def _refs_obstacle(schema: dict) -> str | None:
+    """outlines-core follows a `$ref` only to a plain local pointer (`#/$defs/a`, not `#/$defs/a~1b`), and
+    only `MAX_REF_DEPTH` deep: past that it drops the property that goes deeper, required or not, so a
+    recursive schema, or refs chained too deep, made texts that break the schema."""
+    refs_under: dict[int, list[str]] = {}  # id of a node: the $refs in it, not counting $defs nor their targets
+    fine: set[tuple[str, int]] = set()  # (ref, level) already followed to its end within the depth
+
+    def refs_in(node) -> list[str]:
+        if id(node) not in refs_under:
+            found, stack = [], [node]
+            while stack:
+                item = stack.pop()
+                if isinstance(item, dict):
+                    if isinstance(item.get("$ref"), str):
+                        found.append(item["$ref"])
+                    stack.extend(v for k, v in item.items() if k not in ("$defs", "definitions", *INSTANCES))
+                elif isinstance(item, list):
+                    stack.extend(item)
+            refs_under[id(node)] = found
+        return refs_under[id(node)]
+
+    def too_deep(refs: list[str], level: int) -> str | None:
+        for ref in refs:
+            if (ref, level) in fine:
+                continue
+            target = _local_target(schema, ref)
+            if target is None:
+                return f"a $ref outlines-core cannot follow ({ref[:60]}): not a plain local pointer"
+            inner = refs_in(target)
+            if inner and level == MAX_REF_DEPTH:
+                return (f"$refs nested more than {MAX_REF_DEPTH} deep, or a recursive one (outlines-core unrolls them "
+                        f"a few levels and then drops what goes deeper)")
+            if (reason := too_deep(inner, level + 1)) is not None:
+                return reason
+            fine.add((ref, level))
+        return None
+
+    return too_deep(refs_in(schema), 1)
+
+
+def _local_target(schema: dict, ref: str):
+    """The schema a `#`-pointer names, if it has no escapes (outlines-core takes none) and leads somewhere."""
+    if ref == "#":
+        return schema
+    if not ref.startswith("#/") or "~" in ref or "%" in ref:
+        return None
+    node = schema
+    for part in ref[2:].split("/"):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
 def _typed(node: dict, types: list, asserted: set) -> str | None:
     """Why a schema object read by its `type` alone is not compiled exactly."""
     enforced = {"type"}.union(*(_BY_TYPE.get(kind, set()) for kind in types))
@@ -135,9 +197,12 @@ def _listed_values(node: dict, read: str, validator) -> str | None:
     from referencing.exceptions import Unresolvable
 
     values = node["enum"] if read == "enum" else [node["const"]]
+    # each value against the keywords beside the enum and the const: against the enum too, n values took n^2
+    # comparisons (15,000 held the server 80 s)
+    beside = validator.evolve(schema={key: value for key, value in node.items() if key not in ("enum", "const")})
     for value in values if isinstance(values, list) else []:
         try:
-            error = best_match(validator.evolve(schema=node).iter_errors(value))
+            error = best_match(beside.iter_errors(value))
         except Unresolvable as problem:  # a $ref beside it to nowhere: llguidance says so when it is checked
             return f"a $ref beside the {read} that does not resolve ({str(problem)[:80]})"
         if error is not None:

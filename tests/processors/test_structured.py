@@ -667,6 +667,14 @@ for _ in range(40):
     (JsonSchema, {"schema": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}, "oneOf constraints are not supported"),
     (JsonSchema, {"schema": {"type": "string", "format": "no such format"}}, "Unknown format"),
     (JsonSchema, {"schema": {"type": "integer", "const": "1"}}, "cannot be enforced"),
+    # llguidance clamped a bound past 2^63 (writing 2^63 - 1 for minimum 2^63), and one near -2^63 crashed the process
+    (JsonSchema, {"schema": {"type": "integer", "minimum": -2**63, "maximum": -2**63 + 8}},
+     r"minimum -9223372036854775808 is beyond \+-2\^53 \(9007199254740992\), the integers a JSON number holds exactly"),
+    (JsonSchema, {"schema": {"type": "integer", "minimum": 2**63}}, r"beyond \+-2\^53"),
+    (JsonSchema, {"schema": {"type": "object", "properties": {"n": {"exclusiveMaximum": -1e300}}}}, "exclusiveMaximum"),
+    # neither backend keeps free keys distinct: {"": 0, "x": 1, "": 2} has 2 properties, not 3
+    (JsonSchema, {"schema": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 3}},
+     "minProperties 3 asks for 3 keys beyond the required properties"),
     # a $ref to nowhere beside an enum (checking the enum's values against it raised jsonschema's own error)
     (JsonSchema, {"schema": {"enum": [1], "$ref": "#/nope"}}, "cannot be enforced: Pointer '/nope' does not exist"),
     (JsonSchema, {"schema": {"const": 1, "$ref": "https://example.com/x.json"}}, "cannot be enforced: Resource"),
@@ -706,7 +714,7 @@ def test_schemas_outlines_core_compiles_exactly_run_as_automata(vocab):
                    {"anyOf": [integer, {"type": "null"}], "default": None, "title": "what pydantic writes"},
                    {"type": "string", "pattern": "^[0-9]{5}$"}, {"type": "string", "pattern": r"[a-z_]+(-\d)*"},
                    {"type": ["string", "null"], "minimum": 3}, {"type": "array", "items": integer, "uniqueItems": False},
-                   {"type": "object", "additionalProperties": integer, "maxProperties": 2}):
+                   {"type": "object", "additionalProperties": integer}):
         constraint = configure(JsonSchema, schema=schema)
         assert constraint.dfa_obstacle is None, schema
         assert isinstance(constraint.bind(vocab, [EOS]), AutomatonProcessor)
@@ -738,6 +746,12 @@ RUN_BY_LLGUIDANCE = [
     ({"type": "object"}, "an object with no properties and no schema for its members"),
     ({"type": "array", "maxItems": 2}, "an array with no schema for its items"),
     ({"type": "object", "properties": {"a": True}, "required": ["a"]}, "a schema that is true or false"),
+    # outlines-core reads min/maxProperties and writes {0,}; llguidance enforces one free key (more: refused)
+    ({"type": "object", "additionalProperties": {"type": "boolean"}, "minProperties": 1}, "minProperties, which"),
+    # a required recursion outlines-core cut 3 levels down, writing {"c":{"c":{"c":{}}}}
+    ({"$defs": {"n": {"type": "object", "properties": {"c": {"anyOf": [{"$ref": "#/$defs/n"}, {"const": 0}]}},
+                      "required": ["c"], "additionalProperties": False}}, "$ref": "#/$defs/n"}, "a recursive one"),
+    ({"$defs": {"a/b": {"type": "integer"}}, "$ref": "#/$defs/a~1b"}, "not a plain local pointer"),
 ]
 
 
@@ -792,24 +806,22 @@ def accepts(bound, tokens: list[int]) -> bool:
             return False
 
 
-def test_refs_as_the_docs_say(vocab):
-    """README: a recursive $ref is unrolled 3 levels deep; a $ref to a $ref more than 3 times over is refused."""
+def test_refs_outlines_core_would_cut_are_run_by_llguidance(vocab, tokenizer):
+    """outlines-core unrolls $refs a few levels and then drops the property that goes deeper, required or
+    not: a recursive schema, or refs chained past MAX_REF_DEPTH, run on llguidance, which nests as deep as
+    the text goes; refs within the depth stay on the automaton."""
     node = {"type": "object", "properties": {"child": {"$ref": "#/$defs/node"}}}
-    bound = configure(JsonSchema, schema={"$defs": {"node": node}, "$ref": "#/$defs/node"}).bind(vocab, [EOS])
-    state = bound.automaton.initial
-    for piece in ['{"child":'] * 3 + ["{}"] + ["}"] * 3:  # as deep as it goes, one level short of the cut
-        for token in (vocab.token_bytes.index(bytes([b])) for b in piece.encode()):
-            state = bound.automaton.step(state, token)
-    assert state != bound.automaton.dead and bool(bound.automaton.accepting[state])
-    deeper = bound.automaton.initial
-    for token in (vocab.token_bytes.index(bytes([b])) for b in ('{"child":' * 4).encode()):
-        deeper = bound.automaton.step(deeper, token)
-    assert deeper == bound.automaton.dead
-    chain = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/c"}, "c": {"$ref": "#/$defs/d"},
-                       "d": {"$ref": "#/$defs/e"}, "e": {"type": "integer"}}, "$ref": "#/$defs/a"}
-    with pytest.raises(P.InvalidOption, match="cannot be compiled"):
-        configure(JsonSchema, schema=chain).bind(vocab, [EOS])
-    configure(JsonSchema, schema={**chain, "$ref": "#/$defs/b"}).bind(vocab, [EOS])  # 3 times over
+    recursive = configure(JsonSchema, schema={"$defs": {"node": node}, "$ref": "#/$defs/node"})
+    assert "recursive" in recursive.dfa_obstacle
+    bound = recursive.bind(vocab, [EOS])
+    six_deep = '{"child":' * 6 + "{}" + "}" * 6
+    assert accepts(bound, tokenizer.encode(six_deep, add_special_tokens=False))
+    assert not accepts(bound, tokenizer.encode('{"child":{"child":1}}', add_special_tokens=False))
+    chain = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/c"}, "c": {"type": "integer"}}, "$ref": "#/$defs/a"}
+    assert "nested more than 2 deep" in configure(JsonSchema, schema=chain).dfa_obstacle
+    assert isinstance(configure(JsonSchema, schema=chain).bind(vocab, [EOS]), GrammarProcessor)
+    within = configure(JsonSchema, schema={**chain, "$ref": "#/$defs/b"})
+    assert within.dfa_obstacle is None and isinstance(within.bind(vocab, [EOS]), AutomatonProcessor)
 
 
 def test_what_only_binding_can_tell_is_refused_when_bound(vocab):
@@ -854,8 +866,8 @@ def test_what_only_compiling_can_tell_is_refused_when_bound_and_remembered(vocab
         with pytest.raises(P.InvalidOption, match="max_regex_chars|MiB|compile_timeout_s"):
             configure(JsonSchema, schema=nested, compile_timeout_s=20).bind(vocab, [EOS])
     assert len(children) == 1
-    with pytest.raises(P.InvalidOption, match="cannot be compiled"):
-        configure(JsonSchema, schema={"$ref": "https://example.com/schema.json"}).bind(vocab, [EOS])
+    with pytest.raises(P.InvalidOption, match="cannot be compiled: maxLength must be greater than or equal to minLength"):
+        configure(JsonSchema, schema={"type": "string", "minLength": 5, "maxLength": 2}).bind(vocab, [EOS])
 
 
 def test_a_constraint_whose_tables_pass_their_limit_is_refused(vocab, monkeypatch, forks_here):
