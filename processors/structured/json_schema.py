@@ -18,7 +18,7 @@ from ..contract import option
 from ..errors import InvalidOption
 from .constraints import MAX_PATTERN_CHARS, RegularConstraint, _compile_timeout, _pattern, _validate_grammar, rust_panics_as
 from .grammar import _on_deep_stack, bind_llguidance
-from .schema_fit import NAMED_SCHEMAS, dfa_obstacle
+from .schema_fit import INSTANCES, NAMED_SCHEMAS, dfa_obstacle
 
 
 @checks._with_schema({"anyOf": [{"type": "object"}, {"type": "string"}]})
@@ -98,8 +98,6 @@ def _pointer(link) -> str:
 
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_BOUND = 2**53
-# Keywords whose values are JSON instances, not schemas.
-INSTANCES = frozenset({"const", "default", "enum", "examples"})
 
 
 def _check_values(name: str, schema) -> None:

@@ -15,7 +15,7 @@ import json
 
 from .anchors import alternates_at_top
 
-INSTANCES = ("const", "default", "enum", "examples")  # keywords whose values are JSON values, not schemas
+INSTANCES = frozenset({"const", "default", "enum", "examples"})  # keywords whose values are JSON values, not schemas
 MAX_REF_DEPTH = 2  # $refs within $refs that outlines-core is left to follow
 # outlines-core reads one of these in a schema object, the first it holds, and compiles it alone.
 READ_FIRST = ("properties", "allOf", "anyOf", "oneOf", "prefixItems", "enum", "const", "$ref", "type")
@@ -121,15 +121,18 @@ def _refs_obstacle(schema: dict) -> str | None:
 
     def refs_in(node) -> list[str]:
         if id(node) not in refs_under:
-            found, stack = [], [node]
+            found, stack = [], [(node, False)]  # (item, whether its keys are names, each of a schema)
             while stack:
-                item = stack.pop()
-                if isinstance(item, dict):
+                item, named = stack.pop()
+                if isinstance(item, dict) and named:
+                    stack.extend((child, False) for child in item.values())
+                elif isinstance(item, dict):
                     if isinstance(item.get("$ref"), str):
                         found.append(item["$ref"])
-                    stack.extend(v for k, v in item.items() if k not in ("$defs", "definitions", *INSTANCES))
+                    stack.extend((child, key in NAMED_SCHEMAS) for key, child in item.items()
+                                 if key not in INSTANCES and key not in ("$defs", "definitions"))
                 elif isinstance(item, list):
-                    stack.extend(item)
+                    stack.extend((child, False) for child in item)
             refs_under[id(node)] = found
         return refs_under[id(node)]
 

@@ -820,6 +820,10 @@ def test_refs_outlines_core_would_cut_are_run_by_llguidance(vocab, tokenizer):
     chain = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/c"}, "c": {"type": "integer"}}, "$ref": "#/$defs/a"}
     assert "nested more than 2 deep" in configure(JsonSchema, schema=chain).dfa_obstacle
     assert isinstance(configure(JsonSchema, schema=chain).bind(vocab, [EOS]), GrammarProcessor)
+    # a recursion under a property named like a keyword whose value is not a schema ("enum")
+    under_enum = {"type": "object", "properties": {"enum": {"$ref": "#/$defs/a"}},
+                  "$defs": {"a": {"type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}}}
+    assert "recursive" in configure(JsonSchema, schema=under_enum).dfa_obstacle
     within = configure(JsonSchema, schema={**chain, "$ref": "#/$defs/b"})
     assert within.dfa_obstacle is None and isinstance(within.bind(vocab, [EOS]), AutomatonProcessor)
 
