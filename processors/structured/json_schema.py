@@ -129,9 +129,12 @@ def _check_values(name: str, schema) -> None:
 
 
 def _free_keys_asked(node: dict) -> int:
-    """How many keys an object's `minProperties` asks for beyond its listed, required properties."""
-    low = node.get("minProperties")
-    if not isinstance(low, int) or isinstance(low, bool):
+    """How many keys an object's `minProperties` asks for beyond its listed, required properties (0 where
+    the node cannot be an object, whose `minProperties` is then moot)."""
+    low, kind = node.get("minProperties"), node.get("type", "object")
+    if isinstance(low, float) and low.is_integer():  # 2.0 is an integer to JSON Schema
+        low = int(low)
+    if not isinstance(low, int) or isinstance(low, bool) or "object" not in (kind if isinstance(kind, list) else [kind]):
         return 0
     listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     required = node.get("required") if isinstance(node.get("required"), list) else []

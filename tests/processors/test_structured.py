@@ -675,6 +675,7 @@ for _ in range(40):
     # neither backend keeps free keys distinct: {"": 0, "x": 1, "": 2} has 2 properties, not 3
     (JsonSchema, {"schema": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 3}},
      "minProperties 3 asks for 3 keys beyond the required properties"),
+    (JsonSchema, {"schema": {"additionalProperties": {"type": "integer"}, "minProperties": 2.0}}, "asks for 2 keys"),
     # a $ref to nowhere beside an enum (checking the enum's values against it raised jsonschema's own error)
     (JsonSchema, {"schema": {"enum": [1], "$ref": "#/nope"}}, "cannot be enforced: Pointer '/nope' does not exist"),
     (JsonSchema, {"schema": {"const": 1, "$ref": "https://example.com/x.json"}}, "cannot be enforced: Resource"),
@@ -714,7 +715,7 @@ def test_schemas_outlines_core_compiles_exactly_run_as_automata(vocab):
                    {"anyOf": [integer, {"type": "null"}], "default": None, "title": "what pydantic writes"},
                    {"type": "string", "pattern": "^[0-9]{5}$"}, {"type": "string", "pattern": r"[a-z_]+(-\d)*"},
                    {"type": ["string", "null"], "minimum": 3}, {"type": "array", "items": integer, "uniqueItems": False},
-                   {"type": "object", "additionalProperties": integer}):
+                   {"type": "object", "additionalProperties": integer}, {"type": "string", "minProperties": 3}):
         constraint = configure(JsonSchema, schema=schema)
         assert constraint.dfa_obstacle is None, schema
         assert isinstance(constraint.bind(vocab, [EOS]), AutomatonProcessor)
