@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -18,7 +19,7 @@ from ..contract import option
 from ..errors import InvalidOption
 from .constraints import MAX_PATTERN_CHARS, RegularConstraint, _compile_timeout, _pattern, _validate_grammar, rust_panics_as
 from .grammar import _on_deep_stack, bind_llguidance
-from .schema_fit import INSTANCES, NAMED_SCHEMAS, dfa_obstacle
+from .schema_fit import INSTANCES, NAMED_SCHEMAS, class_read_differently, dfa_obstacle, patterns_matched_whole
 
 
 @checks._with_schema({"anyOf": [{"type": "object"}, {"type": "string"}]})
@@ -44,7 +45,9 @@ def _schema(name, value) -> str:
 
     validator = jsonschema.validators.validator_for(value)
     try:
-        validator.check_schema(value)
+        with warnings.catch_warnings():  # Python's re warns of a nested set in a pattern, on the server's stderr
+            warnings.simplefilter("ignore", FutureWarning)
+            validator.check_schema(value)
     except jsonschema.SchemaError as error:
         raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message[:300]}") from None
     except RecursionError:
@@ -102,9 +105,11 @@ MAX_BOUND = 2**53
 
 def _check_values(name: str, schema) -> None:
     """Refuses an empty `enum`, which no value matches (outlines-core would write it as the empty text), and
-    a numeric bound beyond +-2^53, the integers a JSON number holds exactly: llguidance clamped an integer
-    bound past 2^63 (so `minimum: 2**63` wrote 2^63 - 1), and one near -2^63 crashed the process while the
-    schema was checked. Walks the schemas only (not `default` values, say)."""
+    a numeric bound at or beyond +-2^53, past the integers a JSON number holds exactly: llguidance clamped
+    an integer bound past 2^63 (so `minimum: 2**63` wrote 2^63 - 1), crashed the process on one near -2^63
+    while the schema was checked, and wrote 9007199254740991.9992 under `exclusiveMaximum: 2**53`, which a
+    float reads as 2^53; an enum or const integer there, which outlines-core writes as a float. Walks the
+    schemas only (not `default` values, say)."""
     stack = [(schema, False)]  # (node, whether its keys are names, each of a schema)
     while stack:
         node, named = stack.pop()
@@ -120,12 +125,34 @@ def _check_values(name: str, schema) -> None:
                                     f"twice counts once): list them as properties")
             for keyword in BOUNDS:
                 value = node.get(keyword)
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > MAX_BOUND:
-                    raise InvalidOption(f"option {name!r}: {keyword} {value} is beyond +-2^53 ({MAX_BOUND}), the integers "
-                                        f"a JSON number holds exactly")
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) >= MAX_BOUND:
+                    raise InvalidOption(f"option {name!r}: {keyword} {value} is at or beyond +-2^53 ({MAX_BOUND}), past the "
+                                        f"integers a JSON number holds exactly")
+            if isinstance(node.get("pattern"), str) and class_read_differently(node["pattern"]):
+                raise InvalidOption(f"option {name!r}: the pattern {node['pattern'][:60]!r} has a class holding '[', "
+                                    f"'&&', '--' or '~~', which the regex engine of both backends (Rust's) reads "
+                                    f"otherwise than JSON Schema's: escape the character")
+            for keyword in ("enum", "const"):
+                if keyword in node and (big := _huge_integer(node[keyword])) is not None:
+                    raise InvalidOption(f"option {name!r}: the {keyword} holds {big}, at or beyond +-2^53 ({MAX_BOUND}): "
+                                        f"it would be written as the nearest float")
             stack.extend((child, key in NAMED_SCHEMAS) for key, child in node.items() if key not in INSTANCES)
         elif isinstance(node, list):
             stack.extend((child, False) for child in node)
+
+
+def _huge_integer(value) -> int | None:
+    """An integer at or beyond +-2^53 anywhere in a JSON value, if there is one."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, int) and not isinstance(item, bool) and abs(item) >= MAX_BOUND:
+            return item
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
 
 
 def _free_keys_asked(node: dict) -> int:
@@ -158,26 +185,8 @@ def llguidance_grammar(schema_text: str) -> str:
     (llguidance's default, any run of spaces, tabs and newlines, lets a model spend its tokens on them)."""
     import llguidance
 
-    whole = json.dumps(_patterns_matched_whole(json.loads(schema_text)), ensure_ascii=False)
+    whole = json.dumps(patterns_matched_whole(json.loads(schema_text)), ensure_ascii=False)
     return llguidance.LLMatcher.grammar_from_json_schema(whole, defaults={"whitespace_pattern": "[ ]?"})
-
-
-def _patterns_matched_whole(node, named: bool = False):
-    """A copy of a schema whose string patterns match only whole strings: `^(?:pattern)$`. JSON Schema finds
-    a pattern anywhere in the string, which outlines-core does not; matched whole, `"[0-9]{5}"` means the same
-    on both backends, and what it allows still validates. (Recursive: the schema passed jsonschema's own
-    recursive check, which takes more frames a level.)"""
-    if isinstance(node, list):
-        return [_patterns_matched_whole(child) for child in node]
-    if not isinstance(node, dict):
-        return node
-    if named:
-        return {key: _patterns_matched_whole(child) for key, child in node.items()}
-    copy = {key: child if key in INSTANCES else _patterns_matched_whole(child, key in NAMED_SCHEMAS)
-            for key, child in node.items()}
-    if isinstance(copy.get("pattern"), str):
-        copy["pattern"] = f"^(?:{copy['pattern']})$"
-    return copy
 
 
 @dataclass(frozen=True)

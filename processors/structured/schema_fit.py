@@ -55,6 +55,8 @@ def dfa_obstacle(schema: dict, validator) -> str | None:
     reach through the keywords outlines-core reads, and the `$defs`."""
     if (reason := _refs_obstacle(schema)) is not None:
         return reason
+    if '"$id"' in json.dumps({key: value for key, value in schema.items() if key != "$id"}):
+        return "an $id inside the schema (a $ref under it resolves against it, which outlines-core does not do)"
     stack = [schema]
     while stack:
         node = stack.pop()
@@ -142,7 +144,8 @@ def _refs_obstacle(schema: dict) -> str | None:
                 continue
             target = _local_target(schema, ref)
             if target is None:
-                return f"a $ref outlines-core cannot follow ({ref[:60]}): not a plain local pointer"
+                return (f"a $ref to anything but the root or one of its $defs ({ref[:60]}): outlines-core cannot "
+                        f"follow it, or these checks do not read it")
             inner = refs_in(target)
             if inner and level == MAX_REF_DEPTH:
                 return (f"$refs nested more than {MAX_REF_DEPTH} deep, or a recursive one (outlines-core unrolls them "
@@ -156,20 +159,15 @@ def _refs_obstacle(schema: dict) -> str | None:
 
 
 def _local_target(schema: dict, ref: str):
-    """The schema a `#`-pointer names, if it has no escapes (outlines-core takes none) and leads somewhere."""
+    """The schema a `$ref` names if it is the root (`#`) or an entry of the root's `$defs` or `definitions`
+    with no escape in its name (outlines-core takes none): the schemas `dfa_obstacle` walks. None otherwise."""
     if ref == "#":
         return schema
-    if not ref.startswith("#/") or "~" in ref or "%" in ref:
+    keyword, _, name = ref[2:].partition("/") if ref.startswith("#/") else ("", "", "")
+    if keyword not in ("$defs", "definitions") or not name or any(c in name for c in "/~%"):
         return None
-    node = schema
-    for part in ref[2:].split("/"):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
+    defs = schema.get(keyword)
+    return defs.get(name) if isinstance(defs, dict) else None
 
 
 def _typed(node: dict, types: list, asserted: set) -> str | None:
@@ -200,9 +198,10 @@ def _listed_values(node: dict, read: str, validator) -> str | None:
     from referencing.exceptions import Unresolvable
 
     values = node["enum"] if read == "enum" else [node["const"]]
-    # each value against the keywords beside the enum and the const: against the enum too, n values took n^2
-    # comparisons (15,000 held the server 80 s)
-    beside = validator.evolve(schema={key: value for key, value in node.items() if key not in ("enum", "const")})
+    # each value against the keywords beside the enum and the const (against the enum too, n values took n^2
+    # comparisons: 15,000 held the server 80 s), its patterns matched whole as both backends match them
+    beside = validator.evolve(schema=patterns_matched_whole({key: value for key, value in node.items()
+                                                             if key not in ("enum", "const")}))
     for value in values if isinstance(values, list) else []:
         try:
             error = best_match(beside.iter_errors(value))
@@ -220,11 +219,16 @@ def _pattern_fits(pattern: str) -> bool:
     alternative left bare (the quotes would go to the alternatives), and every text it matches is plain JSON
     string content: no quote, backslash or control character, read by Python's regex parser, which takes
     the syntax both share. Anything the parser cannot read does not fit."""
+    if class_read_differently(pattern):
+        return False
     try:
         import re._parser as parser
+        import warnings
         from re import _constants as sre
 
-        parsed = parser.parse(pattern)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its FutureWarnings, on the server's stderr
+            parsed = parser.parse(pattern)
     except Exception:
         return False
     if parsed.state.flags & ~sre.SRE_FLAG_UNICODE:  # (?i), (?x)...: meant differently by Rust's regex
@@ -235,7 +239,7 @@ def _pattern_fits(pattern: str) -> bool:
         items = items[1:-1]
     if alternates_at_top(pattern):
         return False
-    plain = {sre.CATEGORY_DIGIT, sre.CATEGORY_WORD}
+    plain = {sre.CATEGORY_DIGIT}  # not \w: Rust's takes combining marks and joiners, Python's does not
     stack = items
     while stack:
         op, value = stack.pop()
@@ -260,6 +264,28 @@ def _pattern_fits(pattern: str) -> bool:
     return True
 
 
+def class_read_differently(pattern: str) -> bool:
+    """Whether a character class in `pattern` holds a `[` or a `&&`, `--`, `~~`: Rust's regex, which both
+    backends use, reads `[[:alpha:]]` as a POSIX class and `[a-z&&[b-c]]` as an intersection, where JSON
+    Schema's regex (ECMA-262) and Python's read literal characters."""
+    at, in_class = 0, False
+    while at < len(pattern):
+        if pattern[at] == "\\":
+            at += 2
+            continue
+        if in_class:
+            if pattern[at] == "[" or pattern.startswith(("&&", "--", "~~"), at):
+                return True
+            in_class = pattern[at] != "]"
+        elif pattern[at] == "[":
+            in_class = True
+            at += 1 + pattern.startswith("^", at + 1)
+            at += pattern.startswith("]", at)  # a ] first in the class is one of its characters
+            continue
+        at += 1
+    return False
+
+
 def _plain_char(code: int) -> bool:
     return code >= 0x20 and code not in (0x22, 0x5C)
 
@@ -274,3 +300,21 @@ def _beside(read: str, unread: set) -> str:
 
 def _listed(keywords: set) -> str:
     return ", ".join(sorted(keywords))
+
+
+def patterns_matched_whole(node, named: bool = False):
+    """A copy of a schema whose string patterns match only whole strings: `^(?:pattern)$`. JSON Schema finds
+    a pattern anywhere in the string, which outlines-core does not; matched whole, `"[0-9]{5}"` means the same
+    on both backends, and what it allows still validates. (Recursive: the schema passed jsonschema's own
+    recursive check, which takes more frames a level.)"""
+    if isinstance(node, list):
+        return [patterns_matched_whole(child) for child in node]
+    if not isinstance(node, dict):
+        return node
+    if named:
+        return {key: patterns_matched_whole(child) for key, child in node.items()}
+    copy = {key: child if key in INSTANCES else patterns_matched_whole(child, key in NAMED_SCHEMAS)
+            for key, child in node.items()}
+    if isinstance(copy.get("pattern"), str):
+        copy["pattern"] = f"^(?:{copy['pattern']})$"
+    return copy

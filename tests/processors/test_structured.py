@@ -669,8 +669,15 @@ for _ in range(40):
     (JsonSchema, {"schema": {"type": "integer", "const": "1"}}, "cannot be enforced"),
     # llguidance clamped a bound past 2^63 (writing 2^63 - 1 for minimum 2^63), and one near -2^63 crashed the process
     (JsonSchema, {"schema": {"type": "integer", "minimum": -2**63, "maximum": -2**63 + 8}},
-     r"minimum -9223372036854775808 is beyond \+-2\^53 \(9007199254740992\), the integers a JSON number holds exactly"),
+     r"minimum -9223372036854775808 is at or beyond \+-2\^53 \(9007199254740992\), past the integers a JSON number"),
     (JsonSchema, {"schema": {"type": "integer", "minimum": 2**63}}, r"beyond \+-2\^53"),
+    # llguidance wrote 9007199254740991.9992, which a float reads as 2^53; outlines-core wrote 2^64 + 1 as a float
+    (JsonSchema, {"schema": {"type": "number", "exclusiveMaximum": 2**53}}, r"at or beyond \+-2\^53"),
+    (JsonSchema, {"schema": {"enum": [1, [{"a": 2**64 + 1}]]}}, r"the enum holds 18446744073709551617, at or beyond"),
+    # Rust's regex, both backends', wrote "29" for [[:digit:]]{2}, which JSON Schema reads as literal characters
+    (JsonSchema, {"schema": {"properties": {"s": {"type": "string", "pattern": "[[:digit:]]{2}"}}}},
+     r"the pattern '\[\[:digit:\]\]\{2\}' has a class holding '\[', '&&', '--' or '~~'"),
+    (JsonSchema, {"schema": {"type": "string", "pattern": "[a-z&&b]"}}, "has a class holding"),
     (JsonSchema, {"schema": {"type": "object", "properties": {"n": {"exclusiveMaximum": -1e300}}}}, "exclusiveMaximum"),
     # neither backend keeps free keys distinct: {"": 0, "x": 1, "": 2} has 2 properties, not 3
     (JsonSchema, {"schema": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 3}},
@@ -752,7 +759,15 @@ RUN_BY_LLGUIDANCE = [
     # a required recursion outlines-core cut 3 levels down, writing {"c":{"c":{"c":{}}}}
     ({"$defs": {"n": {"type": "object", "properties": {"c": {"anyOf": [{"$ref": "#/$defs/n"}, {"const": 0}]}},
                       "required": ["c"], "additionalProperties": False}}, "$ref": "#/$defs/n"}, "a recursive one"),
-    ({"$defs": {"a/b": {"type": "integer"}}, "$ref": "#/$defs/a~1b"}, "not a plain local pointer"),
+    ({"$defs": {"a/b": {"type": "integer"}}, "$ref": "#/$defs/a~1b"}, "a \\$ref to anything but the root or one of its"),
+    # found by the second fuzz: a $ref to a schema the checks did not walk, one under a nested $id, a pattern
+    # Rust reads as a POSIX class, and an enum value that only searching the pattern finds
+    ({"type": "object", "properties": {"a": {"$ref": "#/x-lib/i"}}, "required": ["a"],
+      "x-lib": {"i": {"type": "integer", "minimum": 5, "maximum": 9}}}, "a \\$ref to anything but the root"),
+    ({"$defs": {"a": {"type": "string", "maxLength": 2}, "inner": {"$id": "http://example.com/inner",
+      "$defs": {"a": {"type": "integer", "maximum": 9}}, "type": "object", "properties": {"v": {"$ref": "#/$defs/a"}},
+      "required": ["v"]}}, "$ref": "#/$defs/inner"}, "an \\$id inside the schema"),
+    ({"enum": ["abc", "a"], "type": "string", "pattern": "^a"}, 'the enum value "abc" is not valid'),
 ]
 
 
@@ -782,7 +797,10 @@ def test_a_pattern_is_matched_whole_on_either_backend(vocab, tokenizer):
 
 
 @pytest.mark.parametrize("pattern, fits", [
-    ("^[0-9]{5}$", True), ("[a-z]+(-[a-z]+)*", True), (r"^\d{3}\w$", True), ("^(a|b)c$", True), ("^[ !#-~]$", False),
+    ("^[0-9]{5}$", True), ("[a-z]+(-[a-z]+)*", True), (r"^\d{3}x$", True), ("^(a|b)c$", True), ("^[ !#-~]$", False),
+    # Rust's \w takes combining marks; it reads [[:alpha:]] as a POSIX class and && as an intersection
+    (r"\w", False), ("[[:alpha:]]", False), ("[a-z&&[b-c]]x", False), ("[a--b]", False), ("--v|-x", False),
+    ("^--v$", True), (r"[\[]", True), ("[]a]", True),
     ("a|b", False), ("^a|b$", False), ("^ab", False), ("ab$", False), ("a^b", False), (r"a\Z", False),
     ("a.b", False), ("[^a]", False), (r"a\sb", False), ('a"', False), (r"a\\", False), ("[ -~]", False),
     ("(?i)a", False), ("(?=a)a", False), (r"(a)\1", False), (r"\p{L}", False), ("a\x01", False), ("(", False),
