@@ -91,6 +91,11 @@ class GrammarProcessor(LogitsProcessor):
         pool.matchers = [self.start.deep_copy() for _ in range(rows)]
         return {"slot": torch.arange(rows, device=context.sequence.device), "pool": pool}
 
+    @functools.cached_property
+    def _eos_columns(self) -> np.ndarray:
+        """The end-of-sequence tokens as numpy indices, for the biases: read once, not at every step."""
+        return self.eos_token_ids.cpu().numpy()
+
     def process(self, state, logits, context):
         with rust_panics_as(InvalidInput, f"{self.constraint.name}: the parser failed"):
             return self._process(state, logits, context)
@@ -116,7 +121,7 @@ class GrammarProcessor(LogitsProcessor):
         else:
             matchers = [matchers[slot] for slot in slots]
         bitmask = llg.allocate_token_bitmask(len(matchers), self.tokenizer.vocab_size)
-        if len({id(m) for m in matchers}) > 1 and len({id(m) for m in matchers}) == len(matchers):
+        if 1 < len(matchers) == len({id(m) for m in matchers}):
             llg.fill_next_token_bitmask_par(_executor(), list(zip(matchers, range(len(matchers)))), bitmask)
         else:  # one row, or rows sharing a matcher (no consume since a reorder): never one matcher on two threads
             for row, matcher in enumerate(matchers):
@@ -130,7 +135,7 @@ class GrammarProcessor(LogitsProcessor):
         bias = np.take(_BYTE_BIASES, bitmask.astype("<i4", copy=False).view(np.uint8), axis=0)
         bias = bias.reshape(len(matchers), -1)[:, :logits.shape[1]]
         ends = np.array([m.is_accepting() or m.is_stopped() for m in matchers])
-        bias[:, self.eos_token_ids.cpu().numpy()] = np.where(ends, np.float32(0), np.float32(NEG_INF))[:, None]
+        bias[:, self._eos_columns] = np.where(ends, np.float32(0), np.float32(NEG_INF))[:, None]
         logits = torch.from_numpy(bias).to(logits.device, logits.dtype).add_(logits)
         stuck = logits.amax(dim=1) == NEG_INF
         if bool(stuck.any()):

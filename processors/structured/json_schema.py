@@ -19,7 +19,7 @@ from ..contract import option
 from ..errors import InvalidOption
 from .constraints import MAX_PATTERN_CHARS, RegularConstraint, _compile_timeout, _pattern, _validate_grammar, rust_panics_as
 from .grammar import _on_deep_stack, bind_llguidance
-from .schema_fit import INSTANCES, NAMED_SCHEMAS, class_read_differently, dfa_obstacle, patterns_matched_whole
+from .schema_fit import class_read_differently, dfa_obstacle, patterns_matched_whole, schema_objects
 
 
 @checks._with_schema({"anyOf": [{"type": "object"}, {"type": "string"}]})
@@ -104,41 +104,34 @@ MAX_BOUND = 2**53
 
 
 def _check_values(name: str, schema) -> None:
-    """Refuses an empty `enum`, which no value matches (outlines-core would write it as the empty text), and
-    a numeric bound at or beyond +-2^53, past the integers a JSON number holds exactly: llguidance clamped
-    an integer bound past 2^63 (so `minimum: 2**63` wrote 2^63 - 1), crashed the process on one near -2^63
-    while the schema was checked, and wrote 9007199254740991.9992 under `exclusiveMaximum: 2**53`, which a
-    float reads as 2^53; an enum or const integer there, which outlines-core writes as a float. Walks the
-    schemas only (not `default` values, say)."""
-    stack = [(schema, False)]  # (node, whether its keys are names, each of a schema)
-    while stack:
-        node, named = stack.pop()
-        if isinstance(node, dict) and named:
-            stack.extend((child, False) for child in node.values())
-        elif isinstance(node, dict):
-            if node.get("enum") == []:
-                raise InvalidOption(f"option {name!r}: an empty enum matches no value at all")
-            free = _free_keys_asked(node)
-            if free >= 2:
-                raise InvalidOption(f"option {name!r}: minProperties {node['minProperties']} asks for {free} keys beyond the "
-                                    f"required properties, and neither backend keeps such keys distinct (a key written "
-                                    f"twice counts once): list them as properties")
-            for keyword in BOUNDS:
-                value = node.get(keyword)
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) >= MAX_BOUND:
-                    raise InvalidOption(f"option {name!r}: {keyword} {value} is at or beyond +-2^53 ({MAX_BOUND}), past the "
-                                        f"integers a JSON number holds exactly")
-            if isinstance(node.get("pattern"), str) and class_read_differently(node["pattern"]):
-                raise InvalidOption(f"option {name!r}: the pattern {node['pattern'][:60]!r} has a class holding '[', "
-                                    f"'&&', '--' or '~~', which the regex engine of both backends (Rust's) reads "
-                                    f"otherwise than JSON Schema's: escape the character")
-            for keyword in ("enum", "const"):
-                if keyword in node and (big := _huge_integer(node[keyword])) is not None:
-                    raise InvalidOption(f"option {name!r}: the {keyword} holds {big}, at or beyond +-2^53 ({MAX_BOUND}): "
-                                        f"it would be written as the nearest float")
-            stack.extend((child, key in NAMED_SCHEMAS) for key, child in node.items() if key not in INSTANCES)
-        elif isinstance(node, list):
-            stack.extend((child, False) for child in node)
+    """Refuses, in any schema object, what neither backend enforces: an empty `enum`, which no value matches
+    (outlines-core would write it as the empty text); a `minProperties` asking for 2 or more free keys; a
+    pattern class Rust's regex reads otherwise; and numbers at or beyond +-2^53, past the integers a JSON
+    number holds exactly. llguidance clamped an integer bound past 2^63 (so `minimum: 2**63` wrote
+    2^63 - 1), crashed the process on one near -2^63 while the schema was checked, and wrote
+    9007199254740991.9992 under `exclusiveMaximum: 2**53`, which a float reads as 2^53; outlines-core writes
+    an enum or const integer there as a float."""
+    for node in schema_objects(schema):
+        if node.get("enum") == []:
+            raise InvalidOption(f"option {name!r}: an empty enum matches no value at all")
+        free = _free_keys_asked(node)
+        if free >= 2:
+            raise InvalidOption(f"option {name!r}: minProperties {node['minProperties']} asks for {free} keys beyond the "
+                                f"required properties, and neither backend keeps such keys distinct (a key written "
+                                f"twice counts once): list them as properties")
+        if isinstance(node.get("pattern"), str) and class_read_differently(node["pattern"]):
+            raise InvalidOption(f"option {name!r}: the pattern {node['pattern'][:60]!r} has a class holding '[', "
+                                f"'&&', '--' or '~~', which the regex engine of both backends (Rust's) reads "
+                                f"otherwise than JSON Schema's: escape the character")
+        for keyword in ("enum", "const"):
+            if keyword in node and (big := _huge_integer(node[keyword])) is not None:
+                raise InvalidOption(f"option {name!r}: the {keyword} holds {big}, at or beyond +-2^53 ({MAX_BOUND}): "
+                                    f"it would be written as the nearest float")
+        for keyword in BOUNDS:
+            value = node.get(keyword)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) >= MAX_BOUND:
+                raise InvalidOption(f"option {name!r}: {keyword} {value} is at or beyond +-2^53 ({MAX_BOUND}), past the "
+                                    f"integers a JSON number holds exactly")
 
 
 def _huge_integer(value) -> int | None:

@@ -17,6 +17,7 @@ from .anchors import alternates_at_top
 
 INSTANCES = frozenset({"const", "default", "enum", "examples"})  # keywords whose values are JSON values, not schemas
 MAX_REF_DEPTH = 2  # $refs within $refs that outlines-core is left to follow
+DEFINITIONS = frozenset({"$defs", "definitions"})
 # outlines-core reads one of these in a schema object, the first it holds, and compiles it alone.
 READ_FIRST = ("properties", "allOf", "anyOf", "oneOf", "prefixItems", "enum", "const", "$ref", "type")
 # Keywords whose values map names to schemas.
@@ -55,7 +56,7 @@ def dfa_obstacle(schema: dict, validator) -> str | None:
     reach through the keywords outlines-core reads, and the `$defs`."""
     if (reason := _refs_obstacle(schema)) is not None:
         return reason
-    if '"$id"' in json.dumps({key: value for key, value in schema.items() if key != "$id"}):
+    if any("$id" in node for node in schema_objects(schema) if node is not schema):
         return "an $id inside the schema (a $ref under it resolves against it, which outlines-core does not do)"
     stack = [schema]
     while stack:
@@ -71,7 +72,7 @@ def dfa_obstacle(schema: dict, validator) -> str | None:
 
 def _node(node: dict, validator) -> tuple[str | None, list]:
     """(why not, None if none; the schemas beneath it to look at next)."""
-    children = [child for key in ("$defs", "definitions") if isinstance(node.get(key), dict)
+    children = [child for key in DEFINITIONS if isinstance(node.get(key), dict)
                 for child in node[key].values()]
     asserted = {key for key in set(node) & ASSERTIONS if not (key == "uniqueItems" and node[key] is False)}  # a no-op
     read = next((key for key in READ_FIRST if key in node), None)
@@ -123,19 +124,8 @@ def _refs_obstacle(schema: dict) -> str | None:
 
     def refs_in(node) -> list[str]:
         if id(node) not in refs_under:
-            found, stack = [], [(node, False)]  # (item, whether its keys are names, each of a schema)
-            while stack:
-                item, named = stack.pop()
-                if isinstance(item, dict) and named:
-                    stack.extend((child, False) for child in item.values())
-                elif isinstance(item, dict):
-                    if isinstance(item.get("$ref"), str):
-                        found.append(item["$ref"])
-                    stack.extend((child, key in NAMED_SCHEMAS) for key, child in item.items()
-                                 if key not in INSTANCES and key not in ("$defs", "definitions"))
-                elif isinstance(item, list):
-                    stack.extend((child, False) for child in item)
-            refs_under[id(node)] = found
+            refs_under[id(node)] = [item["$ref"] for item in schema_objects(node, skip=DEFINITIONS)
+                                    if isinstance(item.get("$ref"), str)]
         return refs_under[id(node)]
 
     def too_deep(refs: list[str], level: int) -> str | None:
@@ -156,6 +146,22 @@ def _refs_obstacle(schema: dict) -> str | None:
         return None
 
     return too_deep(refs_in(schema), 1)
+
+
+def schema_objects(schema, skip=frozenset()):
+    """Every schema object in `schema`, itself included (depth first, not under a keyword of `skip`): through
+    keywords that hold schemas, lists of them, and maps of names to them, never into a JSON value (an enum's)."""
+    stack = [(schema, False)]  # (item, whether its keys are names, each of a schema)
+    while stack:
+        item, named = stack.pop()
+        if isinstance(item, dict) and named:
+            stack.extend((child, False) for child in item.values())
+        elif isinstance(item, dict):
+            yield item
+            stack.extend((child, key in NAMED_SCHEMAS) for key, child in item.items()
+                         if key not in INSTANCES and key not in skip)
+        elif isinstance(item, list):
+            stack.extend((child, False) for child in item)
 
 
 def _local_target(schema: dict, ref: str):
@@ -205,8 +211,8 @@ def _listed_values(node: dict, read: str, validator) -> str | None:
     for value in values if isinstance(values, list) else []:
         try:
             error = best_match(beside.iter_errors(value))
-        except Unresolvable as problem:  # a $ref beside it to nowhere: llguidance says so when it is checked
-            return f"a $ref beside the {read} that does not resolve ({str(problem)[:80]})"
+        except Unresolvable as problem:  # a $dynamicRef beside it to nowhere ($refs are followed first)
+            return f"a reference beside the {read} that does not resolve ({str(problem)[:80]})"
         if error is not None:
             return f"the {read} value {json.dumps(value)[:60]} is not valid against the keywords beside it"
     return None

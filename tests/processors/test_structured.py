@@ -686,6 +686,7 @@ for _ in range(40):
     # a $ref to nowhere beside an enum (checking the enum's values against it raised jsonschema's own error)
     (JsonSchema, {"schema": {"enum": [1], "$ref": "#/nope"}}, "cannot be enforced: Pointer '/nope' does not exist"),
     (JsonSchema, {"schema": {"const": 1, "$ref": "https://example.com/x.json"}}, "cannot be enforced: Resource"),
+    (JsonSchema, {"schema": {"enum": [1], "$dynamicRef": "#nope"}}, r'Unimplemented keys: \["\$dynamicRef"\]'),
     (JsonSchema, {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]},
                              "then": {"required": ["b"]}}}, "Unimplemented keys"),
     (JsonSchema, {"schema": CYCLE}, "contains itself at /properties/a/items: JSON cannot write a cycle"),
