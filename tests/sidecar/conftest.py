@@ -1,9 +1,11 @@
 import shutil
+import subprocess
 
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from protocol.peer import Peer
 from sidecar import Engine
 from sidecar.default_model import materialise
 
@@ -114,3 +116,66 @@ def reference_find(session, input_ids, own):
 def picked(source):
     """What `sharing.find` returned, as `reference_find` gives it."""
     return None if source is None else (source.tokens, source.entry, source.session)
+
+
+
+shared_server = pytest.mark.shared_server  # the test takes `peer` from a server it may share (see `peer`)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "shared_server: `peer` may be a server other tests of the module used")
+
+
+class _Tidy(Peer):
+    """A client that remembers the sessions it asked to open or fork, to close them after the test."""
+
+    def send(self, message) -> None:
+        if isinstance(message, dict):
+            name = {"open_session": message.get("session"), "fork_session": message.get("new")}.get(message.get("op"))
+            if isinstance(name, str):
+                self.named.add(name)
+        super().send(message)
+
+
+def _left_as_found(peer: _Tidy) -> bool:
+    """Closes the sessions the test named and says whether the server is now as a fresh one: no session,
+    nothing in flight or cached, one model, no message unread."""
+    for name in sorted(peer.named):
+        peer.call("close_session", session=name)
+    stats = peer.call("stats")["result"]
+    model = stats["models"].get("default", {})
+    return (not any(peer._messages.values()) and stats["sessions"] == stats["in_flight"] == stats["active_generations"] == 0
+            and list(stats["models"]) == ["default"] and model["cache_bytes"] == model["shared_prefixes"] == 0)
+
+
+@pytest.fixture(scope="module")
+def _module_server(default_dir):
+    held = []
+    yield held
+    for peer in held:
+        peer.close()
+
+
+@pytest.fixture
+def peer(_module_server, request):
+    """A client of the module's `SERVER` command. A test marked `shared_server` shares one server with the
+    other marked tests of its module, which saves a start (4-5 s, the imports of torch and transformers)
+    and changes nothing it can see: the sessions it opened are closed after it, and a server left
+    otherwise (a session opened under a name `send` did not see, a request in flight, a cache still
+    held, another model, a reply unread) is closed and the next test starts its own. Any other test gets
+    a server of its own."""
+    if request.node.get_closest_marker("shared_server") is None:
+        with Peer(request.module.SERVER, stderr=subprocess.DEVNULL) as fresh:
+            yield fresh
+        return
+    if not _module_server:
+        _module_server.append(_Tidy(request.module.SERVER, stderr=subprocess.DEVNULL))
+    shared = _module_server[0]
+    shared.named, shared.replied = set(), []
+    clean = False
+    try:
+        yield shared
+        clean = _left_as_found(shared)
+    finally:
+        if not clean:
+            _module_server.pop().close()

@@ -18,14 +18,11 @@ from protocol import frame, pack, unpack
 from protocol.peer import Peer
 from sidecar import errors
 
+from .conftest import shared_server
+
 SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "ERROR"]
 POISON = {"name": "suppress_tokens", "options": {"token_ids": [2**63]}}
 
-
-@pytest.fixture
-def peer(default_dir):
-    with Peer(SERVER, stderr=subprocess.DEVNULL) as p:
-        yield p
 
 
 def finals(peer, ids) -> dict:
@@ -50,6 +47,7 @@ def fresh_tokens(engine, **request) -> list[int]:
 
 # ---- poisoning -------------------------------------------------------------------------------------
 
+@shared_server
 def test_a_bad_processor_option_does_not_poison_the_session(peer, engine):
     peer.call("open_session", session="p")
     bad = peer.call("generate", session="p", token_ids=[5, 6], processors=[POISON])
@@ -62,6 +60,7 @@ def test_a_bad_processor_option_does_not_poison_the_session(peer, engine):
     assert peer.call("stats")["result"]["in_flight"] == 0
 
 
+@shared_server
 def test_a_bad_request_queued_behind_a_running_generation_is_answered_and_the_server_lives(peer):
     peer.call("open_session", session="q")
     peer.send({"id": 10, "op": "generate", "session": "q", "token_ids": [5, 6], "max_new_tokens": 20, "eos_token_ids": []})
@@ -81,6 +80,7 @@ def test_a_bad_request_queued_behind_a_running_generation_is_answered_and_the_se
 
 # ---- every request answered ------------------------------------------------------------------------
 
+@shared_server
 def test_requests_queued_behind_close_session_are_answered(peer):
     peer.call("open_session", session="c")
     peer.send({"id": 20, "op": "generate", "session": "c", "token_ids": [5, 6], "max_new_tokens": 30, "eos_token_ids": []})

@@ -15,13 +15,10 @@ from protocol import FrameDecoder, frame, pack, unpack
 from protocol.peer import Peer
 from sidecar.sequences import Tokens
 
+from .conftest import shared_server
+
 SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "WARNING"]
 
-
-@pytest.fixture
-def peer(default_dir):
-    with Peer(SERVER, stderr=subprocess.DEVNULL) as p:
-        yield p
 
 
 def generate(peer, rid, **params):
@@ -85,6 +82,7 @@ def test_eof_mid_generation_ends_the_process(peer):
     print(f"exited {time.monotonic() - started:.3f} s after EOF")
 
 
+@shared_server
 def test_other_sessions_and_pings_are_not_held_up(peer):
     peer.call("open_session", session="long")
     peer.call("open_session", session="short")
@@ -106,6 +104,7 @@ def test_other_sessions_and_pings_are_not_held_up(peer):
     assert peer.reply_for(104)[1]["result"] == {"cancelled": True}
 
 
+@shared_server
 def test_requests_for_one_session_run_in_arrival_order(peer):
     peer.call("open_session", session="s")
     generate(peer, 10, session="s", token_ids=[5, 6, 7], max_new_tokens=30, eos_token_ids=[])
@@ -117,6 +116,7 @@ def test_requests_for_one_session_run_in_arrival_order(peer):
     assert order[2]["result"]["history_tokens"] == 6
 
 
+@shared_server
 def test_cancel_stops_within_a_step_and_returns_the_tokens_so_far(peer):
     peer.call("open_session", session="c")
     generate(peer, 20, session="c", token_ids=[5, 6], max_new_tokens=1500, eos_token_ids=[], stream=True)
@@ -132,6 +132,7 @@ def test_cancel_stops_within_a_step_and_returns_the_tokens_so_far(peer):
     assert after["ok"] and after["result"]["stats"]["reused_tokens"] == 2 + len(streamed) - 1
 
 
+@shared_server
 def test_a_str_that_is_not_utf8_is_answered_on_its_request(peer):
     """msgpack that decodes but for one str's bytes still names its request: the client waiting on that id
     gets its reply (it got one with id null, and waited for ever); a request in flight is left alone."""
@@ -281,6 +282,7 @@ def test_serves_both_ways_on_one_socket(default_dir):
     assert process.wait(10) == 0
 
 
+@shared_server
 def test_eight_sessions_at_once_through_the_server_equal_their_solo_runs(peer, engine):
     from .conftest import tokens
 
@@ -298,6 +300,7 @@ def test_eight_sessions_at_once_through_the_server_equal_their_solo_runs(peer, e
     assert peer.call("stats")["result"]["models"]["default"]["cache_peak_bytes"] > 0
 
 
+@shared_server
 def test_sessions_sharing_a_prefix_while_its_owner_closes_equal_cold_runs(peer, engine):
     """Pipelined sessions continue one session's prefix while that session and one of them are closed
     mid-flight; each result equals a fresh session of an engine that shares nothing. no_repeat_ngram
@@ -340,6 +343,7 @@ def test_sessions_sharing_a_prefix_while_its_owner_closes_equal_cold_runs(peer, 
     assert stats["shared_prefixes"] >= 1 and stats["cache_peak_bytes"] <= stats["cache_budget_bytes"]
 
 
+@shared_server
 def test_beams_and_samples_through_the_server_equal_the_python_api(peer, engine):
     from .conftest import tokens
 
@@ -362,6 +366,7 @@ def test_beams_and_samples_through_the_server_equal_the_python_api(peer, engine)
         assert "".join(e["text"] for e in events if e["sequence"] == index) == sequence["text"]
 
 
+@shared_server
 def test_constraints_by_name_through_the_server(peer):
     """Clients cannot send a tokenizer: they name the constraint, and the server binds it to its model."""
     import json
@@ -638,6 +643,7 @@ def test_session_limits_and_requests_overtaken_while_compiling_or_closing(defaul
         assert stats["in_flight"] == 0 and stats["sessions"] == 1
 
 
+@shared_server
 def test_huge_length_penalties_reply_with_a_result(peer):
     """length ** 1000.0 overflows a float (transformers raises there); it is taken as inf, the scores are
     their limit, -0.0, and every reply carries finite scores (a peer may refuse non-finite floats)."""
@@ -652,6 +658,7 @@ def test_huge_length_penalties_reply_with_a_result(peer):
             assert [len(s["token_ids"]) for s in reply["result"]["sequences"]] == [4, 4] and scores == [0.0, 0.0]
 
 
+@shared_server
 @pytest.mark.parametrize("options, count", [
     (dict(strategy="sample", num_samples=4, seed=1), 4),
     (dict(strategy="beam", num_beams=4, num_return_sequences=3), 3),
@@ -669,6 +676,7 @@ def test_max_new_tokens_0_lists_every_sequence_and_continue_names_the_last(peer,
     assert reply["result"]["stats"]["reused_tokens"] == len(ids) - 1  # the prompt, all but the last token fed again
 
 
+@shared_server
 def test_continue_names_a_sequence_of_the_last_result(peer, engine):
     """`continue` is read when the request reaches the head of its session's queue: pipelined behind a
     generate, it continues that one's result. Bad values are typed errors and change nothing."""
