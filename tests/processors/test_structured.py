@@ -640,6 +640,10 @@ SHARED_40_TIMES_OVER = {"type": "integer"}
 for _ in range(40):
     SHARED_40_TIMES_OVER = {"anyOf": [SHARED_40_TIMES_OVER, SHARED_40_TIMES_OVER]}
 
+NESTED_3000_DEEP = {"type": "integer"}
+for _ in range(3000):
+    NESTED_3000_DEEP = {"anyOf": [NESTED_3000_DEEP]}
+
 
 @pytest.mark.parametrize("cls, options, message", [
     (Regex, {"pattern": "a(?=b)"}, "look-around"),
@@ -692,6 +696,7 @@ for _ in range(40):
     (JsonSchema, {"schema": CYCLE}, "contains itself at /properties/a/items: JSON cannot write a cycle"),
     (JsonSchema, {"schema": SHARED_40_TIMES_OVER}, "more than 100000 characters written as JSON .limit max_pattern_chars"),
     (JsonSchema, {"schema": "[" * 50_000 + "]" * 50_000}, "not valid JSON|nests too deeply"),
+    (JsonSchema, {"schema": NESTED_3000_DEEP}, "nests too deeply to be written as JSON"),  # was a raw RecursionError
     (Dfa, {"initial_state": 0, "transitions": [[0, 1, 1]], "accepting_states": [2**63]}, "accepting_states"),
     (Grammar, {"grammar": "start: undefined_rule"}, "not a valid Lark grammar"),
     (Dfa, {"initial_state": 0, "transitions": [[0, 1]]}, "state, token_id, next_state"),
@@ -704,6 +709,40 @@ for _ in range(40):
 def test_bad_constraints_are_refused_at_configure_time(cls, options, message):
     with pytest.raises(P.InvalidOption, match=message):
         configure(cls, **options)
+
+
+def test_a_schema_over_max_pattern_chars_is_refused_before_it_is_checked(monkeypatch):
+    """The length is the first thing read once the schema is written as JSON: jsonschema's check of a
+    300 KB schema took 3-4 s before the limit refused it."""
+    from processors.structured import json_schema
+
+    def checked(name, text):
+        raise AssertionError("the schema was checked before its length")
+
+    monkeypatch.setattr(json_schema, "_check_schema", checked)
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string", "format": "date"} for i in range(8000)}}
+    with pytest.raises(P.InvalidOption, match="has 374924 characters, more than the limit of 100000 .limit max_pattern_chars"):
+        configure(JsonSchema, schema=wide)
+
+
+def test_a_schema_sent_again_is_not_checked_again():
+    """A client sends its schema with every request: jsonschema's check and llguidance's are made once per
+    schema text (up to 2.3 s at max_pattern_chars); a schema refused is refused every time."""
+    from processors.structured import json_schema
+
+    schema = {"type": "object", "properties": {"when": {"type": "string", "format": "date"}, "n": {"type": "integer"}}}
+    first = configure(JsonSchema, schema=schema)
+    checks, verdicts = json_schema._check_schema.cache_info(), json_schema.llguidance_verdict.cache_info()
+    again = configure(JsonSchema, schema=json.dumps(schema))  # the same schema as text
+    assert again == first and first.dfa_obstacle == "format, which outlines-core does not enforce"
+    assert json_schema._check_schema.cache_info().hits == checks.hits + 1
+    assert json_schema._check_schema.cache_info().misses == checks.misses
+    assert json_schema.llguidance_verdict.cache_info().hits == verdicts.hits + 1
+    for _ in range(2):
+        with pytest.raises(P.InvalidOption, match="not a valid JSON schema"):
+            configure(JsonSchema, schema={"type": "object", "properties": {"a": {"type": 5}}})
+        with pytest.raises(P.InvalidOption, match=r'Unimplemented keys: \["not"\]'):
+            configure(JsonSchema, schema={"type": "object", "properties": {"a": {"not": {}}}})
 
 
 def test_schemas_outlines_core_compiles_exactly_run_as_automata(vocab):
