@@ -122,10 +122,6 @@ def picked(source):
 shared_server = pytest.mark.shared_server  # the test takes `peer` from a server it may share (see `peer`)
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "shared_server: `peer` may be a server other tests of the module used")
-
-
 class _Tidy(Peer):
     """A client that remembers the sessions it asked to open or fork, to close them after the test."""
 
