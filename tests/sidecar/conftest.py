@@ -118,7 +118,6 @@ def picked(source):
     return None if source is None else (source.tokens, source.entry, source.session)
 
 
-
 shared_server = pytest.mark.shared_server  # the test takes `peer` from a server it may share (see `peer`)
 
 

@@ -24,7 +24,6 @@ SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", 
 POISON = {"name": "suppress_tokens", "options": {"token_ids": [2**63]}}
 
 
-
 def finals(peer, ids) -> dict:
     """The final reply of each id (events skipped)."""
     return {rid: peer.reply_for(rid)[1] for rid in ids}

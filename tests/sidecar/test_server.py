@@ -20,7 +20,6 @@ from .conftest import shared_server
 SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "WARNING"]
 
 
-
 def generate(peer, rid, **params):
     peer.send({"id": rid, "op": "generate", **params})
 
