@@ -14,6 +14,7 @@ exactly in the states that may end: accepting ones, and any the vocabulary canno
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -288,7 +289,11 @@ def _check_syntax(pattern: str, name: str) -> None:
         raise InvalidOption(f"option {name!r} is not a valid regular expression: {problem}")
 
 
+@functools.lru_cache(maxsize=64)
 def _validate_grammar(grammar: str) -> tuple[bool, str]:
+    """llguidance's check of a grammar in its own format: whether it is valid, and its messages. Kept for
+    the grammars last asked for: a client sends its constraint with every request, and the check of a
+    regex or Lark grammar of `max_pattern_chars` took 63-76 ms."""
     import llguidance
 
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)

@@ -725,6 +725,24 @@ def test_a_schema_over_max_pattern_chars_is_refused_before_it_is_checked(monkeyp
         configure(JsonSchema, schema=wide)
 
 
+def test_a_regex_or_grammar_sent_again_is_not_checked_again():
+    """llguidance's check of a pattern or Lark grammar (63-76 ms at max_pattern_chars) is made once per text;
+    one refused is refused every time."""
+    from processors.structured import constraints
+
+    for cls, options in ((Regex, {"pattern": "[0-9]{3}-x"}), (Grammar, {"grammar": 'start: "a" start | "b"'})):
+        configure(cls, **options)
+        before = constraints._validate_grammar.cache_info()
+        configure(cls, **options)
+        after = constraints._validate_grammar.cache_info()
+        assert (after.hits, after.misses) == (before.hits + 1, before.misses)
+    for _ in range(2):
+        with pytest.raises(P.InvalidOption, match="not a valid regular expression"):
+            configure(Regex, pattern="a{2,1}")
+        with pytest.raises(P.InvalidOption, match="not a valid Lark grammar"):
+            configure(Grammar, grammar="start: undefined_rule")
+
+
 def test_a_schema_sent_again_is_not_checked_again():
     """A client sends its schema with every request: jsonschema's check and llguidance's are made once per
     schema text (up to 2.3 s at max_pattern_chars); a schema refused is refused every time."""
