@@ -21,8 +21,9 @@ nested objects, an array with maxItems, an enum, string lengths and a pattern, r
    per-generation set-up and first mask are not timed. Median and p99 over every step of every run, with
    the [min-max] of the runs' own. Target: ours <= 30 us a row, and below llguidance in every run.
 3. Compile time, cold, of what each backend does per schema (its per-model tokenizer set-up apart): ours
-   is configure + bind with the compile cache and the remembered schema checks cleared. Target: no slower than the fastest other. Ours and
-   llguidance make each state's mask the first time a walk reaches it, inside the timed steps.
+   is configure + bind with the compile cache and the remembered schema checks cleared. Target: no slower
+   than the fastest other. Ours and llguidance make each state's mask the first time a walk reaches it,
+   inside the timed steps.
 4. End to end on the default model: greedy JSON-constrained generation against unconstrained generation of
    the same number of tokens (max_new_tokens = the constrained length, eos_token_ids=[]), tokens/s of whole
    calls; the first constrained call, which compiles, reported apart. Target >= 0.9x.
@@ -55,9 +56,8 @@ from bench.common import NO_TARGET, Target, judged, percentile, print_table, spr
 from processors import Chain, Context, JsonSchema, Regex, configure  # noqa: E402
 from processors.structured import Vocabulary  # noqa: E402
 from processors.structured import compile as structured_compile  # noqa: E402
+from processors.structured import constraints, json_schema  # noqa: E402
 from processors.structured.grammar import bind_llguidance  # noqa: E402
-from processors.structured import json_schema  # noqa: E402
-from processors.structured.json_schema import llguidance_grammar  # noqa: E402
 from sidecar.default_model import train_tokenizer as recipe  # noqa: E402
 
 DEFAULT_TOKENIZER = Path(recipe.__file__).parent / "tokenizer.json"
@@ -128,9 +128,9 @@ class Backend:
 
 
 def forget_checks() -> None:
-    """Clears what `json_schema` remembers per schema text (its checks, backend and llguidance grammar), so
-    that a compile timed cold checks the schema as a new one."""
-    for cached in (json_schema._check_schema, json_schema.llguidance_verdict, json_schema.dfa_obstacle_of,
+    """Clears what is remembered per schema text (its checks, backend and llguidance grammar), so that a
+    compile timed cold checks the schema as a new one."""
+    for cached in (json_schema._check_schema, constraints._validate_grammar, json_schema.dfa_obstacle_of,
                    json_schema.llguidance_grammar):
         cached.cache_clear()
 
@@ -180,7 +180,7 @@ class OursOnLLGuidance(Ours):
     def compile(self):
         forget_checks()
         constraint = configure(JsonSchema, schema=SCHEMA)
-        self.chain = Chain([bind_llguidance(constraint, llguidance_grammar(constraint.schema), self.vocabulary,
+        self.chain = Chain([bind_llguidance(constraint, json_schema.llguidance_grammar(constraint.schema), self.vocabulary,
                                             [self.eos], "cpu")])
 
 

@@ -133,7 +133,8 @@ def _open_stderr(path: str) -> int:
 
 def _read_template(path: str) -> str:
     """A --chat-template file's text: a regular file of at most MAX_TEMPLATE_BYTES, in UTF-8."""
-    with open(path, "rb") as file:
+    # not blocking: opening a FIFO waits for a writer, and the start hung there, before the check below
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
         info = os.fstat(file.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise ValueError("it is not a regular file")

@@ -293,7 +293,7 @@ def _check_syntax(pattern: str, name: str) -> None:
 def _validate_grammar(grammar: str) -> tuple[bool, str]:
     """llguidance's check of a grammar in its own format: whether it is valid, and its messages. Kept for
     the grammars last asked for: a client sends its constraint with every request, and the check of a
-    regex or Lark grammar of `max_pattern_chars` took 63-76 ms."""
+    regex or Lark grammar of `max_pattern_chars` took 63-76 ms, of a JSON schema's grammar 0.56 s."""
     import llguidance
 
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)

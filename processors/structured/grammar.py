@@ -45,8 +45,7 @@ class Grammar(Constraint):
     def validate(self):
         import llguidance
 
-        with rust_panics_as(InvalidOption, "option 'grammar' cannot be checked"):
-            ok, problem = _on_deep_stack(lambda: _validate_grammar(llguidance.LLMatcher.grammar_from_lark(self.grammar)))
+        ok, problem = check_grammar(lambda: llguidance.LLMatcher.grammar_from_lark(self.grammar), "grammar")
         if not ok:
             raise InvalidOption(f"option 'grammar' is not a valid Lark grammar: {problem}")
 
@@ -55,6 +54,13 @@ class Grammar(Constraint):
 
         return bind_llguidance(self, llguidance.LLMatcher.grammar_from_lark(self.grammar), vocabulary, eos_token_ids,
                                device)
+
+
+def check_grammar(grammar, option_name: str) -> tuple[bool, str]:
+    """llguidance's check (remembered per grammar text) of the grammar `grammar()` writes in its own format,
+    on a deep stack; a panic there is the option's `InvalidOption`."""
+    with rust_panics_as(InvalidOption, f"option {option_name!r} cannot be checked"):
+        return _on_deep_stack(lambda: _validate_grammar(grammar()))
 
 
 def bind_llguidance(constraint: Constraint, grammar: str, vocabulary, eos_token_ids, device) -> "GrammarProcessor":
@@ -126,7 +132,9 @@ class GrammarProcessor(LogitsProcessor):
         else:  # one row, or rows sharing a matcher (no consume since a reorder): never one matcher on two threads
             for row, matcher in enumerate(matchers):
                 llg.fill_next_token_bitmask(matcher, bitmask, row)
+        ends = np.empty(len(matchers), dtype=bool)  # rows that may end here
         for row, matcher in enumerate(matchers):
+            ends[row] = matcher.is_accepting() or matcher.is_stopped()
             if matcher.is_error():  # its parser gave up (a limit of llguidance's): no text it allows is known
                 raise InvalidInput(f"{self.constraint.name}: the parser of row {row} stopped after {context.length - context.input_length} "
                                    f"tokens: {_reason(matcher)}")
@@ -134,7 +142,6 @@ class GrammarProcessor(LogitsProcessor):
         # tokens' biases (a third of the cost of unpacking the bits and masked_fill, 25 against 80 us at 32k)
         bias = np.take(_BYTE_BIASES, bitmask.astype("<i4", copy=False).view(np.uint8), axis=0)
         bias = bias.reshape(len(matchers), -1)[:, :logits.shape[1]]
-        ends = np.array([m.is_accepting() or m.is_stopped() for m in matchers])
         bias[:, self._eos_columns] = np.where(ends, np.float32(0), np.float32(NEG_INF))[:, None]
         logits = torch.from_numpy(bias).to(logits.device, logits.dtype).add_(logits)
         stuck = logits.amax(dim=1) == NEG_INF

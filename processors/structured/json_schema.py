@@ -17,8 +17,8 @@ from typing import ClassVar
 from .. import checks
 from ..contract import option
 from ..errors import InvalidOption
-from .constraints import MAX_PATTERN_CHARS, RegularConstraint, _compile_timeout, _pattern, _validate_grammar, rust_panics_as
-from .grammar import _on_deep_stack, bind_llguidance
+from .constraints import MAX_PATTERN_CHARS, RegularConstraint, _compile_timeout, _pattern
+from .grammar import bind_llguidance, check_grammar
 from .schema_fit import class_read_differently, dfa_obstacle, patterns_matched_whole, schema_objects
 
 CHECKED_SCHEMAS = 256  # schema texts remembered as valid: at most 256 x max_pattern_chars (100 KB) held
@@ -114,13 +114,14 @@ def _pointer(link) -> str:
     return path if len(path) <= 200 else "..." + path[-197:]
 
 
+DRAFT_3_ONLY = frozenset({"disallow", "extends", "divisibleBy"})  # read by jsonschema, by neither backend
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_BOUND = 2**53
 
 
 def _check_values(name: str, schema) -> None:
     """Refuses, in any schema object, what neither backend enforces: an empty `enum`, which no value matches
-    (outlines-core would write it as the empty text); a `minProperties` asking for 2 or more free keys; a
+    (outlines-core would write it as the empty text); draft 3's `disallow`, `extends`, `divisibleBy`; a `minProperties` asking for 2 or more free keys; a
     pattern class Rust's regex reads otherwise; and numbers at or beyond +-2^53, past the integers a JSON
     number holds exactly. llguidance clamped an integer bound past 2^63 (so `minimum: 2**63` wrote
     2^63 - 1), crashed the process on one near -2^63 while the schema was checked, and wrote
@@ -129,6 +130,8 @@ def _check_values(name: str, schema) -> None:
     for node in schema_objects(schema):
         if node.get("enum") == []:
             raise InvalidOption(f"option {name!r}: an empty enum matches no value at all")
+        if unread := DRAFT_3_ONLY & set(node):
+            raise InvalidOption(f"option {name!r}: {', '.join(sorted(unread))} (draft 3) is enforced by neither backend")
         free = _free_keys_asked(node)
         if free >= 2:
             raise InvalidOption(f"option {name!r}: minProperties {node['minProperties']} asks for {free} keys beyond the "
@@ -197,14 +200,6 @@ def llguidance_grammar(schema_text: str) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(whole, defaults={"whitespace_pattern": "[ ]?"})
 
 
-@functools.lru_cache(maxsize=64)
-def llguidance_verdict(schema_text: str) -> tuple[bool, str]:
-    """Whether llguidance enforces the schema, and if not why, kept like its grammar: the check itself
-    took 0.56 s on 100 KB of string properties with a `format`."""
-    with rust_panics_as(InvalidOption, "option 'schema' cannot be checked"):
-        return _on_deep_stack(lambda: _validate_grammar(llguidance_grammar(schema_text)))
-
-
 @dataclass(frozen=True)
 class JsonSchema(RegularConstraint):
     """The generated text is JSON valid against `schema`. Compiled to a token automaton by outlines-core
@@ -218,7 +213,7 @@ class JsonSchema(RegularConstraint):
     def validate(self):
         if self.dfa_obstacle is None:
             return
-        ok, problem = llguidance_verdict(self.schema)
+        ok, problem = check_grammar(lambda: llguidance_grammar(self.schema), "schema")
         if not ok:
             raise InvalidOption(f"option 'schema' cannot be enforced: {problem[:300]} (it is run by llguidance, since "
                                 f"outlines-core would not compile it exactly: {self.dfa_obstacle})")

@@ -12,6 +12,7 @@ what it cannot enforce. `dfa_obstacle` says which: None, or the first reason fou
 from __future__ import annotations
 
 import json
+import re
 
 from .anchors import alternates_at_top
 
@@ -32,6 +33,11 @@ ASSERTIONS = frozenset({
     "additionalItems", "unevaluatedItems", "properties", "patternProperties", "additionalProperties",
     "propertyNames", "unevaluatedProperties", "$ref", "$dynamicRef", "$recursiveRef",
 })
+# What outlines-core reads as counts: it writes one that is not a plain integer (2.0, which JSON Schema takes
+# as 2) as {0,}, unbounded, and so one at 2^64 or past it (below, it writes the count, which its regex
+# engine then refuses when too large for it).
+COUNTS = frozenset({"minLength", "maxLength", "minItems", "maxItems"})
+MAX_COUNT = 2**64
 # What outlines-core enforces of each type, read beside `type` (a keyword of another type is moot there).
 _BY_TYPE = {
     "string": {"minLength", "maxLength", "pattern"},
@@ -53,7 +59,19 @@ _OF_TYPE_TOO = {"integer": "number"}  # the number keywords apply to integers to
 def dfa_obstacle(schema: dict, validator) -> str | None:
     """Why outlines-core would not compile `schema` exactly (None: it would). `validator` is the schema's
     own, from jsonschema, for the values an enum or a const lists. Walks every schema a compiled one can
-    reach through the keywords outlines-core reads, and the `$defs`."""
+    reach through the keywords outlines-core reads, and the `$defs`.
+
+    The walk reads keywords in their 2020-12 shapes, which the schema's own metaschema does not ensure
+    under an older `$schema` (draft 3's `required: true`; `$defs` or `prefixItems`, unchecked by draft 7's):
+    a keyword of another shape is a reason too, and llguidance, which reads 2020-12 shapes as well, says
+    whether it runs the schema."""
+    try:
+        return _walk(schema, validator)
+    except (TypeError, AttributeError, KeyError) as problem:
+        return f"a keyword of a shape outlines-core does not read ({type(problem).__name__}: {str(problem)[:80]})"
+
+
+def _walk(schema: dict, validator) -> str | None:
     if (reason := _refs_obstacle(schema)) is not None:
         return reason
     if any("$id" in node for node in schema_objects(schema) if node is not schema):
@@ -76,6 +94,9 @@ def _node(node: dict, validator) -> tuple[str | None, list]:
                 for child in node[key].values()]
     asserted = {key for key in set(node) & ASSERTIONS if not (key == "uniqueItems" and node[key] is False)}  # a no-op
     read = next((key for key in READ_FIRST if key in node), None)
+    counts = [key for key in COUNTS & set(node) if not _plain_count(node[key])]
+    if counts:
+        return f"{_listed(set(counts))} not a plain integer below 2^64 (outlines-core writes it unbounded)", []
     if read is None:
         return ("a schema that allows any JSON value (slow to compile)" if not asserted else
                 f"{_listed(asserted)} without a type, properties, items or a combinator"), []
@@ -198,6 +219,10 @@ def _typed(node: dict, types: list, asserted: set) -> str | None:
     return None
 
 
+def _plain_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
+
+
 def _listed_values(node: dict, read: str, validator) -> str | None:
     """An enum or a const is compiled alone: exact when every value it lists is valid against the object."""
     from jsonschema.exceptions import best_match
@@ -213,6 +238,8 @@ def _listed_values(node: dict, read: str, validator) -> str | None:
             error = best_match(beside.iter_errors(value))
         except Unresolvable as problem:  # a $dynamicRef beside it to nowhere ($refs are followed first)
             return f"a reference beside the {read} that does not resolve ({str(problem)[:80]})"
+        except re.error as problem:  # Python's re refuses (?i) inside ^(?:...)$, where Rust's regex takes it
+            return f"a pattern beside the {read} that Python's re cannot match whole ({str(problem)[:80]})"
         if error is not None:
             return f"the {read} value {json.dumps(value)[:60]} is not valid against the keywords beside it"
     return None

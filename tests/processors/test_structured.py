@@ -640,6 +640,7 @@ SHARED_40_TIMES_OVER = {"type": "integer"}
 for _ in range(40):
     SHARED_40_TIMES_OVER = {"anyOf": [SHARED_40_TIMES_OVER, SHARED_40_TIMES_OVER]}
 
+DRAFT_3, DRAFT_7 = "http://json-schema.org/draft-03/schema#", "http://json-schema.org/draft-07/schema#"
 NESTED_3000_DEEP = {"type": "integer"}
 for _ in range(3000):
     NESTED_3000_DEEP = {"anyOf": [NESTED_3000_DEEP]}
@@ -697,6 +698,19 @@ for _ in range(3000):
     (JsonSchema, {"schema": SHARED_40_TIMES_OVER}, "more than 100000 characters written as JSON .limit max_pattern_chars"),
     (JsonSchema, {"schema": "[" * 50_000 + "]" * 50_000}, "not valid JSON|nests too deeply"),
     (JsonSchema, {"schema": NESTED_3000_DEEP}, "nests too deeply to be written as JSON"),  # was a raw RecursionError
+    # shapes an older $schema's metaschema leaves unchecked, which the backends read as 2020-12's (TypeError before)
+    (JsonSchema, {"schema": {"$schema": DRAFT_3, "type": "object", "properties": {"a": {}}, "required": True}},
+     "Expected array for 'required'"),
+    (JsonSchema, {"schema": {"$schema": DRAFT_3, "type": [{"type": "string"}, "null"]}}, "type must be a string"),
+    (JsonSchema, {"schema": {"$schema": DRAFT_3, "anyOf": 5}}, "anyOf must be an array"),
+    (JsonSchema, {"schema": {"$schema": DRAFT_7, "$defs": {"x": {"type": {"x": 1}}}, "$ref": "#/$defs/x"}},
+     "type must be a string or array of strings"),
+    (JsonSchema, {"schema": {"$schema": DRAFT_7, "type": "array", "prefixItems": 5}}, "prefixItems must be an array"),
+    # counts outlines-core wrote as {0,} (2.0 is 2 to JSON Schema), and draft 3 keywords neither backend reads
+    (JsonSchema, {"schema": {"type": "string", "minLength": 2.0}}, "Expected positive integer for 'minLength'"),
+    (JsonSchema, {"schema": {"type": "string", "maxLength": 2**64}}, "Expected positive integer for 'maxLength'"),
+    (JsonSchema, {"schema": {"$schema": DRAFT_3, "type": "string", "disallow": "string"}},
+     "disallow .draft 3. is enforced by neither backend"),
     (Dfa, {"initial_state": 0, "transitions": [[0, 1, 1]], "accepting_states": [2**63]}, "accepting_states"),
     (Grammar, {"grammar": "start: undefined_rule"}, "not a valid Lark grammar"),
     (Dfa, {"initial_state": 0, "transitions": [[0, 1]]}, "state, token_id, next_state"),
@@ -746,16 +760,16 @@ def test_a_regex_or_grammar_sent_again_is_not_checked_again():
 def test_a_schema_sent_again_is_not_checked_again():
     """A client sends its schema with every request: jsonschema's check and llguidance's are made once per
     schema text (up to 2.3 s at max_pattern_chars); a schema refused is refused every time."""
-    from processors.structured import json_schema
+    from processors.structured import constraints, json_schema
 
     schema = {"type": "object", "properties": {"when": {"type": "string", "format": "date"}, "n": {"type": "integer"}}}
     first = configure(JsonSchema, schema=schema)
-    checks, verdicts = json_schema._check_schema.cache_info(), json_schema.llguidance_verdict.cache_info()
+    checks, verdicts = json_schema._check_schema.cache_info(), constraints._validate_grammar.cache_info()
     again = configure(JsonSchema, schema=json.dumps(schema))  # the same schema as text
     assert again == first and first.dfa_obstacle == "format, which outlines-core does not enforce"
     assert json_schema._check_schema.cache_info().hits == checks.hits + 1
     assert json_schema._check_schema.cache_info().misses == checks.misses
-    assert json_schema.llguidance_verdict.cache_info().hits == verdicts.hits + 1
+    assert constraints._validate_grammar.cache_info().hits == verdicts.hits + 1
     for _ in range(2):
         with pytest.raises(P.InvalidOption, match="not a valid JSON schema"):
             configure(JsonSchema, schema={"type": "object", "properties": {"a": {"type": 5}}})
@@ -843,6 +857,13 @@ def test_schemas_outlines_core_would_not_enforce_are_run_by_llguidance(schema, w
     whole = lambda node: {**node, "pattern": f"^(?:{node['pattern']})$"} if "pattern" in node else node
     for text in texts:
         jsonschema.validate(json.loads(text), whole(schema), format_checker=checker)
+
+
+def test_an_enum_beside_a_pattern_python_cannot_match_whole_goes_to_llguidance():
+    """(?i) inside ^(?:...)$ is an error to Python's re (it raised out of configure), not to Rust's regex."""
+    for keyword, value in (("enum", ["abc"]), ("const", "abc")):
+        constraint = configure(JsonSchema, schema={"type": "string", "pattern": "(?i)abc", keyword: value})
+        assert f"a pattern beside the {keyword} that Python's re cannot match whole" in constraint.dfa_obstacle
 
 
 def test_a_pattern_is_matched_whole_on_either_backend(vocab, tokenizer):

@@ -148,7 +148,7 @@ def _module_server(default_dir):
     held = []
     yield held
     for peer in held:
-        peer.close()
+        peer.__exit__(None, None, None)  # closed, or killed if it does not end
 
 
 @pytest.fixture
@@ -166,11 +166,11 @@ def peer(_module_server, request):
     if not _module_server:
         _module_server.append(_Tidy(request.module.SERVER, stderr=subprocess.DEVNULL))
     shared = _module_server[0]
-    shared.named, shared.replied = set(), []
+    shared.named, shared.replied, shared._next_id = set(), [], 1  # ids as a fresh client's: none is in flight
     clean = False
     try:
         yield shared
         clean = _left_as_found(shared)
     finally:
         if not clean:
-            _module_server.pop().close()
+            _module_server.pop().__exit__(None, None, None)

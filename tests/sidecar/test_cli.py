@@ -79,6 +79,13 @@ def test_bad_options_are_one_clear_line(default_dir, args, says):
     assert says in done.stderr
 
 
+def test_a_chat_template_that_is_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
+    fifo = tmp_path / "template.jinja"
+    os.mkfifo(fifo)
+    done = run("--model", "/nonexistent/model", "--chat-template", str(fifo))  # hung for ever: open() waited
+    assert done.returncode == 2 and f"cannot use --chat-template {fifo}: it is not a regular file" in done.stderr
+
+
 @pytest.mark.parametrize("content, says", [
     (b"{{ messages[0]['content'] }\n", "cannot use --chat-template"),  # a Jinja syntax error
     (b"{{ '\xff' }}", "it is not UTF-8 text (byte 4)"),

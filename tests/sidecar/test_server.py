@@ -281,7 +281,6 @@ def test_serves_both_ways_on_one_socket(default_dir):
     assert process.wait(10) == 0
 
 
-@shared_server
 def test_eight_sessions_at_once_through_the_server_equal_their_solo_runs(peer, engine):
     from .conftest import tokens
 
