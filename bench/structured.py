@@ -56,7 +56,7 @@ from bench.common import NO_TARGET, Target, judged, percentile, print_table, spr
 from processors import Chain, Context, JsonSchema, Regex, configure  # noqa: E402
 from processors.structured import Vocabulary  # noqa: E402
 from processors.structured import compile as structured_compile  # noqa: E402
-from processors.structured import constraints, json_schema  # noqa: E402
+from processors.structured import constraints, grammar, json_schema  # noqa: E402
 from processors.structured.grammar import bind_llguidance  # noqa: E402
 from sidecar.default_model import train_tokenizer as recipe  # noqa: E402
 
@@ -128,11 +128,12 @@ class Backend:
 
 
 def forget_checks() -> None:
-    """Clears what is remembered per schema text (its checks, backend and llguidance grammar), so that a
-    compile timed cold checks the schema as a new one."""
+    """Clears what is remembered per schema text (its checks, backend, llguidance grammar and start matcher),
+    so that a compile timed cold checks the schema as a new one."""
     for cached in (json_schema._check_schema, constraints._validate_grammar, json_schema.dfa_obstacle_of,
                    json_schema.llguidance_grammar):
         cached.cache_clear()
+    grammar._started.clear()
 
 
 class Ours(Backend):

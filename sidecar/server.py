@@ -24,7 +24,7 @@ from pathlib import Path
 
 import processors as proc
 from processors.structured.compile import CompileCancelled
-from processors.structured.constraints import RegularConstraint
+from processors.structured.constraints import Constraint
 from protocol import (
     OPS, PROTOCOL_VERSION, Limits, OversizedFrame, ProtocolError, Request, error, event, ok, parse_request,
     peek_request_id, unpack,
@@ -73,13 +73,13 @@ class Compile:
     main thread owns `waiting` and `done`; a compiling thread sets `problem`, then puts `Compiled` in the
     inbox. `stop` is set once no request waits for it any more: its child is killed, its failure not kept."""
 
-    key: tuple  # (what the compiler is given, the vocabulary's fingerprint, compile_timeout_s)
-    constraint: RegularConstraint
+    key: tuple  # (the constraint's compile_key, the vocabulary's fingerprint)
+    constraint: Constraint
     vocabulary: object
     waiting: dict = field(default_factory=dict)  # request id -> Job
     stop: threading.Event = field(default_factory=threading.Event)
     problem: proc.ProcessorError | None = None
-    automaton: object = None  # what it compiled, held until its generations bind it
+    compiled: object = None  # what it compiled, held until its generations bind it
     done: bool = False
 
 
@@ -258,9 +258,8 @@ class Server:
         vocabulary = session.engine.vocabulary
         job.processors = build_processors(job.request.params["processors"], job.request.id)
         for index, p in enumerate(job.processors):
-            if isinstance(p, RegularConstraint) and not p.compiled_for(vocabulary):
-                # the timeout is part of the key: a request never waits on a compile bounded by another's
-                key = (p.source(), vocabulary.fingerprint, p.compile_timeout_s)
+            if isinstance(p, Constraint) and not p.compiled_for(vocabulary):
+                key = (p.compile_key(), vocabulary.fingerprint)
                 task = self.compiling.get(key)
                 if task is None:
                     task = self.compiling[key] = Compile(key, p, vocabulary)
@@ -280,7 +279,7 @@ class Server:
             try:
                 if task.stop.is_set():  # every request that wanted it left before it started
                     raise CompileCancelled("the compile was cancelled before it started")
-                task.automaton = task.constraint.automaton(task.vocabulary, task.stop.is_set)
+                task.compiled = task.constraint.compile(task.vocabulary, task.stop.is_set)
             except proc.ProcessorError as problem:  # CompileCancelled too: nobody waits to read it
                 task.problem = problem
             except Exception as bug:  # a defect of ours: the generations will meet it again when they start
@@ -309,8 +308,8 @@ class Server:
                 break
         else:  # binding takes what was compiled, which the compile cache may have evicted since
             for index, task in job.compiles:
-                if task.automaton is not None:  # None: a defect of ours, which binding meets again
-                    job.processors[index] = job.processors[index].with_automaton(task.vocabulary, task.automaton)
+                if task.compiled is not None:  # None: a defect of ours, which binding meets again
+                    job.processors[index] = job.processors[index].with_compiled(task.vocabulary, task.compiled)
         self._release(job)
         job.compiled = True
         return True

@@ -93,16 +93,21 @@ def _states(name, value) -> tuple[int, ...]:
 
 
 class Constraint(LogitsProcessor):
-    """A processor that needs the model's vocabulary: configured by the user, compiled by `bind`."""
+    """A processor that needs the model's vocabulary: configured by the user, compiled by `bind`.
+
+    A kind whose compile can take long says so (`compiled_for`), so that the server compiles it on a thread
+    of its own (`compile`) while other sessions go on, then binds what that made (`with_compiled`)."""
 
     constrains = True
 
     def automaton(self, vocabulary: Vocabulary) -> TokenAutomaton:
         raise NotImplementedError
 
-    def bind(self, vocabulary: Vocabulary, eos_token_ids, device="cpu", after_others=True) -> LogitsProcessor:
+    def bind(self, vocabulary: Vocabulary, eos_token_ids, device="cpu", after_others=True,
+             compiled=None) -> LogitsProcessor:
+        """Bound to `vocabulary`: `compiled`, what `compile` made for it, or compiled now."""
         eos = self.end_tokens(eos_token_ids, vocabulary)
-        automaton = self.automaton(vocabulary)
+        automaton = compiled if compiled is not None else self.automaton(vocabulary)
         masks = automaton.masks(eos, device)
         return AutomatonProcessor(self, automaton.to(device), masks, torch.tensor(eos, dtype=torch.long, device=device),
                                   after_others)
@@ -118,6 +123,23 @@ class Constraint(LogitsProcessor):
             wrong = eos[0] if eos[0] < 0 else eos[-1]
             raise InvalidOption(f"eos_token_ids holds {wrong}, outside the vocabulary of {vocabulary.size} tokens")
         return eos
+
+    def compiled_for(self, vocabulary) -> bool:
+        """Whether binding to `vocabulary` takes no compiling worth a thread of its own."""
+        return True
+
+    def compile_key(self) -> tuple:
+        """What its compile depends on besides the vocabulary: requests with equal keys share one compile."""
+        raise NotImplementedError
+
+    def compile(self, vocabulary, cancelled=None):
+        """What binding to `vocabulary` needs, made now or found in a cache (`cancelled`, a callable asked
+        while compiling, may stop it)."""
+        raise NotImplementedError
+
+    def with_compiled(self, vocabulary, compiled) -> "Compiled":
+        """This constraint carrying what another thread compiled of it for `vocabulary` (see `Compiled`)."""
+        return Compiled(self, vocabulary.fingerprint, compiled)
 
     def init(self, context: Context):
         raise ProcessorError(f"{self.name} is not bound to a vocabulary: call chain.bind(Vocabulary.from_tokenizer("
@@ -144,34 +166,36 @@ class RegularConstraint(Constraint):
         return compile_regex(self.source(), vocabulary, self.compile_timeout_s, cancelled)
 
     def compiled_for(self, vocabulary) -> bool:
-        """Whether binding to `vocabulary` takes no compiling (an earlier call compiled the same constraint,
-        or failed to with a timeout at least this one's)."""
+        """No compiling when an earlier call compiled the same constraint, or failed to with a timeout at
+        least this one's."""
         return is_compiled(self.source(), vocabulary, self.compile_timeout_s)
 
-    def with_automaton(self, vocabulary, automaton: TokenAutomaton) -> "Compiled":
-        """This constraint carrying what another thread compiled of it for `vocabulary` (see `Compiled`)."""
-        return Compiled(self, vocabulary.fingerprint, automaton)
+    def compile_key(self):
+        return (self.source(), self.compile_timeout_s)  # a request never waits on a compile bounded by another's
+
+    def compile(self, vocabulary, cancelled=None):
+        return self.automaton(vocabulary, cancelled)
 
 
 @dataclass(frozen=True)
 class Compiled(Constraint):
-    """A regular constraint with the automaton a compile thread made of it (the server compiles off its
-    main thread): bound to that vocabulary, it takes that automaton. Looking it up again in the compile
-    cache could miss (a compile ending meanwhile, or the request's own next constraint, may have evicted
-    it) and compile it a second time on the thread that runs every generation."""
+    """A constraint with what a compile thread made of it (the server compiles off its main thread): bound
+    to that vocabulary, it takes that. Looking it up again in a compile cache could miss (a compile ending
+    meanwhile, or the request's own next constraint, may have evicted it) and compile it a second time on
+    the thread that runs every generation."""
 
-    constraint: RegularConstraint = option("the constraint")
+    constraint: Constraint = option("the constraint")
     fingerprint: str = option("the fingerprint of the vocabulary it was compiled for")
-    compiled: TokenAutomaton = option("the automaton of the constraint over that vocabulary")
+    compiled: object = option("what `compile` made of the constraint over that vocabulary")
 
     @property
     def name(self) -> str:
         return self.constraint.name
 
-    def automaton(self, vocabulary):
-        if vocabulary.fingerprint == self.fingerprint:
-            return self.compiled
-        return self.constraint.automaton(vocabulary)
+    def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True, compiled=None):
+        if compiled is None and vocabulary.fingerprint == self.fingerprint:
+            compiled = self.compiled
+        return self.constraint.bind(vocabulary, eos_token_ids, device, after_others, compiled)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,9 @@ left pointing at one matcher after a reorder get their own copy when they next c
 from __future__ import annotations
 
 import functools
+import os
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,6 +30,21 @@ from .constraints import NEG_INF, Constraint, _pattern, _validate_grammar, rust_
 GRAMMAR_STACK_BYTES = 256 << 20
 _stack_size_lock = threading.Lock()  # threading.stack_size is the process's, for threads started meanwhile
 
+# Start matchers kept (`start_matcher`): one of a JSON schema or Lark grammar of max_pattern_chars holds
+# 8-14 MB with the default model's vocabulary.
+STARTED = 8
+_started: OrderedDict = OrderedDict()  # (constraint name, grammar, vocabulary fingerprint) -> matcher or refusal
+_started_lock = threading.Lock()  # the server's compile threads make them, its main thread binds them
+
+
+def _forget_locks() -> None:
+    """In a process forked from this one: the locks, which another thread may have held at the fork, are new."""
+    global _started_lock, _stack_size_lock
+    _started_lock, _stack_size_lock = threading.Lock(), threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_locks)
+
 
 # The biases of the 8 tokens of each byte of a bitmask, bit j of the byte for its j-th token: 0 if set, else -inf.
 _BYTE_BIASES = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little") == 1,
@@ -43,17 +60,28 @@ class Grammar(Constraint):
     grammar: str = option("the grammar, in Lark syntax, whose `start` rule the whole text must match", check=_pattern)
 
     def validate(self):
-        import llguidance
-
-        ok, problem = check_grammar(lambda: llguidance.LLMatcher.grammar_from_lark(self.grammar), "grammar")
+        ok, problem = check_grammar(lambda: self.llguidance_grammar, "grammar")
         if not ok:
             raise InvalidOption(f"option 'grammar' is not a valid Lark grammar: {problem}")
 
-    def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True):
+    @property
+    def llguidance_grammar(self) -> str:
+        """The grammar in llguidance's own format (the Lark text wrapped, in 0.1 ms)."""
         import llguidance
 
-        return bind_llguidance(self, llguidance.LLMatcher.grammar_from_lark(self.grammar), vocabulary, eos_token_ids,
-                               device)
+        return llguidance.LLMatcher.grammar_from_lark(self.grammar)
+
+    def compiled_for(self, vocabulary) -> bool:
+        return is_started(self, self.llguidance_grammar, vocabulary)
+
+    def compile_key(self):
+        return (self.name, self.llguidance_grammar)
+
+    def compile(self, vocabulary, cancelled=None):
+        return start_matcher(self, self.llguidance_grammar, vocabulary)
+
+    def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True, compiled=None):
+        return bind_llguidance(self, self.llguidance_grammar, vocabulary, eos_token_ids, device, compiled)
 
 
 def check_grammar(grammar, option_name: str) -> tuple[bool, str]:
@@ -63,21 +91,61 @@ def check_grammar(grammar, option_name: str) -> tuple[bool, str]:
         return _on_deep_stack(lambda: _validate_grammar(grammar()))
 
 
-def bind_llguidance(constraint: Constraint, grammar: str, vocabulary, eos_token_ids, device) -> "GrammarProcessor":
+def bind_llguidance(constraint: Constraint, grammar: str, vocabulary, eos_token_ids, device,
+                    start=None) -> "GrammarProcessor":
     """`constraint` bound to `vocabulary`, run by llguidance on `grammar` (in llguidance's own format, as its
-    `grammar_from_lark` or `grammar_from_json_schema` write it). A grammar whose language the vocabulary
-    cannot begin is refused now, as a regex's is when it compiles."""
+    `grammar_from_lark` or `grammar_from_json_schema` write it), from `start` (what `start_matcher` made of
+    them on another thread) or from `start_matcher` now."""
+    eos = constraint.end_tokens(eos_token_ids, vocabulary)
+    if start is None:
+        start = start_matcher(constraint, grammar, vocabulary)
+    return GrammarProcessor(constraint, vocabulary.llguidance_tokenizer(),
+                            torch.tensor(eos, dtype=torch.long, device=device), start)
+
+
+def start_matcher(constraint: Constraint, grammar: str, vocabulary):
+    """A matcher at the start of `grammar` over `vocabulary`, which every row of a generation copies. A
+    grammar whose language the vocabulary cannot begin is refused, as a regex's is when it compiles. Both
+    are kept per (constraint kind, grammar, vocabulary) for the last `STARTED` asked for: llguidance builds
+    its parser with the vocabulary's lexer, 0.8-1.1 s for a JSON schema of `max_pattern_chars`, and a
+    client sends its constraint with every request."""
+    key = (constraint.name, grammar, vocabulary.fingerprint)
+    with _started_lock:
+        made = _started.get(key)
+        if made is not None:
+            _started.move_to_end(key)
+    if made is None:
+        made = _start(constraint, grammar, vocabulary)
+        with _started_lock:
+            _started[key] = made
+            while len(_started) > STARTED:
+                _started.popitem(last=False)
+    if isinstance(made, InvalidOption):
+        raise InvalidOption(str(made))
+    return made
+
+
+def is_started(constraint: Constraint, grammar: str, vocabulary) -> bool:
+    """Whether `start_matcher` has what it would make kept."""
+    with _started_lock:
+        return (constraint.name, grammar, vocabulary.fingerprint) in _started
+
+
+def _start(constraint: Constraint, grammar: str, vocabulary):
+    """The start matcher, or the `InvalidOption` that refuses the grammar over this vocabulary."""
     import llguidance.numpy as llg  # not llguidance.torch, whose import costs 2-3 s (it sets up torch.compile)
 
-    eos = constraint.end_tokens(eos_token_ids, vocabulary)
     tokenizer = vocabulary.llguidance_tokenizer()
-    with rust_panics_as(InvalidOption, f"the {constraint.name} constraint cannot be bound to the vocabulary"):
-        start = _on_deep_stack(lambda: _matcher(tokenizer, grammar))
-        llg.fill_next_token_bitmask(start, llg.allocate_token_bitmask(1, tokenizer.vocab_size), 0)
+    try:
+        with rust_panics_as(InvalidOption, f"the {constraint.name} constraint cannot be bound to the vocabulary"):
+            start = _on_deep_stack(lambda: _matcher(tokenizer, grammar))
+            llg.fill_next_token_bitmask(start, llg.allocate_token_bitmask(1, tokenizer.vocab_size), 0)
+    except InvalidOption as refused:
+        return refused
     if start.is_error():
-        raise InvalidOption(f"the vocabulary cannot write any text that the {constraint.name} constraint accepts "
-                            f"({_reason(start)})")
-    return GrammarProcessor(constraint, tokenizer, torch.tensor(eos, dtype=torch.long, device=device), start)
+        return InvalidOption(f"the vocabulary cannot write any text that the {constraint.name} constraint accepts "
+                             f"({_reason(start)})")
+    return start
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import ClassVar
@@ -18,10 +19,14 @@ from .. import checks
 from ..contract import option
 from ..errors import InvalidOption
 from .constraints import MAX_PATTERN_CHARS, RegularConstraint, _compile_timeout, _pattern
-from .grammar import bind_llguidance, check_grammar
-from .schema_fit import class_read_differently, dfa_obstacle, patterns_matched_whole, schema_objects
+from .grammar import bind_llguidance, check_grammar, is_started, start_matcher
+from .schema_fit import class_read_differently, dfa_obstacle, read_alike, schema_objects
 
 CHECKED_SCHEMAS = 256  # schema texts remembered as valid: at most 256 x max_pattern_chars (100 KB) held
+# Maps and lists nested in a schema, the schema itself level 1. The checks after it recurse a few frames a
+# level (jsonschema's own, for an enum's values); real schemas nest under 20 (the protocol's max_depth, 32
+# for the whole request, comes first there).
+MAX_SCHEMA_DEPTH = 64
 
 
 @checks._with_schema({"anyOf": [{"type": "object"}, {"type": "string"}]})
@@ -43,8 +48,6 @@ def _schema(name, value) -> str:
         text = json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise InvalidOption(f"option {name!r} is not JSON: {error}") from None
-    except RecursionError:
-        raise InvalidOption(f"option {name!r} nests too deeply to be written as JSON") from None
     _pattern(name, text)  # before the checks, which took 3-4 s on a schema of 300 KB
     _check_schema(name, text)
     return text
@@ -54,21 +57,59 @@ def _schema(name, value) -> str:
 def _check_schema(name: str, text: str) -> None:
     """Refuses a schema that is not valid against its metaschema, or holds what neither backend enforces
     (`_check_values`). Remembered for schemas found valid (a failure raises, and is not): a client sends
-    its schema with every request, and jsonschema's `check_schema` costs 4.5 ms on the benchmark's small
-    schema and up to 2.3 s at `max_pattern_chars`. The text is the key: equal texts are equal schemas."""
+    its schema with every request. The text is the key: equal texts are equal schemas."""
     import jsonschema
 
-    try:
-        value = json.loads(text)
+    value = json.loads(text)
+    with warnings.catch_warnings():  # Python's re warns of a nested set in a pattern, on the server's stderr
+        warnings.simplefilter("ignore", FutureWarning)
         validator = jsonschema.validators.validator_for(value)
-        with warnings.catch_warnings():  # Python's re warns of a nested set in a pattern, on the server's stderr
-            warnings.simplefilter("ignore", FutureWarning)
-            validator.check_schema(value)
-    except jsonschema.SchemaError as error:
-        raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message[:300]}") from None
-    except RecursionError:
-        raise InvalidOption(f"option {name!r} nests too deeply to be checked") from None
+        fast = _metaschema_validator(validator)
+        if fast is not None:
+            problem = next(fast.iter_errors(value), None)
+            if problem is not None:
+                raise InvalidOption(f"option {name!r} is not a valid JSON schema: {problem.message[:300]}"
+                                    f"{_at(problem.instance_path)}")
+        else:
+            try:
+                validator.check_schema(value)
+            except jsonschema.SchemaError as error:
+                raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message[:300]}"
+                                    f"{_at(error.path)}") from None
     _check_values(name, value)
+
+
+# The formats the metaschemas of every draft name (a `pattern` is a regex, a `$ref` a URI reference...).
+METASCHEMA_FORMATS = ("regex", "uri", "uri-reference")
+
+
+@functools.cache
+def _metaschema_validator(validator):
+    """jsonschema-rs's validator of the metaschema of `validator` (a jsonschema validator class), or None
+    for the one draft it does not know (draft 3, which jsonschema checks). jsonschema's `check_schema` is
+    pure Python, and walks the metaschema's dynamic references at every node: 1.3-1.4 s on a schema of
+    `max_pattern_chars` (4,000 `anyOf` branches, 2,000 properties), held on the server's main thread;
+    jsonschema-rs takes 2 ms. The formats the metaschema names are read by jsonschema's own checker of the
+    draft, as `check_schema` reads them (a `pattern` is compiled by Python's re), and nothing is fetched:
+    the drafts' metaschemas are built into jsonschema-rs."""
+    import jsonschema_rs
+
+    checker = validator.FORMAT_CHECKER
+    formats = {name: functools.partial(_conforms, checker, name) for name in METASCHEMA_FORMATS}
+    try:
+        return jsonschema_rs.validator_for(validator.META_SCHEMA, formats=formats, validate_formats=True, offline=True)
+    except (jsonschema_rs.ValidationError, jsonschema_rs.ReferencingError):
+        return None
+
+
+def _conforms(checker, format_name: str, value) -> bool:
+    return checker.conforms(value, format_name)
+
+
+def _at(path) -> str:
+    """Where in the schema a problem is, as a JSON pointer (nothing at the top)."""
+    keys = list(path)
+    return f" (at {_pointer_of(keys)})" if keys else ""
 
 
 def _check_writable_as_json(name: str, schema) -> None:
@@ -76,21 +117,27 @@ def _check_writable_as_json(name: str, schema) -> None:
     a key that is not a string (msgpack allows them, JSON does not), named by its JSON pointer; and, from
     Python, a schema that contains itself (a cycle) or whose objects are shared so often that, each written
     out every time, it passes the limit. Paths are built only for the key refused: a node holds its
-    parent's link, not a copy of its path."""
-    stack, inside, nodes = [(schema, None, False)], set(), 0  # inside: the containers on the path walked
+    parent's link, not a copy of its path. Maps and lists nested deeper than `MAX_SCHEMA_DEPTH` are refused
+    too, and an integer past a double's range (an annotation's too): Python reads and writes it, the
+    backends' JSON parsers refuse it (llguidance raised ValueError, outlines-core "Expected a valid JSON
+    string")."""
+    stack, inside, nodes = [(schema, None, False, 1)], set(), 0  # inside: the containers on the path walked
     while stack:
-        node, link, leaving = stack.pop()
+        node, link, leaving, depth = stack.pop()
         if leaving:
             inside.discard(id(node))
             continue
         if id(node) in inside:
             raise InvalidOption(f"option {name!r} contains itself at {_pointer(link)}: JSON cannot write a cycle")
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidOption(f"option {name!r} nests maps and lists more than {MAX_SCHEMA_DEPTH} deep, at "
+                                f"{_pointer(link)} (limit max_schema_depth)")
         nodes += 1 + len(node)  # each written as one character at least
         if nodes > MAX_PATTERN_CHARS:
             raise InvalidOption(f"option {name!r} is more than {MAX_PATTERN_CHARS} characters written as JSON "
                                 f"(limit max_pattern_chars)")
         inside.add(id(node))
-        stack.append((node, link, True))
+        stack.append((node, link, True, depth))
         if isinstance(node, dict):
             for key, child in node.items():
                 if not isinstance(key, str):
@@ -98,19 +145,42 @@ def _check_writable_as_json(name: str, schema) -> None:
                     raise InvalidOption(f"option {name!r}: JSON object keys must be strings, got {checks._shown(key)} "
                                         f"({type(key).__name__}) {where}")
                 if isinstance(child, (dict, list)):
-                    stack.append((child, (link, key), False))
+                    stack.append((child, (link, key), False, depth + 1))
+                elif _past_a_double(child):
+                    _refuse_number(name, child, (link, key))
         else:
-            stack.extend((child, (link, index), False) for index, child in enumerate(node) if isinstance(child, (dict, list)))
+            for index, child in enumerate(node):
+                if isinstance(child, (dict, list)):
+                    stack.append((child, (link, index), False, depth + 1))
+                elif _past_a_double(child):
+                    _refuse_number(name, child, (link, index))
+
+
+def _past_a_double(value) -> bool:
+    return isinstance(value, int) and abs(value) > sys.float_info.max
+
+
+def _refuse_number(name: str, number: int, link) -> None:
+    raise InvalidOption(f"option {name!r} holds an integer of {len(str(abs(number)))} digits at {_pointer(link)}, past "
+                        f"the range of a JSON number as the backends read it (a double, up to 1.8e308)")
 
 
 def _pointer(link) -> str:
-    """The JSON pointer (RFC 6901) of a node from its chain of (parent link, key), each key cut to 40 characters."""
-    parts = []
+    """The JSON pointer of a node from its chain of (parent link, key)."""
+    keys = []
     while link is not None:
         link, key = link
+        keys.append(key)
+    return _pointer_of(reversed(keys))
+
+
+def _pointer_of(keys) -> str:
+    """The JSON pointer (RFC 6901) of a path of keys, each key cut to 40 characters, the whole to 200."""
+    parts = []
+    for key in keys:
         text = str(key)
         parts.append((text if len(text) <= 40 else text[:37] + "...").replace("~", "~0").replace("/", "~1"))
-    path = "/" + "/".join(reversed(parts))
+    path = "/" + "/".join(parts)
     return path if len(path) <= 200 else "..." + path[-197:]
 
 
@@ -192,11 +262,12 @@ def dfa_obstacle_of(schema_text: str) -> str | None:
 @functools.lru_cache(maxsize=64)
 def llguidance_grammar(schema_text: str) -> str:
     """llguidance's grammar of a schema (its own format, which embeds the schema), read as outlines-core
-    reads it: a string `pattern` is matched whole, and a space or none is written where JSON allows any
+    reads it (`read_alike`: a string `pattern` is matched whole, and keywords that assert nothing, which
+    llguidance refuses, are left out), and a space or none is written where JSON allows any
     (llguidance's default, any run of spaces, tabs and newlines, lets a model spend its tokens on them)."""
     import llguidance
 
-    whole = json.dumps(patterns_matched_whole(json.loads(schema_text)), ensure_ascii=False)
+    whole = json.dumps(read_alike(json.loads(schema_text)), ensure_ascii=False)
     return llguidance.LLMatcher.grammar_from_json_schema(whole, defaults={"whitespace_pattern": "[ ]?"})
 
 
@@ -226,10 +297,22 @@ class JsonSchema(RegularConstraint):
     def source(self):
         return ("json_schema", self.schema)  # its regex is built by the compiling child: it can be huge
 
-    def compiled_for(self, vocabulary) -> bool:
-        return self.dfa_obstacle is not None or super().compiled_for(vocabulary)
+    # Run by llguidance, its compile is llguidance's start matcher (`grammar.start_matcher`).
 
-    def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True):
+    def compiled_for(self, vocabulary) -> bool:
         if self.dfa_obstacle is None:
-            return super().bind(vocabulary, eos_token_ids, device, after_others)
-        return bind_llguidance(self, llguidance_grammar(self.schema), vocabulary, eos_token_ids, device)
+            return super().compiled_for(vocabulary)
+        return is_started(self, llguidance_grammar(self.schema), vocabulary)
+
+    def compile_key(self):
+        return super().compile_key() if self.dfa_obstacle is None else (self.name, llguidance_grammar(self.schema))
+
+    def compile(self, vocabulary, cancelled=None):
+        if self.dfa_obstacle is None:
+            return super().compile(vocabulary, cancelled)
+        return start_matcher(self, llguidance_grammar(self.schema), vocabulary)
+
+    def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True, compiled=None):
+        if self.dfa_obstacle is None:
+            return super().bind(vocabulary, eos_token_ids, device, after_others, compiled)
+        return bind_llguidance(self, llguidance_grammar(self.schema), vocabulary, eos_token_ids, device, compiled)

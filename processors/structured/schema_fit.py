@@ -92,7 +92,7 @@ def _node(node: dict, validator) -> tuple[str | None, list]:
     """(why not, None if none; the schemas beneath it to look at next)."""
     children = [child for key in DEFINITIONS if isinstance(node.get(key), dict)
                 for child in node[key].values()]
-    asserted = {key for key in set(node) & ASSERTIONS if not (key == "uniqueItems" and node[key] is False)}  # a no-op
+    asserted = {key for key in set(node) & ASSERTIONS if not asserts_nothing(key, node[key])}
     read = next((key for key in READ_FIRST if key in node), None)
     counts = [key for key in COUNTS & set(node) if not _plain_count(node[key])]
     if counts:
@@ -231,8 +231,8 @@ def _listed_values(node: dict, read: str, validator) -> str | None:
     values = node["enum"] if read == "enum" else [node["const"]]
     # each value against the keywords beside the enum and the const (against the enum too, n values took n^2
     # comparisons: 15,000 held the server 80 s), its patterns matched whole as both backends match them
-    beside = validator.evolve(schema=patterns_matched_whole({key: value for key, value in node.items()
-                                                             if key not in ("enum", "const")}))
+    beside = validator.evolve(schema=read_alike({key: value for key, value in node.items()
+                                                 if key not in ("enum", "const")}))
     for value in values if isinstance(values, list) else []:
         try:
             error = best_match(beside.iter_errors(value))
@@ -335,19 +335,32 @@ def _listed(keywords: set) -> str:
     return ", ".join(sorted(keywords))
 
 
-def patterns_matched_whole(node, named: bool = False):
-    """A copy of a schema whose string patterns match only whole strings: `^(?:pattern)$`. JSON Schema finds
-    a pattern anywhere in the string, which outlines-core does not; matched whole, `"[0-9]{5}"` means the same
-    on both backends, and what it allows still validates. (Recursive: the schema passed jsonschema's own
-    recursive check, which takes more frames a level.)"""
+def asserts_nothing(keyword: str, value) -> bool:
+    """Whether a keyword's value allows every instance: `uniqueItems: false`, `unevaluatedProperties: true`,
+    `propertyNames: {}`, `dependentRequired: {}`... Validators ignore it, and so does the choice of backend;
+    llguidance refuses these keywords whatever their value ("Unimplemented keys"), so its copy leaves them
+    out (`read_alike`)."""
+    if keyword == "uniqueItems":
+        return value is False
+    if keyword in ("unevaluatedProperties", "unevaluatedItems", "propertyNames", "additionalItems"):
+        return value is True or value == {}
+    return keyword in ("dependentRequired", "dependentSchemas") and value == {}
+
+
+def read_alike(node, named: bool = False):
+    """A copy of a schema that both backends read as validators do. Its string patterns match only whole
+    strings: `^(?:pattern)$`. JSON Schema finds a pattern anywhere in the string, which outlines-core does
+    not; matched whole, `"[0-9]{5}"` means the same on both backends, and what it allows still validates.
+    Keywords that assert nothing (`asserts_nothing`) are left out. (Recursive: the schema passed jsonschema's
+    own recursive check, which takes more frames a level.)"""
     if isinstance(node, list):
-        return [patterns_matched_whole(child) for child in node]
+        return [read_alike(child) for child in node]
     if not isinstance(node, dict):
         return node
     if named:
-        return {key: patterns_matched_whole(child) for key, child in node.items()}
-    copy = {key: child if key in INSTANCES else patterns_matched_whole(child, key in NAMED_SCHEMAS)
-            for key, child in node.items()}
+        return {key: read_alike(child) for key, child in node.items()}
+    copy = {key: child if key in INSTANCES else read_alike(child, key in NAMED_SCHEMAS)
+            for key, child in node.items() if not asserts_nothing(key, child)}
     if isinstance(copy.get("pattern"), str):
         copy["pattern"] = f"^(?:{copy['pattern']})$"
     return copy

@@ -11,13 +11,25 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidOption
 
 _LLGUIDANCE: dict[str, Any] = {}
+_llguidance_lock = threading.Lock()  # the server's compile threads build it (0.47 s at 32k tokens): once
+
+
+def _forget_lock() -> None:
+    """In a process forked from this one: the lock, which another thread may have held at the fork, is new."""
+    global _llguidance_lock
+    _llguidance_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_lock)
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -79,14 +91,15 @@ class Vocabulary:
 
     def llguidance_tokenizer(self):
         """llguidance's view of this vocabulary (for `Grammar`), built once per vocabulary."""
-        cached = _LLGUIDANCE.get(self.fingerprint)
-        if cached is None:
-            if self.tokenizer is None:
-                raise InvalidOption("a grammar needs the model's tokenizer: build the vocabulary with "
-                                    "Vocabulary.from_tokenizer")
-            import llguidance.hf
+        with _llguidance_lock:
+            cached = _LLGUIDANCE.get(self.fingerprint)
+            if cached is None:
+                if self.tokenizer is None:
+                    raise InvalidOption("a grammar needs the model's tokenizer: build the vocabulary with "
+                                        "Vocabulary.from_tokenizer")
+                import llguidance.hf
 
-            cached = _LLGUIDANCE[self.fingerprint] = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.size)
+                cached = _LLGUIDANCE[self.fingerprint] = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.size)
         return cached
 
 

@@ -10,6 +10,7 @@ import re
 import string
 import subprocess
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import jsonschema
@@ -593,7 +594,8 @@ PANICKING = "(((é|[é-ü])|(( |.|中)|[é-ü])|\\w)){3,}"  # llguidance's regex
 
 def test_a_panic_in_llguidance_is_a_typed_error(vocab, monkeypatch):
     """pyo3 raises a Rust panic as a BaseException, which `except Exception` misses: at configure time
-    and in a grammar's step, it is the processor's error."""
+    and in a grammar's step (one row's mask, or several rows' on llguidance's threads), it is the
+    processor's error."""
     with pytest.raises(P.InvalidOption, match="option 'pattern' cannot be checked: llguidance failed on it") as caught:
         configure(Regex, pattern=PANICKING)
     panic = type(caught.value.__context__)
@@ -610,6 +612,10 @@ def test_a_panic_in_llguidance_is_a_typed_error(vocab, monkeypatch):
     monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask", panicking)
     with pytest.raises(P.InvalidInput, match="grammar: the parser failed: llguidance failed on it"):
         chain.process(states, torch.zeros(1, 1024), context)
+    rows = Context(torch.zeros(3, 4, dtype=torch.long), 1, 1, 1024)
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask_par", panicking)
+    with pytest.raises(P.InvalidInput, match="grammar: the parser failed: llguidance failed on it"):
+        chain.process(chain.init(rows), torch.zeros(3, 1024), rows)
 
 
 def test_a_panic_while_a_grammar_is_checked_or_built_on_its_own_thread_is_a_typed_error(vocab, monkeypatch):
@@ -628,22 +634,47 @@ def test_a_panic_while_a_grammar_is_checked_or_built_on_its_own_thread_is_a_type
     monkeypatch.undo()
     config = configure(Grammar, grammar='start: "a"+')
     monkeypatch.setattr(grammar_module, "_matcher", panicking)
+    monkeypatch.setattr(grammar_module, "_started", OrderedDict())  # an earlier test bound it
     with pytest.raises(P.InvalidOption, match="the grammar constraint cannot be bound to the vocabulary: llguidance failed on it"):
         config.bind(vocab, [EOS])
 
 
+def test_a_grammars_start_is_built_once_per_vocabulary(vocab, tokenizer, monkeypatch):
+    """llguidance's parser over the vocabulary (up to a second for a schema of max_pattern_chars) is built
+    once per grammar and vocabulary, and a grammar the vocabulary cannot begin is refused every time, found
+    out once; the least recently bound beyond `STARTED` are forgotten."""
+    builds = []
+    start = grammar_module._start
+    monkeypatch.setattr(grammar_module, "_start", lambda *args: builds.append(args[1]) or start(*args))
+    monkeypatch.setattr(grammar_module, "_started", OrderedDict())
+    monkeypatch.setattr(grammar_module, "STARTED", 2)
+    config = configure(Grammar, grammar='start: "ab" /[0-9]+/')
+    first, second = (Chain([config]).bind(vocab, [EOS]).processors[0] for _ in range(2))
+    assert len(builds) == 1 and first.start is second.start
+    Chain([config]).bind(Vocabulary.from_tokenizer(tokenizer, 1030), [EOS])
+    assert len(builds) == 2  # another vocabulary
+    impossible = configure(Grammar, grammar="start: /[^\\s\\S]/")  # a class of no character
+    for _ in range(2):
+        with pytest.raises(P.InvalidOption, match="the vocabulary cannot write any text that the grammar constraint"):
+            Chain([impossible]).bind(vocab, [EOS])
+    assert len(builds) == 3
+    Chain([config]).bind(vocab, [EOS])
+    assert len(builds) == 4  # with two kept, it was the least recently bound
+
+
 # from Python: a schema that holds itself (json.dumps refuses it, but a walk before it never ended), and one
-# whose objects are shared so often that written out it doubles 40 times
+# whose objects are shared so often that written out it doubles 20 times
 CYCLE = {"type": "object", "properties": {"a": {"type": "array"}}}
 CYCLE["properties"]["a"]["items"] = CYCLE
-SHARED_40_TIMES_OVER = {"type": "integer"}
-for _ in range(40):
-    SHARED_40_TIMES_OVER = {"anyOf": [SHARED_40_TIMES_OVER, SHARED_40_TIMES_OVER]}
+SHARED_20_TIMES_OVER = {"type": "integer"}
+for _ in range(20):
+    SHARED_20_TIMES_OVER = {"anyOf": [SHARED_20_TIMES_OVER, SHARED_20_TIMES_OVER]}
 
 DRAFT_3, DRAFT_7 = "http://json-schema.org/draft-03/schema#", "http://json-schema.org/draft-07/schema#"
 NESTED_3000_DEEP = {"type": "integer"}
 for _ in range(3000):
     NESTED_3000_DEEP = {"anyOf": [NESTED_3000_DEEP]}
+
 
 
 @pytest.mark.parametrize("cls, options, message", [
@@ -695,9 +726,14 @@ for _ in range(3000):
     (JsonSchema, {"schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "if": {"required": ["a"]},
                              "then": {"required": ["b"]}}}, "Unimplemented keys"),
     (JsonSchema, {"schema": CYCLE}, "contains itself at /properties/a/items: JSON cannot write a cycle"),
-    (JsonSchema, {"schema": SHARED_40_TIMES_OVER}, "more than 100000 characters written as JSON .limit max_pattern_chars"),
-    (JsonSchema, {"schema": "[" * 50_000 + "]" * 50_000}, "not valid JSON|nests too deeply"),
-    (JsonSchema, {"schema": NESTED_3000_DEEP}, "nests too deeply to be written as JSON"),  # was a raw RecursionError
+    (JsonSchema, {"schema": SHARED_20_TIMES_OVER}, "more than 100000 characters written as JSON .limit max_pattern_chars"),
+    (JsonSchema, {"schema": "[" * 50_000 + "]" * 50_000}, "not valid JSON"),
+    # past a double's range: llguidance raised ValueError out of configure, outlines-core failed to parse it
+    (JsonSchema, {"schema": '{"minLength": ' + "9" * 400 + "}"}, "an integer of 400 digits at /minLength, past the range"),
+    (JsonSchema, {"schema": {"type": "integer", "default": 10**400}}, "an integer of 401 digits at /default"),
+    (JsonSchema, {"schema": {"type": "string", "format": "date", "examples": ["", -(10**309)]}}, "at /examples/1"),
+    (JsonSchema, {"schema": NESTED_3000_DEEP}, r"nests maps and lists more than 64 deep, at \.\.\..*/anyOf/0/anyOf/0 "
+                                               r"\(limit max_schema_depth\)"),  # was a raw RecursionError
     # shapes an older $schema's metaschema leaves unchecked, which the backends read as 2020-12's (TypeError before)
     (JsonSchema, {"schema": {"$schema": DRAFT_3, "type": "object", "properties": {"a": {}}, "required": True}},
      "Expected array for 'required'"),
@@ -782,8 +818,8 @@ def test_schemas_outlines_core_compiles_exactly_run_as_automata(vocab):
     instance, not a schema), a property named "enum" or "default" (a schema by that name), an allOf of one
     schema beside annotations only, a property named "allOf", an enum whose values are all valid beside the
     keywords next to it, properties of a type that allows objects, pydantic's optional field, patterns that
-    match only plain string content, number keywords beside a type that is not a number, and a no-op
-    uniqueItems compile to token automata."""
+    match only plain string content, number keywords beside a type that is not a number, and keywords that
+    assert nothing compile to token automata."""
     integer = {"type": "integer"}
     for schema in ({"type": "object", "properties": {"a": integer, "b": integer}, "required": ["a", "b"]},
                    {"type": "object", "default": {"enum": []}, "properties": {"a": integer}, "required": ["a"]},
@@ -794,7 +830,9 @@ def test_schemas_outlines_core_compiles_exactly_run_as_automata(vocab):
                    {"anyOf": [integer, {"type": "null"}], "default": None, "title": "what pydantic writes"},
                    {"type": "string", "pattern": "^[0-9]{5}$"}, {"type": "string", "pattern": r"[a-z_]+(-\d)*"},
                    {"type": ["string", "null"], "minimum": 3}, {"type": "array", "items": integer, "uniqueItems": False},
-                   {"type": "object", "additionalProperties": integer}, {"type": "string", "minProperties": 3}):
+                   {"type": "object", "additionalProperties": integer}, {"type": "string", "minProperties": 3},
+                   {"type": "object", "properties": {"a": integer}, "required": ["a"], "propertyNames": True,
+                    "unevaluatedProperties": {}, "dependentRequired": {}, "dependentSchemas": {}}):
         constraint = configure(JsonSchema, schema=schema)
         assert constraint.dfa_obstacle is None, schema
         assert isinstance(constraint.bind(vocab, [EOS]), AutomatonProcessor)
@@ -840,6 +878,12 @@ RUN_BY_LLGUIDANCE = [
       "$defs": {"a": {"type": "integer", "maximum": 9}}, "type": "object", "properties": {"v": {"$ref": "#/$defs/a"}},
       "required": ["v"]}}, "$ref": "#/$defs/inner"}, "an \\$id inside the schema"),
     ({"enum": ["abc", "a"], "type": "string", "pattern": "^a"}, 'the enum value "abc" is not valid'),
+    # keywords that assert nothing, which llguidance refuses whatever their value, are left out of its copy
+    ({"type": "array", "items": {"type": "string", "format": "date"}, "maxItems": 2, "uniqueItems": False,
+      "unevaluatedItems": True, "additionalItems": {}}, "format, which outlines-core does not enforce"),
+    ({"type": "object", "properties": {"d": {"type": "string", "format": "date"}}, "required": ["d"],
+      "propertyNames": {}, "unevaluatedProperties": True, "dependentRequired": {}, "dependentSchemas": {}},
+     "format, which outlines-core does not enforce"),
 ]
 
 
@@ -878,7 +922,7 @@ def test_a_pattern_is_matched_whole_on_either_backend(vocab, tokenizer):
 @pytest.mark.parametrize("pattern, fits", [
     ("^[0-9]{5}$", True), ("[a-z]+(-[a-z]+)*", True), (r"^\d{3}x$", True), ("^(a|b)c$", True), ("^[ !#-~]$", False),
     # Rust's \w takes combining marks; it reads [[:alpha:]] as a POSIX class and && as an intersection
-    (r"\w", False), ("[[:alpha:]]", False), ("[a-z&&[b-c]]x", False), ("[a--b]", False), ("--v|-x", False),
+    (r"\w", False), ("[[:alpha:]]", False), ("[a-z&&[b-c]]x", False), ("[a--b]", False),
     ("^--v$", True), (r"[\[]", True), ("[]a]", True),
     ("a|b", False), ("^a|b$", False), ("^ab", False), ("ab$", False), ("a^b", False), (r"a\Z", False),
     ("a.b", False), ("[^a]", False), (r"a\sb", False), ('a"', False), (r"a\\", False), ("[ -~]", False),
@@ -1183,7 +1227,7 @@ def test_a_constraint_with_its_automaton_binds_it_without_the_cache(vocab, token
 
     config = configure(Regex, pattern="[0-9]{5}")
     compiled = config.automaton(vocab)
-    carried = config.with_automaton(vocab, compiled)
+    carried = config.with_compiled(vocab, compiled)
     other = Vocabulary.from_tokenizer(tokenizer, 1030)
     elsewhere = config.automaton(other)
     monkeypatch.setattr(structured_compile, "_cache", OrderedDict({(config.source(), other.fingerprint): elsewhere}))

@@ -203,27 +203,15 @@ def test_a_dfa_state_that_moves_only_on_eos_ends_the_text(engine, transitions, r
         assert [(s.token_ids, s.finish_reason) for s in result.sequences] == [([2], "eos")] * rows
 
 
-def test_the_server_binds_what_its_compile_thread_compiled(default_dir, monkeypatch):
-    """The server compiles a constraint on a compile thread and its generation binds that automaton, not
-    the compile cache's copy: with a cache that keeps nothing (as if another compile evicted it before the
-    bind), the constraint is still compiled once, off the thread that runs every generation."""
+def generate_on_a_server(processor: dict) -> dict:
+    """The reply of a server (in this process, serving on a thread of its own) to a generate of 12 tokens
+    constrained by `processor` on the default model."""
     import queue
     import threading
 
-    from processors.structured import compile as structured_compile
     from protocol import pack
     from sidecar.server import Server
     from sidecar.transport import Inbox
-
-    builds = []
-    build = structured_compile._build
-
-    def counted(*args):
-        builds.append(threading.current_thread().name)
-        return build(*args)
-
-    monkeypatch.setattr(structured_compile, "_build", counted)
-    monkeypatch.setattr(structured_compile, "_store", lambda key, automaton: None)  # the cache keeps nothing
 
     class Writer:
         def __init__(self):
@@ -243,7 +231,7 @@ def test_the_server_binds_what_its_compile_thread_compiled(default_dir, monkeypa
     try:
         for request in ({"id": 1, "op": "open_session", "model": "default", "session": "s"},
                         {"id": 2, "op": "generate", "session": "s", "prompt": "a", "max_new_tokens": 12,
-                         "processors": [{"name": "regex", "options": {"pattern": "q[0-9]{3}z[a-c]{2}"}}]}):
+                         "processors": [processor]}):
             payload = pack(request)
             inbox.put(payload, len(payload), lambda: False)
         replies = [writer.replies.get(timeout=60) for _ in range(2)]
@@ -251,5 +239,48 @@ def test_the_server_binds_what_its_compile_thread_compiled(default_dir, monkeypa
         inbox.close()
         serving.join(timeout=60)
     assert [r["id"] for r in replies] == [1, 2] and "result" in replies[1], replies
-    assert re.fullmatch("q[0-9]{3}z[a-c]{2}", replies[1]["result"]["text"])
+    return replies[1]["result"]
+
+
+def threads_calling(monkeypatch, module, name: str) -> list[str]:
+    """The names of the threads that call `module.name` from now on, in order (the list fills as they do)."""
+    import threading
+
+    threads, function = [], getattr(module, name)
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return function(*args)
+
+    monkeypatch.setattr(module, name, recorded)
+    return threads
+
+
+def test_the_server_binds_what_its_compile_thread_compiled(default_dir, monkeypatch):
+    """The server compiles a constraint on a compile thread and its generation binds that automaton, not
+    the compile cache's copy: with a cache that keeps nothing (as if another compile evicted it before the
+    bind), the constraint is still compiled once, off the thread that runs every generation."""
+    from processors.structured import compile as structured_compile
+
+    builds = threads_calling(monkeypatch, structured_compile, "_build")
+    monkeypatch.setattr(structured_compile, "_store", lambda key, automaton: None)  # the cache keeps nothing
+    result = generate_on_a_server({"name": "regex", "options": {"pattern": "q[0-9]{3}z[a-c]{2}"}})
+    assert re.fullmatch("q[0-9]{3}z[a-c]{2}", result["text"])
+    assert len(builds) == 1 and builds[0].startswith("compile-"), builds
+
+
+@pytest.mark.parametrize("processor, check", [
+    ({"name": "grammar", "options": {"grammar": 'start: "q" /[0-9]{3}/ "z"'}}, lambda text: re.fullmatch("q[0-9]{3}z", text)),
+    ({"name": "json_schema", "options": {"schema": {"type": "integer", "minimum": 3, "maximum": 900}}},
+     lambda text: 3 <= json.loads(text) <= 900),
+], ids=["grammar", "json_schema run by llguidance"])
+def test_the_server_starts_llguidance_on_its_compile_thread(processor, check, default_dir, monkeypatch):
+    """llguidance builds a grammar's parser over the vocabulary in up to a second (a schema of
+    max_pattern_chars): the server has a compile thread build it, and the generation binds that one, with a
+    cache that keeps nothing as above."""
+    from processors.structured import grammar
+
+    builds = threads_calling(monkeypatch, grammar, "_start")
+    monkeypatch.setattr(grammar, "STARTED", 0)  # the cache keeps nothing
+    assert check(generate_on_a_server(processor)["text"])
     assert len(builds) == 1 and builds[0].startswith("compile-"), builds

@@ -21,7 +21,7 @@ defmodule Sidecar.Processors do
     * `JSONSchema` - `schema:` a map (atom or string keys) or JSON text; the text is JSON valid
       against it: compiled by outlines-core where that is exact, run by llguidance's JSON grammar
       otherwise (numeric bounds, `format`, `oneOf`, "any object"...); what neither enforces (`not`,
-      `uniqueItems`...) is refused. A string `pattern` is matched whole.
+      `uniqueItems: true`...) is refused. A string `pattern` is matched whole.
       The object's keys are written in the schema's order: an Elixir map has none (its keys go
       sorted), so give the schema as JSON text when the order matters ("reasoning" before "answer")
     * `Grammar` - `grammar:` a context-free grammar in Lark syntax, as llguidance reads it; the
