@@ -25,6 +25,7 @@ from pathlib import Path
 import processors as proc
 from processors.structured.compile import CompileCancelled
 from processors.structured.constraints import Constraint
+from processors.structured.grammar import llguidance_checks_deferred
 from protocol import (
     OPS, PROTOCOL_VERSION, Limits, OversizedFrame, ProtocolError, Request, error, event, ok, parse_request,
     peek_request_id, unpack,
@@ -256,7 +257,8 @@ class Server:
             return True
         _, session = self._session(name, job.request.id)
         vocabulary = session.engine.vocabulary
-        job.processors = build_processors(job.request.params["processors"], job.request.id)
+        with llguidance_checks_deferred():  # made by their compiles, off this thread
+            job.processors = build_processors(job.request.params["processors"], job.request.id)
         for index, p in enumerate(job.processors):
             if isinstance(p, Constraint) and not p.compiled_for(vocabulary):
                 key = (p.compile_key(), vocabulary.fingerprint)

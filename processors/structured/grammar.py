@@ -8,6 +8,8 @@ left pointing at one matcher after a reorder get their own copy when they next c
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import threading
@@ -60,6 +62,11 @@ class Grammar(Constraint):
     grammar: str = option("the grammar, in Lark syntax, whose `start` rule the whole text must match", check=_pattern)
 
     def validate(self):
+        if not checks_deferred():
+            self.check_grammar()
+
+    def check_grammar(self) -> None:
+        """llguidance's check of the grammar (63-78 ms at max_pattern_chars, remembered per text)."""
         ok, problem = check_grammar(lambda: self.llguidance_grammar, "grammar")
         if not ok:
             raise InvalidOption(f"option 'grammar' is not a valid Lark grammar: {problem}")
@@ -78,10 +85,32 @@ class Grammar(Constraint):
         return (self.name, self.llguidance_grammar)
 
     def compile(self, vocabulary, cancelled=None):
+        self.check_grammar()  # configured with checks deferred, it was not checked (and is, once, if it was)
         return start_matcher(self, self.llguidance_grammar, vocabulary)
 
     def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True, compiled=None):
         return bind_llguidance(self, self.llguidance_grammar, vocabulary, eos_token_ids, device, compiled)
+
+
+_deferred = contextvars.ContextVar("llguidance_checks_deferred", default=False)
+
+
+@contextlib.contextmanager
+def llguidance_checks_deferred():
+    """Within it, configuring a constraint llguidance runs leaves llguidance's check of it to its compile.
+    The server configures a request's processors on its main thread, between the steps of every session,
+    and compiles on its compile threads: llguidance's check, which lets go of the GIL, took 0.42 s there
+    for a new schema of max_pattern_chars (a burst of four new ones held every stream 2.2-2.9 s). A
+    constraint is never bound unchecked: its start matcher is made by its compile, after the check."""
+    token = _deferred.set(True)
+    try:
+        yield
+    finally:
+        _deferred.reset(token)
+
+
+def checks_deferred() -> bool:
+    return _deferred.get()
 
 
 def check_grammar(grammar, option_name: str) -> tuple[bool, str]:

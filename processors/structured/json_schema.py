@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import warnings
 from dataclasses import dataclass
 from typing import ClassVar
@@ -19,7 +18,7 @@ from .. import checks
 from ..contract import option
 from ..errors import InvalidOption
 from .constraints import MAX_PATTERN_CHARS, RegularConstraint, _compile_timeout, _pattern
-from .grammar import bind_llguidance, check_grammar, is_started, start_matcher
+from .grammar import bind_llguidance, check_grammar, checks_deferred, is_started, start_matcher
 from .schema_fit import class_read_differently, dfa_obstacle, read_alike, schema_objects
 
 CHECKED_SCHEMAS = 256  # schema texts remembered as valid: at most 256 x max_pattern_chars (100 KB) held
@@ -63,7 +62,11 @@ def _check_schema(name: str, text: str) -> None:
     value = json.loads(text)
     with warnings.catch_warnings():  # Python's re warns of a nested set in a pattern, on the server's stderr
         warnings.simplefilter("ignore", FutureWarning)
-        validator = jsonschema.validators.validator_for(value)
+        # a `$schema` that is no string names no draft (jsonschema's lookup of it raised AttributeError): the
+        # latest draft's metaschema refuses it
+        draft = value.get("$schema", "")
+        validator = (jsonschema.validators.validator_for(value) if isinstance(draft, str)
+                     else jsonschema.validators.Draft202012Validator)
         fast = _metaschema_validator(validator)
         if fast is not None:
             problem = next(fast.iter_errors(value), None)
@@ -157,12 +160,14 @@ def _check_writable_as_json(name: str, schema) -> None:
 
 
 def _past_a_double(value) -> bool:
-    return isinstance(value, int) and abs(value) > sys.float_info.max
+    """An integer from 2^1023 up: a double holds up to 1.8e308, but llguidance's JSON parser read one in the
+    last step below that as infinity, and refused it."""
+    return isinstance(value, int) and abs(value) >= 2**1023
 
 
 def _refuse_number(name: str, number: int, link) -> None:
     raise InvalidOption(f"option {name!r} holds an integer of {len(str(abs(number)))} digits at {_pointer(link)}, past "
-                        f"the range of a JSON number as the backends read it (a double, up to 1.8e308)")
+                        f"the range of a JSON number as the backends read it (a double: integers below 2^1023, 8.9e307)")
 
 
 def _pointer(link) -> str:
@@ -191,8 +196,9 @@ MAX_BOUND = 2**53
 
 def _check_values(name: str, schema) -> None:
     """Refuses, in any schema object, what neither backend enforces: an empty `enum`, which no value matches
-    (outlines-core would write it as the empty text); draft 3's `disallow`, `extends`, `divisibleBy`; a `minProperties` asking for 2 or more free keys; a
-    pattern class Rust's regex reads otherwise; and numbers at or beyond +-2^53, past the integers a JSON
+    (outlines-core would write it as the empty text); draft 3's `disallow`, `extends`, `divisibleBy`; a
+    `minProperties` asking for 2 or more free keys; a pattern class Rust's regex reads otherwise (in a
+    `pattern` or a `patternProperties` name); and numbers at or beyond +-2^53, past the integers a JSON
     number holds exactly. llguidance clamped an integer bound past 2^63 (so `minimum: 2**63` wrote
     2^63 - 1), crashed the process on one near -2^63 while the schema was checked, and wrote
     9007199254740991.9992 under `exclusiveMaximum: 2**53`, which a float reads as 2^53; outlines-core writes
@@ -207,10 +213,14 @@ def _check_values(name: str, schema) -> None:
             raise InvalidOption(f"option {name!r}: minProperties {node['minProperties']} asks for {free} keys beyond the "
                                 f"required properties, and neither backend keeps such keys distinct (a key written "
                                 f"twice counts once): list them as properties")
-        if isinstance(node.get("pattern"), str) and class_read_differently(node["pattern"]):
-            raise InvalidOption(f"option {name!r}: the pattern {node['pattern'][:60]!r} has a class holding '[', "
-                                f"'&&', '--' or '~~', which the regex engine of both backends (Rust's) reads "
-                                f"otherwise than JSON Schema's: escape the character")
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += list(node["patternProperties"])
+        for pattern in patterns:
+            if class_read_differently(pattern):
+                raise InvalidOption(f"option {name!r}: the pattern {pattern[:60]!r} has a class holding '[', '&&', '--' "
+                                    f"or '~~', which the regex engine of both backends (Rust's) reads otherwise than "
+                                    f"JSON Schema's: escape the character")
         for keyword in ("enum", "const"):
             if keyword in node and (big := _huge_integer(node[keyword])) is not None:
                 raise InvalidOption(f"option {name!r}: the {keyword} holds {big}, at or beyond +-2^53 ({MAX_BOUND}): "
@@ -282,8 +292,11 @@ class JsonSchema(RegularConstraint):
     compile_timeout_s: float = _compile_timeout()
 
     def validate(self):
-        if self.dfa_obstacle is None:
-            return
+        if self.dfa_obstacle is not None and not checks_deferred():
+            self.check_grammar()
+
+    def check_grammar(self) -> None:
+        """llguidance's check of the schema it runs (0.42 s at max_pattern_chars, remembered per text)."""
         ok, problem = check_grammar(lambda: llguidance_grammar(self.schema), "schema")
         if not ok:
             raise InvalidOption(f"option 'schema' cannot be enforced: {problem[:300]} (it is run by llguidance, since "
@@ -310,6 +323,7 @@ class JsonSchema(RegularConstraint):
     def compile(self, vocabulary, cancelled=None):
         if self.dfa_obstacle is None:
             return super().compile(vocabulary, cancelled)
+        self.check_grammar()  # configured with checks deferred, it was not checked (and is, once, if it was)
         return start_matcher(self, llguidance_grammar(self.schema), vocabulary)
 
     def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True, compiled=None):

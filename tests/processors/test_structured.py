@@ -9,6 +9,7 @@ import random
 import re
 import string
 import subprocess
+import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -714,6 +715,9 @@ for _ in range(3000):
     (JsonSchema, {"schema": {"properties": {"s": {"type": "string", "pattern": "[[:digit:]]{2}"}}}},
      r"the pattern '\[\[:digit:\]\]\{2\}' has a class holding '\[', '&&', '--' or '~~'"),
     (JsonSchema, {"schema": {"type": "string", "pattern": "[a-z&&b]"}}, "has a class holding"),
+    # as a patternProperties name, it let {"n": 1} through a schema of names matching [[:alpha:]] (the outside test)
+    (JsonSchema, {"schema": {"type": "object", "patternProperties": {"^[[:alpha:]]$": {"type": "integer"}},
+                             "additionalProperties": False}}, r"the pattern '\^\[\[:alpha:\]\]\$' has a class"),
     (JsonSchema, {"schema": {"type": "object", "properties": {"n": {"exclusiveMaximum": -1e300}}}}, "exclusiveMaximum"),
     # neither backend keeps free keys distinct: {"": 0, "x": 1, "": 2} has 2 properties, not 3
     (JsonSchema, {"schema": {"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 3}},
@@ -732,6 +736,12 @@ for _ in range(3000):
     (JsonSchema, {"schema": '{"minLength": ' + "9" * 400 + "}"}, "an integer of 400 digits at /minLength, past the range"),
     (JsonSchema, {"schema": {"type": "integer", "default": 10**400}}, "an integer of 401 digits at /default"),
     (JsonSchema, {"schema": {"type": "string", "format": "date", "examples": ["", -(10**309)]}}, "at /examples/1"),
+    # the largest double itself, which llguidance's parser read as infinity (a ValueError out of configure)
+    (JsonSchema, {"schema": {"type": "string", "maxLength": int(sys.float_info.max)}}, "digits at /maxLength"),
+    (JsonSchema, {"schema": {"type": "integer", "minimum": 1, "maximum": 2, "examples": [2**1023]}}, "at /examples/0"),
+    # a $schema that is no string (jsonschema's lookup of it raised AttributeError, or TypeError for a list)
+    (JsonSchema, {"schema": {"$schema": 5, "type": "integer"}}, r"not a valid JSON schema: .* \(at /\$schema\)"),
+    (JsonSchema, {"schema": '{"$schema": ["x"], "type": "integer"}'}, r"\(at /\$schema\)"),
     (JsonSchema, {"schema": NESTED_3000_DEEP}, r"nests maps and lists more than 64 deep, at \.\.\..*/anyOf/0/anyOf/0 "
                                                r"\(limit max_schema_depth\)"),  # was a raw RecursionError
     # shapes an older $schema's metaschema leaves unchecked, which the backends read as 2020-12's (TypeError before)

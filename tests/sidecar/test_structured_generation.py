@@ -203,9 +203,9 @@ def test_a_dfa_state_that_moves_only_on_eos_ends_the_text(engine, transitions, r
         assert [(s.token_ids, s.finish_reason) for s in result.sequences] == [([2], "eos")] * rows
 
 
-def generate_on_a_server(processor: dict) -> dict:
-    """The reply of a server (in this process, serving on a thread of its own) to a generate of 12 tokens
-    constrained by `processor` on the default model."""
+def generate_on_a_server(processor: dict, expect: str = "result") -> dict:
+    """The `result` (or `error`, as `expect` says) of a server, in this process, serving on a thread of its
+    own, for a generate of 12 tokens constrained by `processor` on the default model."""
     import queue
     import threading
 
@@ -238,8 +238,8 @@ def generate_on_a_server(processor: dict) -> dict:
     finally:
         inbox.close()
         serving.join(timeout=60)
-    assert [r["id"] for r in replies] == [1, 2] and "result" in replies[1], replies
-    return replies[1]["result"]
+    assert [r["id"] for r in replies] == [1, 2] and expect in replies[1], replies
+    return replies[1][expect]
 
 
 def threads_calling(monkeypatch, module, name: str) -> list[str]:
@@ -281,6 +281,24 @@ def test_the_server_starts_llguidance_on_its_compile_thread(processor, check, de
     from processors.structured import grammar
 
     builds = threads_calling(monkeypatch, grammar, "_start")
+    checks = threads_calling(monkeypatch, grammar, "_on_deep_stack")  # llguidance's check and build
     monkeypatch.setattr(grammar, "STARTED", 0)  # the cache keeps nothing
     assert check(generate_on_a_server(processor)["text"])
     assert len(builds) == 1 and builds[0].startswith("compile-"), builds
+    assert len(checks) == 2 and all(thread.startswith("compile-") for thread in checks), checks
+
+
+def test_llguidance_refuses_on_the_compile_thread_what_it_refused_when_configured(default_dir, monkeypatch):
+    """llguidance's check of a schema it runs (0.42 s for a new one of max_pattern_chars) is made by the
+    compile, off the thread that runs every session; its refusal is the one configuring gives."""
+    from processors.structured import grammar
+
+    checks = threads_calling(monkeypatch, grammar, "_on_deep_stack")
+    schema = {"type": "integer", "minimum": 0, "not": {"const": 3}}
+    from sidecar.server import build_processors
+
+    with pytest.raises(InvalidProcessor) as configured:
+        build_processors([{"name": "json_schema", "options": {"schema": schema}}], 1)
+    reply = generate_on_a_server({"name": "json_schema", "options": {"schema": schema}}, expect="error")
+    assert reply == {"code": "invalid_processor", "message": configured.value.message, "index": 0}
+    assert checks[0] == "MainThread" and checks[1:] and all(thread.startswith("compile-") for thread in checks[1:]), checks
