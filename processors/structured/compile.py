@@ -17,8 +17,6 @@ compile says nothing about the constraint, so it is neither cached nor remembere
 from __future__ import annotations
 
 import multiprocessing
-import os
-import threading
 import time
 from collections import OrderedDict
 from typing import Callable
@@ -27,6 +25,7 @@ from ..errors import InvalidOption, ProcessorError
 from .automaton import TokenAutomaton
 from .forkserver import COMPILE_MEMORY_BYTES, POLL_S, ForkServer, receive_tables
 from .lazy import LazyAutomaton
+from .locks import ForkSafeLock
 from .vocabulary import Vocabulary
 
 CACHE_BYTES = 512 * 2**20  # compiled automata kept for reuse, least recently used dropped first
@@ -34,17 +33,8 @@ MAX_FAILURES = 1024  # constraints remembered as impossible to compile
 
 _cache: OrderedDict[tuple, TokenAutomaton] = OrderedDict()
 _failures: OrderedDict[tuple, tuple[InvalidOption, float]] = OrderedDict()  # (the error, the timeout it had)
-_cache_lock = threading.Lock()
+_cache_lock = ForkSafeLock()
 _forkserver = ForkServer()
-
-
-def _forget_lock() -> None:
-    """In a process forked from this one: the lock, which another thread may have held at the fork, is new."""
-    global _cache_lock
-    _cache_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_lock)
 
 
 class CompileTimedOut(InvalidOption):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import torch
 from ..contract import LogitsProcessor, option
 from ..errors import InvalidInput, InvalidOption
 from .constraints import NEG_INF, Constraint, _pattern, _validate_grammar, rust_panics_as
+from .locks import ForkSafeLock
 
 
 # llguidance checks a grammar, and builds its parser, by recursion over chains of rules: the longest chain
@@ -30,22 +30,13 @@ from .constraints import NEG_INF, Constraint, _pattern, _validate_grammar, rust_
 # and running out of it kills the process. So both run on a thread of their own with this much stack: address
 # space reserved, touched only as deep as the grammar goes. A parser once built steps on any thread.
 GRAMMAR_STACK_BYTES = 256 << 20
-_stack_size_lock = threading.Lock()  # threading.stack_size is the process's, for threads started meanwhile
+_stack_size_lock = ForkSafeLock()  # threading.stack_size is the process's, for threads started meanwhile
 
 # Start matchers kept (`start_matcher`): one of a JSON schema or Lark grammar of max_pattern_chars holds
 # 8-14 MB with the default model's vocabulary.
 STARTED = 8
 _started: OrderedDict = OrderedDict()  # (constraint name, grammar, vocabulary fingerprint) -> matcher or refusal
-_started_lock = threading.Lock()  # the server's compile threads make them, its main thread binds them
-
-
-def _forget_locks() -> None:
-    """In a process forked from this one: the locks, which another thread may have held at the fork, are new."""
-    global _started_lock, _stack_size_lock
-    _started_lock, _stack_size_lock = threading.Lock(), threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_locks)
+_started_lock = ForkSafeLock()  # the server's compile threads make them, its main thread binds them
 
 
 # The biases of the 8 tokens of each byte of a bitmask, bit j of the byte for its j-th token: 0 if set, else -inf.
@@ -53,30 +44,15 @@ _BYTE_BIASES = np.where(np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], a
                         np.float32(0), np.float32(NEG_INF))
 
 
-@dataclass(frozen=True)
-class Grammar(Constraint):
-    """The generated text is one `start` of a context-free grammar in Lark syntax (llguidance's dialect:
-    `start: ...` rules, "literals", /regex/ terminals, `%ignore`)."""
+class RunByLlguidance:
+    """What a constraint that llguidance runs does the same way (a `Constraint` with `llguidance_grammar`, its
+    grammar in llguidance's own format, and `check_grammar`, llguidance's check of it that refuses it): its
+    compile is that check, then the start matcher (`start_matcher`). When configured with the checks deferred
+    (`llguidance_checks_deferred`), its compile is where it is checked: never bound unchecked."""
 
-    name: ClassVar[str] = "grammar"
-    grammar: str = option("the grammar, in Lark syntax, whose `start` rule the whole text must match", check=_pattern)
-
-    def validate(self):
-        if not checks_deferred():
+    def check_unless_deferred(self) -> None:
+        if not _deferred.get():
             self.check_grammar()
-
-    def check_grammar(self) -> None:
-        """llguidance's check of the grammar (63-78 ms at max_pattern_chars, remembered per text)."""
-        ok, problem = check_grammar(lambda: self.llguidance_grammar, "grammar")
-        if not ok:
-            raise InvalidOption(f"option 'grammar' is not a valid Lark grammar: {problem}")
-
-    @property
-    def llguidance_grammar(self) -> str:
-        """The grammar in llguidance's own format (the Lark text wrapped, in 0.1 ms)."""
-        import llguidance
-
-        return llguidance.LLMatcher.grammar_from_lark(self.grammar)
 
     def compiled_for(self, vocabulary) -> bool:
         return is_started(self, self.llguidance_grammar, vocabulary)
@@ -85,11 +61,36 @@ class Grammar(Constraint):
         return (self.name, self.llguidance_grammar)
 
     def compile(self, vocabulary, cancelled=None):
-        self.check_grammar()  # configured with checks deferred, it was not checked (and is, once, if it was)
+        self.check_grammar()  # remembered per text: once, whether configuring checked it or not
         return start_matcher(self, self.llguidance_grammar, vocabulary)
 
     def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True, compiled=None):
         return bind_llguidance(self, self.llguidance_grammar, vocabulary, eos_token_ids, device, compiled)
+
+
+@dataclass(frozen=True)
+class Grammar(RunByLlguidance, Constraint):
+    """The generated text is one `start` of a context-free grammar in Lark syntax (llguidance's dialect:
+    `start: ...` rules, "literals", /regex/ terminals, `%ignore`)."""
+
+    name: ClassVar[str] = "grammar"
+    grammar: str = option("the grammar, in Lark syntax, whose `start` rule the whole text must match", check=_pattern)
+
+    def validate(self):
+        self.check_unless_deferred()
+
+    def check_grammar(self) -> None:
+        """llguidance's check of the grammar (63-78 ms at max_pattern_chars, remembered per text)."""
+        ok, problem = check_grammar(lambda: self.llguidance_grammar, "grammar")
+        if not ok:
+            raise InvalidOption(f"option 'grammar' is not a valid Lark grammar: {problem}")
+
+    @functools.cached_property
+    def llguidance_grammar(self) -> str:
+        """The grammar in llguidance's own format (the Lark text wrapped), asked for by each step of a request."""
+        import llguidance
+
+        return llguidance.LLMatcher.grammar_from_lark(self.grammar)
 
 
 _deferred = contextvars.ContextVar("llguidance_checks_deferred", default=False)
@@ -97,20 +98,16 @@ _deferred = contextvars.ContextVar("llguidance_checks_deferred", default=False)
 
 @contextlib.contextmanager
 def llguidance_checks_deferred():
-    """Within it, configuring a constraint llguidance runs leaves llguidance's check of it to its compile.
-    The server configures a request's processors on its main thread, between the steps of every session,
-    and compiles on its compile threads: llguidance's check, which lets go of the GIL, took 0.42 s there
-    for a new schema of max_pattern_chars (a burst of four new ones held every stream 2.2-2.9 s). A
-    constraint is never bound unchecked: its start matcher is made by its compile, after the check."""
+    """Within it, configuring a constraint llguidance runs leaves llguidance's check of it to its compile
+    (`RunByLlguidance`). The server configures a request's processors on its main thread, between the steps
+    of every session, and compiles on its compile threads: llguidance's check, which lets go of the GIL,
+    took 0.42 s there for a new schema of max_pattern_chars (a burst of four new ones held every stream
+    2.2-2.9 s)."""
     token = _deferred.set(True)
     try:
         yield
     finally:
         _deferred.reset(token)
-
-
-def checks_deferred() -> bool:
-    return _deferred.get()
 
 
 def check_grammar(grammar, option_name: str) -> tuple[bool, str]:

@@ -18,7 +18,7 @@ from .. import checks
 from ..contract import option
 from ..errors import InvalidOption
 from .constraints import MAX_PATTERN_CHARS, RegularConstraint, _compile_timeout, _pattern
-from .grammar import bind_llguidance, check_grammar, checks_deferred, is_started, start_matcher
+from .grammar import RunByLlguidance, check_grammar
 from .schema_fit import class_read_differently, dfa_obstacle, read_alike, schema_objects
 
 CHECKED_SCHEMAS = 256  # schema texts remembered as valid: at most 256 x max_pattern_chars (100 KB) held
@@ -57,29 +57,32 @@ def _check_schema(name: str, text: str) -> None:
     """Refuses a schema that is not valid against its metaschema, or holds what neither backend enforces
     (`_check_values`). Remembered for schemas found valid (a failure raises, and is not): a client sends
     its schema with every request. The text is the key: equal texts are equal schemas."""
+    value = json.loads(text)
+    problem = _metaschema_problem(value)
+    if problem is not None:
+        message, path = problem
+        raise InvalidOption(f"option {name!r} is not a valid JSON schema: {message[:300]}{_at(path)}")
+    _check_values(name, value)
+
+
+def _metaschema_problem(schema: dict) -> tuple[str, list] | None:
+    """What the schema's metaschema refuses in it first, and where, or None. A `$schema` that is no string
+    names no draft (jsonschema's lookup of it raised AttributeError): the latest draft's metaschema refuses it."""
     import jsonschema
 
-    value = json.loads(text)
     with warnings.catch_warnings():  # Python's re warns of a nested set in a pattern, on the server's stderr
         warnings.simplefilter("ignore", FutureWarning)
-        # a `$schema` that is no string names no draft (jsonschema's lookup of it raised AttributeError): the
-        # latest draft's metaschema refuses it
-        draft = value.get("$schema", "")
-        validator = (jsonschema.validators.validator_for(value) if isinstance(draft, str)
+        validator = (jsonschema.validators.validator_for(schema) if isinstance(schema.get("$schema", ""), str)
                      else jsonschema.validators.Draft202012Validator)
         fast = _metaschema_validator(validator)
         if fast is not None:
-            problem = next(fast.iter_errors(value), None)
-            if problem is not None:
-                raise InvalidOption(f"option {name!r} is not a valid JSON schema: {problem.message[:300]}"
-                                    f"{_at(problem.instance_path)}")
-        else:
-            try:
-                validator.check_schema(value)
-            except jsonschema.SchemaError as error:
-                raise InvalidOption(f"option {name!r} is not a valid JSON schema: {error.message[:300]}"
-                                    f"{_at(error.path)}") from None
-    _check_values(name, value)
+            error = next(fast.iter_errors(schema), None)
+            return None if error is None else (error.message, error.instance_path)
+        try:
+            validator.check_schema(schema)
+        except jsonschema.SchemaError as error:
+            return error.message, list(error.path)
+    return None
 
 
 # The formats the metaschemas of every draft name (a `pattern` is a regex, a `$ref` a URI reference...).
@@ -282,7 +285,7 @@ def llguidance_grammar(schema_text: str) -> str:
 
 
 @dataclass(frozen=True)
-class JsonSchema(RegularConstraint):
+class JsonSchema(RegularConstraint, RunByLlguidance):
     """The generated text is JSON valid against `schema`. Compiled to a token automaton by outlines-core
     where that is exact (most schemas with typed, listed members), run by llguidance's JSON grammar
     otherwise; what neither enforces is refused when configured."""
@@ -292,15 +295,19 @@ class JsonSchema(RegularConstraint):
     compile_timeout_s: float = _compile_timeout()
 
     def validate(self):
-        if self.dfa_obstacle is not None and not checks_deferred():
-            self.check_grammar()
+        if self.dfa_obstacle is not None:
+            self.check_unless_deferred()
 
     def check_grammar(self) -> None:
         """llguidance's check of the schema it runs (0.42 s at max_pattern_chars, remembered per text)."""
-        ok, problem = check_grammar(lambda: llguidance_grammar(self.schema), "schema")
+        ok, problem = check_grammar(lambda: self.llguidance_grammar, "schema")
         if not ok:
             raise InvalidOption(f"option 'schema' cannot be enforced: {problem[:300]} (it is run by llguidance, since "
                                 f"outlines-core would not compile it exactly: {self.dfa_obstacle})")
+
+    @property
+    def llguidance_grammar(self) -> str:
+        return llguidance_grammar(self.schema)
 
     @property
     def dfa_obstacle(self) -> str | None:
@@ -310,23 +317,20 @@ class JsonSchema(RegularConstraint):
     def source(self):
         return ("json_schema", self.schema)  # its regex is built by the compiling child: it can be huge
 
-    # Run by llguidance, its compile is llguidance's start matcher (`grammar.start_matcher`).
+    # Each of these is the automaton's (RegularConstraint's) or llguidance's (RunByLlguidance's), by backend.
 
     def compiled_for(self, vocabulary) -> bool:
-        if self.dfa_obstacle is None:
-            return super().compiled_for(vocabulary)
-        return is_started(self, llguidance_grammar(self.schema), vocabulary)
+        return self._backend.compiled_for(self, vocabulary)
 
     def compile_key(self):
-        return super().compile_key() if self.dfa_obstacle is None else (self.name, llguidance_grammar(self.schema))
+        return self._backend.compile_key(self)
 
     def compile(self, vocabulary, cancelled=None):
-        if self.dfa_obstacle is None:
-            return super().compile(vocabulary, cancelled)
-        self.check_grammar()  # configured with checks deferred, it was not checked (and is, once, if it was)
-        return start_matcher(self, llguidance_grammar(self.schema), vocabulary)
+        return self._backend.compile(self, vocabulary, cancelled)
 
     def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True, compiled=None):
-        if self.dfa_obstacle is None:
-            return super().bind(vocabulary, eos_token_ids, device, after_others, compiled)
-        return bind_llguidance(self, llguidance_grammar(self.schema), vocabulary, eos_token_ids, device, compiled)
+        return self._backend.bind(self, vocabulary, eos_token_ids, device, after_others, compiled)
+
+    @property
+    def _backend(self) -> type:
+        return RegularConstraint if self.dfa_obstacle is None else RunByLlguidance

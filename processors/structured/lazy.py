@@ -20,8 +20,6 @@ constraint and vocabulary, and kept with the compiled constraint in the compile 
 from __future__ import annotations
 
 import hashlib
-import os
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -29,6 +27,7 @@ import numpy as np
 import torch
 
 from . import automaton as token_automaton
+from .locks import ForkSafeLock
 from .trie import TokenTrie, tokens_from
 from .vocabulary import Vocabulary
 
@@ -67,17 +66,8 @@ class TokenPaths:
 
 
 _walkers: OrderedDict[str, tuple[TokenTrie, TokenPaths]] = OrderedDict()
-_walkers_lock = threading.Lock()
-_making = threading.Lock()  # held while a state's tokens or bias row are made, by any automaton
-
-
-def _forget_locks() -> None:
-    """In a process forked from this one: the locks, which another thread may have held at the fork, are new."""
-    global _walkers_lock, _making
-    _walkers_lock, _making = threading.Lock(), threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_locks)
+_walkers_lock = ForkSafeLock()
+_making = ForkSafeLock()  # held while a state's tokens or bias row are made, by any automaton
 
 
 def walkers(vocabulary: Vocabulary) -> tuple[TokenTrie, TokenPaths]:

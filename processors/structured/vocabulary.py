@@ -11,25 +11,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import re
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidOption
+from .locks import ForkSafeLock
 
 _LLGUIDANCE: dict[str, Any] = {}
-_llguidance_lock = threading.Lock()  # the server's compile threads build it (0.47 s at 32k tokens): once
-
-
-def _forget_lock() -> None:
-    """In a process forked from this one: the lock, which another thread may have held at the fork, is new."""
-    global _llguidance_lock
-    _llguidance_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_lock)
+_llguidance_lock = ForkSafeLock()  # the server's compile threads build it (0.47 s at 32k tokens): once
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
