@@ -37,6 +37,7 @@ _stack_size_lock = ForkSafeLock()  # threading.stack_size is the process's, for 
 STARTED = 8
 _started: OrderedDict = OrderedDict()  # (constraint name, grammar, vocabulary fingerprint) -> matcher or refusal
 _started_lock = ForkSafeLock()  # the server's compile threads make them, its main thread binds them
+PROBE_TOKENS = 8  # tokens of one text a new start matcher is stepped through, to find where its parser gives up
 
 
 # The biases of the 8 tokens of each byte of a bitmask, bit j of the byte for its j-th token: 0 if set, else -inf.
@@ -171,7 +172,34 @@ def _start(constraint: Constraint, grammar: str, vocabulary):
     if start.is_error():
         return InvalidOption(f"the vocabulary cannot write any text that the {constraint.name} constraint accepts "
                              f"({_reason(start)})")
+    gave_up = _probe(start, tokenizer)
+    if gave_up is not None:
+        return InvalidOption(f"the {constraint.name} constraint is too large for llguidance's parser, which gives up "
+                             f"{gave_up}")
     return start
+
+
+def _probe(start, tokenizer) -> str | None:
+    """Where llguidance's parser gives up along the first `PROBE_TOKENS` tokens of one text (each step the
+    lowest token id it allows, short tokens mostly), or None. Some grammars it accepts and starts exceed a
+    limit of its own a token or two in (an object of 600 or more optional properties: "Current row has 2807
+    items; max is 2000", after its "{"): found here, on the compile thread, they are refused before the
+    generation starts, not after its prompt's prefill."""
+    import llguidance.numpy as llg
+
+    matcher, bitmask = start.deep_copy(), llg.allocate_token_bitmask(1, tokenizer.vocab_size)
+    for step in range(PROBE_TOKENS):
+        llg.fill_next_token_bitmask(matcher, bitmask, 0)
+        if matcher.is_error():
+            return f"after {step} tokens: {_reason(matcher)}"
+        allowed = np.flatnonzero(np.unpackbits(bitmask.astype("<i4", copy=False).view(np.uint8), bitorder="little"))
+        allowed = allowed[(allowed < tokenizer.vocab_size) & (allowed != tokenizer.eos_token)]
+        if not len(allowed):
+            return None
+        matcher.consume_token(int(allowed[0]))
+        if matcher.is_error():
+            return f"after {step + 1} tokens: {_reason(matcher)}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -232,6 +260,8 @@ class GrammarProcessor(LogitsProcessor):
             if matcher.is_error():  # its parser gave up (a limit of llguidance's): no text it allows is known
                 raise InvalidInput(f"{self.constraint.name}: the parser of row {row} stopped after {context.length - context.input_length} "
                                    f"tokens: {_reason(matcher)}")
+        if not ends.all():
+            self._check_end_tokens_as_text(matchers, bitmask, ends, context)
         # token i is bit i % 32 of word i // 32: each byte of the little-endian words looked up as its 8
         # tokens' biases (a third of the cost of unpacking the bits and masked_fill, 25 against 80 us at 32k)
         bias = np.take(_BYTE_BIASES, bitmask.astype("<i4", copy=False).view(np.uint8), axis=0)
@@ -242,6 +272,32 @@ class GrammarProcessor(LogitsProcessor):
         if bool(stuck.any()):
             logits[stuck.nonzero()[:, :1], self.eos_token_ids] = 0.0
         return state, logits
+
+
+    def _check_end_tokens_as_text(self, matchers, bitmask: np.ndarray, ends: np.ndarray, context) -> None:
+        """A grammar may write an end-of-sequence token as text (`<[2]>`, a token class that holds it). Where
+        it is not at an end, the token is masked like any end-of-sequence token, since writing one ends the
+        generation; where it is all the grammar allows, the text would end there short of a match, which
+        is refused, typed, unless writing it completes the grammar (`"a" <[2]>`: an end either way)."""
+        eos = self._eos_columns
+        written = (bitmask[:, eos // 32] >> (eos % 32)) & 1  # [rows, eos]: the grammar allows it as text
+        for row in np.flatnonzero(~ends & written.any(axis=1)).tolist():
+            others = bitmask[row].copy()
+            np.bitwise_and.at(others, eos // 32, ~(1 << (eos % 32)).astype(others.dtype))  # two may share a word
+            if others.any():
+                continue  # the text goes on by another token: the end-of-sequence token is masked
+            matcher, allowed = matchers[row], eos[written[row] == 1].tolist()
+            for token in allowed:
+                after = matcher.deep_copy()
+                after.consume_token(token)
+                if after.is_accepting() or after.is_stopped():
+                    ends[row] = True
+            if not ends[row]:
+                raise InvalidInput(
+                    f"{self.constraint.name}: after {context.length - context.input_length} tokens of row {row} the grammar "
+                    f"allows only {', '.join(map(str, allowed))} of eos_token_ids, whose writing ends the text "
+                    f"short of a match: a grammar cannot write an end-of-sequence token before its end (send "
+                    f"eos_token_ids without it to let the grammar write it as text)")
 
 
 @functools.cache

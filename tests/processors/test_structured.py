@@ -531,6 +531,35 @@ def test_a_dfa_state_whose_only_moves_are_on_eos_gets_eos_only(vocab, transition
     assert torch.equal((logits > NEG_INF).nonzero()[:, 1], torch.tensor([7, 7]))
 
 
+def grammar_steps(vocab, grammar: str, tokens: list[int], eos=(EOS,)) -> list[set[int]]:
+    """What a grammar allows (one row) at the start and after each of `tokens`."""
+    chain = Chain([configure(Grammar, grammar=grammar)]).bind(vocab, list(eos))
+    sequence = torch.tensor([[0] + tokens], dtype=torch.long)
+    states, allowed = chain.init(Context(sequence, 1, 1, 1024)), []
+    for step in range(len(tokens) + 1):
+        states, logits = chain.process(states, torch.zeros(1, 1024), Context(sequence, step + 1, 1, 1024))
+        allowed.append(set((logits[0] > NEG_INF).nonzero().squeeze(1).tolist()))
+    return allowed
+
+
+def test_a_grammar_that_must_write_an_end_token_before_its_end_is_refused_where_it_must(vocab, tokenizer):
+    """A grammar may name an end-of-sequence token as text (`<[2]>`). Writing one ends the generation, so
+    where the grammar allows nothing else and is not complete after it, the text would end short of a
+    match: that step is refused, typed. Where writing it completes the grammar, it ends there; where the
+    grammar allows other tokens too, the end token is masked until the grammar may end; with the id left
+    out of eos_token_ids, it is text like any other token."""
+    a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
+    assert grammar_steps(vocab, 'start: "a" <[2]>', [a]) == [{a}, {EOS}]  # writing it completes the grammar
+    assert grammar_steps(vocab, 'start: "a" (<[2]> | "b")', [a, b])[1:] == [{b}, {EOS}]  # "b" goes on: no end yet
+    with pytest.raises(P.InvalidInput, match=r"grammar: after 1 tokens of row 0 the grammar allows only 2 of "
+                                             r"eos_token_ids, whose writing ends the text short of a match"):
+        grammar_steps(vocab, 'start: "a" <[2]> "b"', [a])
+    text = grammar_steps(vocab, 'start: "a" <[2]> "b"', [a, EOS, b], eos=(1,))
+    assert text[:3] == [{a}, {EOS}, {b}] and 1 in text[3]
+    with pytest.raises(P.InvalidInput, match=r"allows only 1, 2 of eos_token_ids"):  # in one bitmask word
+        grammar_steps(vocab, 'start: "a" (<[1]> | <[2]>) "b"', [a], eos=(1, EOS))
+
+
 def balanced(text: str) -> bool:
     depth = 0
     for c in text:
@@ -978,6 +1007,20 @@ def test_refs_outlines_core_would_cut_are_run_by_llguidance(vocab, tokenizer):
     assert "recursive" in configure(JsonSchema, schema=under_enum).dfa_obstacle
     within = configure(JsonSchema, schema={**chain, "$ref": "#/$defs/b"})
     assert within.dfa_obstacle is None and isinstance(within.bind(vocab, [EOS]), AutomatonProcessor)
+
+
+def test_a_schema_llguidance_starts_but_gives_up_on_a_token_in_is_refused_when_bound(vocab, tokenizer):
+    """llguidance accepts an object of 700 optional properties and builds its parser, then gives up after
+    the "{" ("Current row has 2807 items; max is 2000"): the bind steps a new parser a few tokens in, so
+    that it is refused before a generation starts; at 300 its texts run."""
+    def wide(count):
+        return configure(JsonSchema, schema={"type": "object", "properties": {f"p{i}": {"type": "integer", "minimum": 0}
+                                                                              for i in range(count)}})
+
+    with pytest.raises(P.InvalidOption, match=r"the json_schema constraint is too large for llguidance's parser, which "
+                                              r"gives up after 1 tokens: Parser Error: Current row has \d+ items; max is 2000"):
+        wide(700).bind(vocab, [EOS])
+    assert accepts(wide(300).bind(vocab, [EOS]), tokenizer.encode('{"p299": 7}', add_special_tokens=False))
 
 
 def test_what_only_binding_can_tell_is_refused_when_bound(vocab):

@@ -203,6 +203,22 @@ def test_a_dfa_state_that_moves_only_on_eos_ends_the_text(engine, transitions, r
         assert [(s.token_ids, s.finish_reason) for s in result.sequences] == [([2], "eos")] * rows
 
 
+def test_a_grammar_that_would_end_on_an_end_token_written_as_text_fails_typed_and_changes_nothing(engine):
+    """`"a" <[2]> "b"`: after "a" only the EOS token may come, which would end the text short of the
+    grammar. The call fails typed (it used to end with "a" and finish_reason eos), the session is as it was;
+    with token 2 left out of eos_token_ids, the grammar writes it as text."""
+    from processors import Grammar
+
+    grammar = configure(Grammar, grammar='start: "a" <[2]> "b"')
+    with engine.session() as session:
+        for rows in (1, 3):
+            with pytest.raises(InvalidProcessor, match="allows only 2 of eos_token_ids, whose writing ends the text short"):
+                session.generate("x", max_new_tokens=6, strategy="sample", seed=1, num_samples=rows, processors=[grammar])
+            assert session.history == []
+        result = session.generate("x", max_new_tokens=6, eos_token_ids=[1], processors=[grammar])
+        assert result.token_ids[:3] == engine.tokenizer.convert_tokens_to_ids(["a", "</s>", "b"])
+
+
 def generate_on_a_server(processor: dict, expect: str = "result") -> dict:
     """The `result` (or `error`, as `expect` says) of a server, in this process, serving on a thread of its
     own, for a generate of 12 tokens constrained by `processor` on the default model."""
