@@ -87,6 +87,12 @@ class SessionBusy(SidecarError):
     code = "session_busy"
 
 
+class ReplyTooLarge(SidecarError):
+    """The reply to a generate would not fit in one frame (the server's `max_frame_bytes`)."""
+
+    code = "limit_exceeded"
+
+
 class CacheBudgetExceeded(SidecarError):
     """A generation needs more KV memory than the cache budget holds, even with every idle cache evicted."""
 

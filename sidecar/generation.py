@@ -29,7 +29,7 @@ from . import sharing
 from .attention import Segment
 from .beams import BeamSearch
 from .decode import check_logits, pick
-from .errors import InvalidProcessor
+from .errors import InvalidProcessor, SidecarError
 from .session import Result, Sequence, Stats, TokenEvent
 from .text import Detokenizer, StopMatcher
 
@@ -99,6 +99,7 @@ class Run:
         self.all_rows: list[_Row] = []
         self.next_tokens: list[int] = []
         self.beams: BeamSearch | None = None
+        self.accept_result = None  # see `Generation.accept_result`
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -282,9 +283,8 @@ class Run:
             if row.stops.stopped:
                 row.finish = "stop"
             elif is_eos or len(row.token_ids) == request.max_new_tokens:
-                text += row.stops.feed(row.detokenizer.flush())
+                text += row.stops.feed_last(row.detokenizer.flush())
                 row.finish = "stop" if row.stops.stopped else ("eos" if is_eos else "length")
-                text += row.stops.flush()
             row.pieces.append(text)
             self.events.append(TokenEvent(token, text, row.index))
             if row.finish is None:
@@ -354,11 +354,18 @@ class Run:
         best = sequences[0]
         for sequence in sequences:
             sequence.prompt_ids, sequence.tokenizer = self.request.input_ids, session.engine.tokenizer
-        if self.admitted and self.width > 1:
-            session.history = list(self.request.input_ids) + best.token_ids
         self.stats.generated_tokens = sum(len(s.token_ids) for s in sequences)
         self.stats.total_s = time.perf_counter() - self.started
-        self.result = Result(best.text, best.token_ids, reason, self.stats, sequences)
+        result = Result(best.text, best.token_ids, reason, self.stats, sequences)
+        if self.admitted and self.accept_result is not None:
+            try:
+                self.accept_result(result)
+            except SidecarError as refused:
+                self.fail(refused)
+                return
+        if self.admitted and self.width > 1:
+            session.history = list(self.request.input_ids) + best.token_ids
+        self.result = result
         if self.admitted:  # a run cancelled before it started left the session, and its last result, as they were
             session.last = self.result
         self._release()
@@ -427,6 +434,17 @@ class Generation:
     @property
     def error(self) -> BaseException | None:
         return self._run.error
+
+    @property
+    def accept_result(self):
+        """None, or a callable given the result before the session keeps it (as its history and last
+        result): one that raises a `SidecarError` fails the call with that error instead, the session as it
+        was before it. The server refuses so a reply that would not fit in a frame."""
+        return self._run.accept_result
+
+    @accept_result.setter
+    def accept_result(self, check) -> None:
+        self._run.accept_result = check
 
     def __iter__(self) -> "Generation":
         return self

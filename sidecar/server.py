@@ -27,7 +27,7 @@ from processors.structured.compile import CompileCancelled
 from processors.structured.constraints import Constraint
 from processors.structured.grammar import llguidance_checks_deferred
 from protocol import (
-    OPS, PROTOCOL_VERSION, Limits, OversizedFrame, ProtocolError, Request, error, event, ok, parse_request,
+    OPS, PROTOCOL_VERSION, Limits, OversizedFrame, ProtocolError, Request, error, event, ok, pack, parse_request,
     peek_request_id, unpack,
 )
 from protocol import errors as codes
@@ -35,7 +35,7 @@ from protocol.schema import request_id_of
 
 from . import __version__
 from .engine import Engine
-from .errors import InvalidArgument, InvalidProcessor, InvalidSessionFile, SessionClosed, SidecarError
+from .errors import InvalidArgument, InvalidProcessor, InvalidSessionFile, ReplyTooLarge, SessionClosed, SidecarError
 from .generation import Generation
 from .session import STRATEGIES, Stats
 from .transport import EOF_MARK, Hangup
@@ -353,7 +353,18 @@ class Server:
             num_return_sequences=p["num_return_sequences"], length_penalty=p["length_penalty"],
             early_stopping=p["early_stopping"], reuse=p["reuse"], keep=p["keep"],
         )
+        job.generation.accept_result = lambda result: self._check_reply_fits(job.request.id, result)
         self.active.append(job)
+
+    def _check_reply_fits(self, rid: int, result) -> None:
+        """Refuses a result whose reply would not fit in a frame, before the session keeps it: the reply is
+        then `limit_exceeded` and, as for any failed request, the session is as it was (its history, its
+        cache and the last result a `continue` reads)."""
+        size = len(pack(result_reply(rid, result)))
+        if size > self.limits.max_frame_bytes:
+            raise ReplyTooLarge(f"the reply would be {size} bytes, over the limit max_frame_bytes = "
+                                f"{self.limits.max_frame_bytes}; the session is as it was before the request",
+                                limit="max_frame_bytes", max=self.limits.max_frame_bytes, value=size)
 
     def _deliver(self) -> None:
         """Sends what the last tick produced: token events, and the replies of generations that ended."""
@@ -691,6 +702,8 @@ def oversized_frame_reply(item: OversizedFrame, limit: int, in_flight) -> dict:
 def cancelled_reply(job: Job) -> dict:
     if job.generation is not None:
         job.generation.cancel()
+        if job.generation.error is not None:  # what it had so far was refused (too large a reply)
+            return problem_reply(job.request.id, job.generation.error)
         return generation_reply(job)
     if job.request.op == "generate":
         return error(job.request.id, codes.CANCELLED, "the generation was cancelled before it started", text="",
@@ -699,12 +712,15 @@ def cancelled_reply(job: Job) -> dict:
 
 
 def generation_reply(job: Job) -> dict:
-    result = job.generation.result
+    return result_reply(job.request.id, job.generation.result)
+
+
+def result_reply(rid: int, result) -> dict:
     body = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
             "stats": asdict(result.stats), "sequences": [sequence_map(s) for s in result.sequences]}
     if result.finish_reason == "cancelled":
-        return error(job.request.id, codes.CANCELLED, "the generation was cancelled", **body)
-    return ok(job.request.id, body)
+        return error(rid, codes.CANCELLED, "the generation was cancelled", **body)
+    return ok(rid, body)
 
 
 def sequence_map(sequence) -> dict:

@@ -86,6 +86,13 @@ class StopMatcher:
         rest, self._pending = self._pending, ""
         return rest
 
+    def feed_last(self, piece: str) -> str:
+        """`feed` of the generation's last piece, then what was held back. Its trailing U+FFFD stand for the
+        bytes of a character the end cut (`Detokenizer.flush`): written out, never taken for a stop string."""
+        whole = piece.rstrip(REPLACEMENT)
+        text = self.feed(whole)
+        return text if self.stopped else text + self.flush() + piece[len(whole) :]
+
     def _undecided_tail(self, text: str) -> int:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
         for size in range(min(len(text), self._longest - 1), 0, -1):

@@ -224,12 +224,37 @@ def test_an_oversized_prompt_is_refused_by_its_id_and_the_connection_stays_usabl
         assert peer.call("ping")["ok"]
 
 
-def test_a_reply_over_the_frame_limit_becomes_a_typed_error(default_dir):
+def test_a_reply_over_the_frame_limit_becomes_a_typed_error(default_dir, engine):
+    """Any reply; a generate's, finished or cancelled, fails as a whole: its session is as it was, the last
+    result that `continue` reads included (the session used to keep what no reply had carried)."""
     with Peer(SERVER + ["--max-frame-bytes", "65536"], stderr=subprocess.DEVNULL) as peer:
         text = "".join(chr(0x4E00 + i) for i in range(21_000))  # CJK: several tokens per character
         reply = peer.call("tokenize", text=text)
         assert reply["error"]["code"] == "limit_exceeded" and reply["error"]["limit"] == "max_frame_bytes"
         assert reply["error"]["value"] > 65536
+        assert peer.call("ping")["ok"]
+
+        longest = max(range(3, engine.vocab_size), key=lambda t: len(engine.tokenizer.decode([t])))
+        wordy = {"strategy": "sample", "seed": 1, "num_samples": 64, "eos_token_ids": [],
+                 "processors": [{"name": "sequence_bias", "options": {"sequence_bias": [[[longest], 1e30]]}}]}
+        assert peer.call("open_session", session="s")["ok"]
+        assert peer.call("generate", session="s", prompt="Hi", max_new_tokens=2)["ok"]
+        before = peer.call("session_info", session="s")["result"]
+        too_large = peer.call("generate", session="s", prompt="Hi there", max_new_tokens=60, **wordy)["error"]
+        assert too_large["code"] == "limit_exceeded" and too_large["limit"] == "max_frame_bytes", too_large
+        assert too_large["value"] > 65536 and too_large["max"] == 65536
+        assert peer.call("session_info", session="s")["result"] == before
+        continued = peer.call("generate", session="s", max_new_tokens=1, **{"continue": {"sequence": 63}})
+        assert continued["error"]["code"] == "sample_mismatch"  # the last result is the one of 1 sequence
+
+        peer.send({"id": 90, "op": "generate", "session": "s", "prompt": "Hi there", "max_new_tokens": 400,
+                   "stream": True, **wordy})
+        for _ in range(64 * 80):  # 80 tokens a sample: more than a frame holds
+            assert peer.next_for(90).get("event") == "token"
+        assert peer.call("cancel", target=90)["result"] == {"cancelled": True}
+        cancelled = peer.reply_for(90)[1]["error"]
+        assert cancelled["code"] == "limit_exceeded" and cancelled["limit"] == "max_frame_bytes", cancelled
+        assert peer.call("session_info", session="s")["result"] == before
         assert peer.call("ping")["ok"]
 
 

@@ -37,6 +37,28 @@ def test_stop_matcher_holds_back_possible_stops(stops, chunks):
     assert emitted == expected and matcher.stopped == (emitted != text)
 
 
+def test_the_replacement_character_of_a_character_cut_by_the_end_is_no_stop(engine):
+    """Ending by length two bytes into an emoji leaves U+FFFD at the end of the text (those bytes). That
+    is no text the model wrote: a stop string "\ufffd" does not match it (it used to, giving finish_reason
+    "stop" for the very tokens that ended by "length"), nor does one ending with it."""
+    emoji = engine.tokenizer.encode("\U0001F600", add_special_tokens=False)
+    assert len(emoji) == 4  # one byte token each
+    bias = [[emoji[:1], 50.0]] + [[emoji[i : i + 2], 100.0] for i in range(3)]  # the emoji, again and again
+    from processors import SequenceBias, configure
+
+    options = dict(max_new_tokens=6, processors=[configure(SequenceBias, sequence_bias=bias)])
+    with engine.session() as session:
+        plain = session.generate("Hi", **options)
+        assert plain.text == "\U0001F600\ufffd" and plain.finish_reason == "length"
+        for stop in ("\ufffd", "\U0001F600\ufffd"):
+            stopped = session.generate("Hi", stop=[stop], **options)
+            assert (stopped.text, stopped.token_ids, stopped.finish_reason) == (plain.text, plain.token_ids, "length")
+    matcher = StopMatcher(("b\ufffd",))
+    assert matcher.feed("ab\ufffd") == "a" and matcher.stopped  # one the model wrote whole still stops
+    matcher = StopMatcher(("b\ufffd",))
+    assert matcher.feed("a") + matcher.feed_last("b\ufffd") == "ab\ufffd" and not matcher.stopped
+
+
 def test_stream_events_add_up_to_the_result(engine):
     with engine.session() as session:
         generation = session.stream(prompt="The processor keeps", max_new_tokens=25, strategy="sample", seed=3)
