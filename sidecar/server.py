@@ -4,7 +4,8 @@ One main thread does all the work. It owns the output, drains incoming frames be
 ticks each engine's scheduler, which runs one forward pass for every active generation of that model
 together (continuous batching), so a long generation in one session does not delay a ping or a
 generation in another. Requests for one session wait in that session's queue and run in arrival order.
-Only compiling constraints runs elsewhere, on COMPILERS threads, never waited for by the main thread.
+Only compiling constraints runs elsewhere, on COMPILERS threads, and configuring the processors of a
+generate that carries many bytes of them, on a thread of its own: neither is waited for by the main thread.
 
 Every request gets exactly one reply, whatever happens to it or to its session: a failure while it
 starts or runs is an error on that request alone, and a session closed or unloaded under queued
@@ -13,9 +14,11 @@ requests answers each of them before the closing op's own reply.
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -54,6 +57,16 @@ SAVED_SUFFIX = ".safetensors"
 # within 4 GiB and two cores, and a compile that no request waits for any more is stopped at once, freeing
 # its place (so two stuck ones last only as long as the client lets them).
 COMPILERS = 2
+# A generate whose processors pack into more bytes than this is configured on the configuring thread, not on
+# the main thread between every session's steps. Configuring is Python walking the options (a schema's
+# checks, a dfa's transitions), about 2 ms per KB: up to 0.2-0.5 s for the largest values the limits allow,
+# during which every stream paused. Below it, configuring costs less than the tick the hop would add.
+CONFIGURE_INLINE_BYTES = 4096
+# How long a thread running Python (configuring, or a compile thread reading what its child made) keeps the
+# GIL from the main thread, which asks for it back after every torch call that let go of it, hundreds a
+# tick: while another thread configured a dfa of 20,000 transitions, a tick of 3 ms took the whole 0.4 s of
+# it at Python's default 5 ms, 0.18 s at 0.5 ms, 44-55 ms at 0.1 ms (a thread alone is never interrupted).
+SWITCH_INTERVAL_S = 0.0001
 
 
 @dataclass
@@ -63,6 +76,8 @@ class Job:
     generation: Generation | None = None
     streamed: bool = False
     processors: list | None = None  # a generate's, configured once it reaches the head of its queue
+    configuring: bool = False  # its processors are being configured on the configuring thread
+    configure_failure: Exception | None = None  # what configuring them raised there, raised again here
     compiles: list = field(default_factory=list)  # (processor index, Compile) it waits for, in processor order
     compiled: bool = False  # its constraints are ready (or `problem` says why not)
     problem: SidecarError | None = None
@@ -89,6 +104,13 @@ class Compiled:
     """Put in the inbox by a compiling thread: the generations waiting for `compile` may go on."""
 
     compile: Compile
+
+
+@dataclass(frozen=True)
+class Configured:
+    """Put in the inbox by the configuring thread: `job`'s processors are configured, or failed to be."""
+
+    job: Job
 
 
 class Shutdown(Exception):
@@ -123,6 +145,8 @@ class Server:
         self.compiling: dict[tuple, Compile] = {}  # key -> the compile that requests for that key join
         for number in range(COMPILERS):
             threading.Thread(target=self._compiler, daemon=True, name=f"compile-{number}").start()
+        self.configures: queue.Queue = queue.Queue()  # Jobs whose processors the configuring thread configures
+        threading.Thread(target=self._configurer, daemon=True, name="configure").start()
         self.engines: dict[str, Engine] = {}
         self.sessions: dict[str, tuple[str, object]] = {}  # name -> (model name, Session)
         self.queues: dict[str, deque[Job]] = {}  # session name -> jobs in arrival order
@@ -137,21 +161,34 @@ class Server:
 
     def serve(self, inbox) -> int:
         self.inbox = inbox
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        # What is loaded before serving (modules, the CLI's models) is moved to the collector's permanent
+        # generation, where its full collections no longer walk it: those 356,000 objects made one take
+        # 190-220 ms, a pause of every stream, as often as requests left enough objects behind (a dfa of
+        # 20,000 transitions is 80,000 lists). Nothing made later is frozen: a session's memory must stay
+        # collectable once it is closed.
+        gc.collect()
+        gc.freeze()
         try:
             while True:
                 if not self.active:
                     self.writer.flush()  # about to wait: nothing may linger in the buffer
                 self._drain(inbox, block=not self.active)
-                for engine in list(self.engines.values()):
-                    if engine.scheduler.busy:
-                        engine.scheduler.tick()
-                        self._deliver()
-                        self._drain(inbox, block=False)
+                self._tick(inbox)
         except Shutdown as stop:
             return stop.status
         except (BrokenPipeError, Hangup):
             log.info("the client is gone; exiting")
             return 0
+
+    def _tick(self, inbox) -> None:
+        """A tick of each busy engine, each followed by what it produced and what arrived meanwhile. A method
+        of its own, so that no frame keeps the last engine ticked: one unloaded meanwhile is freed."""
+        for engine in list(self.engines.values()):
+            if engine.scheduler.busy:
+                engine.scheduler.tick()
+                self._deliver()
+                self._drain(inbox, block=False)
 
     def _drain(self, inbox, block: bool) -> None:
         while True:
@@ -168,6 +205,8 @@ class Server:
                 self.writer.send(oversized_frame_reply(item, self.limits.max_frame_bytes, self.in_flight))
             elif isinstance(item, Compiled):
                 self._compiled(item.compile)
+            elif isinstance(item, Configured):
+                self._configured(item.job)
             else:
                 self.handle_payload(item)
 
@@ -253,12 +292,19 @@ class Server:
         that the loop goes on ticking the other sessions meanwhile (a large vocabulary takes a second or
         more). A constraint already being compiled for another request is waited for, not compiled again.
         True while the job must wait."""
-        if job.compiles:
+        if job.compiles or job.configuring:
             return True
         _, session = self._session(name, job.request.id)
         vocabulary = session.engine.vocabulary
-        with llguidance_checks_deferred():  # made by their compiles, off this thread
-            job.processors = build_processors(job.request.params["processors"], job.request.id)
+        if job.configure_failure is not None:
+            raise job.configure_failure
+        if job.processors is None:
+            specs = job.request.params["processors"]
+            if specs and len(pack(specs)) > CONFIGURE_INLINE_BYTES:
+                job.configuring = True
+                self.configures.put(job)
+                return True
+            job.processors = configured(specs, job.request.id)
         for index, p in enumerate(job.processors):
             if isinstance(p, Constraint) and not p.compiled_for(vocabulary):
                 key = (p.compile_key(), vocabulary.fingerprint)
@@ -288,6 +334,26 @@ class Server:
                 log.exception("compiling constraint %s failed", task.constraint.name, exc_info=bug)
             finally:
                 self.inbox.put(Compiled(task), 0, lambda: False)
+
+    def _configurer(self) -> None:
+        """The configuring thread. A daemon, like the compiling ones; it reads a job's request, which nothing
+        changes, and writes its `processors` or `configure_failure`, which the main thread reads once the
+        job is in the inbox."""
+        while True:
+            job = self.configures.get()
+            try:
+                job.processors = configured(job.request.params["processors"], job.request.id)
+            except Exception as failure:  # ProtocolError, SidecarError, or a defect of ours, answered as such
+                job.configure_failure = failure
+            finally:
+                self.inbox.put(Configured(job), 0, lambda: False)
+
+    def _configured(self, job: Job) -> None:
+        """On the main thread, a job's processors are configured: it goes on, unless it was answered meanwhile
+        (cancelled, or its session closed)."""
+        job.configuring = False
+        if self.in_flight.get(job.request.id) is job:
+            self._advance(job.request.params["session"])  # it waits at the head of that session's queue
 
     def _compiled(self, task: Compile) -> None:
         """On the main thread, a compile is over: the generations it held that need nothing else go on."""
@@ -503,6 +569,7 @@ class Server:
             if model == name:
                 self._close(session_name)
         del self.engines[name]
+        gc.unfreeze()  # a model loaded before serving was frozen with it: its cycles must be collectable again
         return {}
 
     def op_models(self, params, rid):
@@ -657,6 +724,12 @@ class Server:
 def _directory(engine: Engine) -> Path:
     """The model directory an engine was loaded from, as the operator's chat templates are keyed."""
     return Path(engine.path).resolve()
+
+
+def configured(specs: list[dict], rid: int) -> list:
+    """A generate's processors, configured with llguidance's checks left to their compiles (off the main thread)."""
+    with llguidance_checks_deferred():
+        return build_processors(specs, rid)
 
 
 def build_processors(specs: list[dict], rid: int) -> list:

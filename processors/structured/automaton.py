@@ -140,12 +140,12 @@ class TokenAutomaton(Stepping):
         states, and in any state left with no token once they are taken out (one with no transition, the
         dead state, or a user's automaton's whose only transitions are on end-of-sequence tokens: it can
         go nowhere else, so it ends, never an all -inf row)."""
-        # a mask row shared by accepting and other states is split in two
-        pairs = torch.stack([self.mask_of, self.accepting.long()], dim=1)
-        distinct, inverse = torch.unique(pairs, dim=0, return_inverse=True)
-        forbidden = self.forbidden.index_select(0, distinct[:, 0])
+        # a mask row shared by accepting and other states is split in two: (mask, accepting) as one key, whose
+        # sort is the pairs' (unique over rows of pairs took 68 ms for a dfa of 20,000 states)
+        distinct, inverse = torch.unique(self.mask_of * 2 + self.accepting.long(), return_inverse=True)
+        forbidden = self.forbidden.index_select(0, distinct // 2)
         forbidden[:, eos_token_ids] = True
-        ending = distinct[:, 1].bool() | forbidden.all(dim=1)
+        ending = (distinct % 2).bool() | forbidden.all(dim=1)
         forbidden[ending.nonzero().squeeze(1).unsqueeze(1), eos_token_ids.unsqueeze(0)] = False
         bias = torch.zeros(forbidden.shape, dtype=torch.float32).masked_fill_(forbidden, float("-inf"))
         return BoundMasks(inverse, bias)

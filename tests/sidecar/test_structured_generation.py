@@ -2,6 +2,8 @@
 comply: every text must fullmatch its pattern (Python's `re`) or validate against its schema (`jsonschema`),
 whatever the strategy, the number of rows, or whether it is streamed."""
 
+import contextlib
+import gc
 import json
 import re
 
@@ -219,9 +221,10 @@ def test_a_grammar_that_would_end_on_an_end_token_written_as_text_fails_typed_an
         assert result.token_ids[:3] == engine.tokenizer.convert_tokens_to_ids(["a", "</s>", "b"])
 
 
-def generate_on_a_server(processor: dict, expect: str = "result") -> dict:
-    """The `result` (or `error`, as `expect` says) of a server, in this process, serving on a thread of its
-    own, for a generate of 12 tokens constrained by `processor` on the default model."""
+@contextlib.contextmanager
+def server_on_a_thread():
+    """A server, in this process, serving on a thread of its own ("serving") with the default model loaded:
+    yields `send(request)`, the queue of the messages it writes, and the server."""
     import queue
     import threading
 
@@ -244,18 +247,153 @@ def generate_on_a_server(processor: dict, expect: str = "result") -> dict:
     server.op_load_model({"name": "default", "path": None, "dtype": None, "device": None, "trust_remote_code": False}, None)
     serving = threading.Thread(target=server.serve, args=(inbox,), name="serving")
     serving.start()
+
+    def send(request):
+        payload = pack(request)
+        inbox.put(payload, len(payload), lambda: False)
+
     try:
-        for request in ({"id": 1, "op": "open_session", "model": "default", "session": "s"},
-                        {"id": 2, "op": "generate", "session": "s", "prompt": "a", "max_new_tokens": 12,
-                         "processors": [processor]}):
-            payload = pack(request)
-            inbox.put(payload, len(payload), lambda: False)
-        replies = [writer.replies.get(timeout=60) for _ in range(2)]
+        yield send, writer.replies, server
     finally:
         inbox.close()
         serving.join(timeout=60)
+        gc.unfreeze()  # the server froze this process's heap (`Server.serve`): the tests after collect it again
+
+
+def generate_on_a_server(processor: dict, expect: str = "result") -> dict:
+    """The `result` (or `error`, as `expect` says) of a server on a thread (`server_on_a_thread`) for a
+    generate of 12 tokens constrained by `processor` on the default model."""
+    with server_on_a_thread() as (send, messages, _):
+        send({"id": 1, "op": "open_session", "model": "default", "session": "s"})
+        send({"id": 2, "op": "generate", "session": "s", "prompt": "a", "max_new_tokens": 12, "processors": [processor]})
+        replies = [messages.get(timeout=60) for _ in range(2)]
     assert [r["id"] for r in replies] == [1, 2] and expect in replies[1], replies
     return replies[1][expect]
+
+
+def replies_until(messages, ids) -> list[dict]:
+    """The replies (events left out) the server writes until it has answered every id in `ids`."""
+    got = []
+    while not set(ids) <= {r["id"] for r in got}:
+        message = messages.get(timeout=60)
+        if "event" not in message:
+            got.append(message)
+    return got
+
+
+OPTIONS_600 = {"name": "choice", "options": {"options": [f"option {i}" for i in range(600)]}}  # 6 KB packed
+
+
+def held_configuring(monkeypatch):
+    """Holds the server's configuring thread, until the returned event is set, each time it configures;
+    returns the event and the names of the threads that configure, in order."""
+    import threading
+
+    from sidecar import server as server_module
+
+    release, threads, build = threading.Event(), [], server_module.build_processors
+
+    def held(specs, rid):
+        threads.append(threading.current_thread().name)
+        if threads[-1] == "configure":
+            assert release.wait(60)
+        return build(specs, rid)
+
+    monkeypatch.setattr(server_module, "build_processors", held)
+    return release, threads
+
+
+def test_large_processors_are_configured_off_the_main_thread_which_goes_on_meanwhile(default_dir, monkeypatch):
+    """A generate whose processors pack into more than CONFIGURE_INLINE_BYTES is configured on the configuring
+    thread (a schema's checks or a dfa's transitions held every stream up to 0.2-0.5 s): while that thread
+    is held, a ping and a generate in another session are answered; released, the generate runs, then what
+    was queued behind it in its session, in arrival order. Small processors are configured where they were."""
+    release, threads = held_configuring(monkeypatch)
+    with server_on_a_thread() as (send, messages, _):
+        for rid, name in ((1, "a"), (2, "b")):
+            send({"id": rid, "op": "open_session", "session": name})
+        send({"id": 3, "op": "generate", "session": "a", "prompt": "x", "max_new_tokens": 8, "processors": [OPTIONS_600]})
+        send({"id": 4, "op": "session_info", "session": "a"})
+        send({"id": 5, "op": "ping"})
+        send({"id": 6, "op": "generate", "session": "b", "prompt": "x", "max_new_tokens": 3,
+              "processors": [{"name": "top_k", "options": {"k": 5}}]})
+        first = replies_until(messages, [1, 2, 5, 6])
+        assert sorted(r["id"] for r in first) == [1, 2, 5, 6] and all(r["ok"] for r in first), first
+        release.set()
+        rest = replies_until(messages, [3, 4])
+    assert [r["id"] for r in rest] == [3, 4], rest
+    assert rest[0]["result"]["text"] in OPTIONS_600["options"]["options"]
+    assert rest[1]["result"]["history_tokens"] > 0  # it ran after the generate
+    assert sorted(threads) == ["configure", "serving"], threads
+
+
+def test_processors_configured_off_the_main_thread_fail_typed_or_are_cancelled_with_one_reply(default_dir, monkeypatch):
+    """Refused there, the request gets the refusal configuring gives anywhere, and its session is as it was;
+    cancelled while it is configured, it gets its `cancelled` reply at once and nothing more, and what waits
+    behind it runs."""
+    from sidecar.server import build_processors
+
+    release, threads = held_configuring(monkeypatch)
+    release.set()
+    bad = {"name": "choice", "options": {**OPTIONS_600["options"], "no_such_option": 1}}
+    with pytest.raises(InvalidProcessor) as configured:
+        build_processors([bad], 1)
+    with server_on_a_thread() as (send, messages, _):
+        send({"id": 1, "op": "open_session", "session": "a"})
+        send({"id": 2, "op": "generate", "session": "a", "prompt": "x", "max_new_tokens": 2, "processors": [bad]})
+        send({"id": 3, "op": "session_info", "session": "a"})
+        refused, info = replies_until(messages, [1, 2, 3])[1:]
+        assert refused["error"] == {"code": "invalid_processor", "message": configured.value.message, "index": 0}
+        assert info["result"]["history_tokens"] == 0
+        release.clear()
+        send({"id": 4, "op": "generate", "session": "a", "prompt": "x", "max_new_tokens": 8, "processors": [OPTIONS_600]})
+        send({"id": 5, "op": "cancel", "target": 4})
+        assert sorted((r["id"], r.get("error", {}).get("code")) for r in replies_until(messages, [4, 5])) == [(4, "cancelled"), (5, None)]
+        send({"id": 6, "op": "generate", "session": "a", "prompt": "x", "max_new_tokens": 2})
+        release.set()
+        assert [r["id"] for r in replies_until(messages, [6])] == [6]
+        send({"id": 7, "op": "ping"})
+        assert [r["id"] for r in replies_until(messages, [7])] == [7]  # nothing more came for 4
+    assert sorted(threads) == ["configure", "configure", "serving"], threads  # the refused, the cancelled, the last
+
+
+def test_the_server_freezes_the_heap_it_starts_with_and_an_unloaded_model_is_collectable(default_dir):
+    """Full collections walked the 356,000 objects of the modules a server imports (190-220 ms, a pause of
+    every stream): the server freezes what it starts with (`gc.freeze`). A model loaded then and unloaded
+    later must be collectable again (its engine and scheduler refer to each other), so an unload gives the
+    frozen objects back to the collector."""
+    import weakref
+
+    with server_on_a_thread() as (send, messages, server):
+        send({"id": 1, "op": "ping"})
+        assert replies_until(messages, [1])[0]["ok"]
+        assert gc.get_freeze_count() > 100_000, gc.get_freeze_count()
+        engine = weakref.ref(server.engines["default"])
+        send({"id": 2, "op": "unload_model", "model": "default"})
+        assert replies_until(messages, [2])[0]["ok"]
+        assert gc.get_freeze_count() == 0
+        send({"id": 3, "op": "ping"})  # the loop lets go of the last engine it ticked
+        assert replies_until(messages, [3])[0]["ok"]
+        gc.collect()
+        assert engine() is None
+
+
+def test_a_large_dfa_is_made_into_tables_on_a_compile_thread(default_dir, monkeypatch):
+    """Its tables take about 5 us a transition (0.1 s for the most a request carries): over
+    DFA_INLINE_TRANSITIONS, a compile thread makes them, and its tokens are checked against the vocabulary
+    all the same."""
+    from processors.structured.automaton import TokenAutomaton
+    from processors.structured.constraints import DFA_INLINE_TRANSITIONS
+
+    made = threads_calling(monkeypatch, TokenAutomaton, "from_transitions")
+    count = DFA_INLINE_TRANSITIONS + 500
+    chain = [[state, 5 + state % 50, state + 1] for state in range(count)]
+    result = generate_on_a_server({"name": "dfa", "options": {"initial_state": 0, "transitions": chain}})
+    assert result["token_ids"] == [5 + state % 50 for state in range(12)]
+    assert len(made) == 1 and made[0].startswith("compile-"), made
+    outside = generate_on_a_server({"name": "dfa", "options": {"initial_state": 0, "transitions": chain + [[count, 5000, 0]]}},
+                                   expect="error")
+    assert outside["code"] == "invalid_processor" and "5000" in outside["message"], outside
 
 
 def threads_calling(monkeypatch, module, name: str) -> list[str]:
