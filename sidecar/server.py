@@ -288,10 +288,11 @@ class Server:
                 jobs = self.queues.get(name)  # close_session removes the queue
 
     def _compile_first(self, name: str, job: Job) -> bool:
-        """Starts compiling a generation's constraints that no earlier call compiled, on other threads, so
-        that the loop goes on ticking the other sessions meanwhile (a large vocabulary takes a second or
-        more). A constraint already being compiled for another request is waited for, not compiled again.
-        True while the job must wait."""
+        """Configures a generation's processors (on the configuring thread when they are large), then starts
+        compiling its constraints that no earlier call compiled, on other threads, so that the loop goes on
+        ticking the other sessions meanwhile (a large vocabulary takes a second or more). A constraint
+        already being compiled for another request is waited for, not compiled again. True while the job
+        must wait."""
         if job.compiles or job.configuring:
             return True
         _, session = self._session(name, job.request.id)

@@ -6,6 +6,7 @@ import contextlib
 import gc
 import json
 import re
+import sys
 
 import jsonschema
 import pytest
@@ -242,7 +243,7 @@ def server_on_a_thread():
         def flush(self):
             pass
 
-    writer, inbox = Writer(), Inbox()
+    writer, inbox, switch_interval = Writer(), Inbox(), sys.getswitchinterval()
     server = Server(writer)
     server.op_load_model({"name": "default", "path": None, "dtype": None, "device": None, "trust_remote_code": False}, None)
     serving = threading.Thread(target=server.serve, args=(inbox,), name="serving")
@@ -258,6 +259,7 @@ def server_on_a_thread():
         inbox.close()
         serving.join(timeout=60)
         gc.unfreeze()  # the server froze this process's heap (`Server.serve`): the tests after collect it again
+        sys.setswitchinterval(switch_interval)  # and set the interpreter's switch interval
 
 
 def generate_on_a_server(processor: dict, expect: str = "result") -> dict:
