@@ -3,6 +3,7 @@ runs every generation of the model together."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -221,8 +222,10 @@ class Engine:
             raise _invalid_processor(error) from error
         if chain.max_token_id >= self.vocab_size:
             index = next(i for i, p in enumerate(chain.processors) if p.max_token_id() >= self.vocab_size)
-            raise InvalidProcessor(f"processors[{index}] names token id {chain.processors[index].max_token_id()}, "
-                                   f"outside the vocabulary of {self.vocab_size}", index=index)
+            processor = chain.processors[index]
+            token_id = processor.max_token_id()
+            raise InvalidProcessor(f"processors[{index}] ({processor.name}): {_naming(processor, token_id)}names token id "
+                                   f"{token_id}, outside the vocabulary of {self.vocab_size}", index=index)
         try:  # constraints compile against the vocabulary (cached per constraint) and move to the front
             chain = chain.bind(self.vocabulary, eos, self.model.device)
         except proc.ProcessorError as error:
@@ -341,3 +344,22 @@ def _finite(number: Real) -> bool:
 
 def _is_int(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _naming(processor, token_id: int) -> str:
+    """"option 'x' " when exactly one option of `processor` holds `token_id` (in a list, a pair or a map,
+    however nested), else "": the message then names the processor alone."""
+    if not dataclasses.is_dataclass(processor):
+        return ""
+    holding = [f.name for f in dataclasses.fields(processor) if _holds(getattr(processor, f.name), token_id)]
+    return f"option {holding[0]!r} " if len(holding) == 1 else ""
+
+
+def _holds(value, token_id: int) -> bool:
+    if isinstance(value, Integral) and not isinstance(value, bool):
+        return value == token_id
+    if isinstance(value, (list, tuple)):
+        return any(_holds(item, token_id) for item in value)
+    if isinstance(value, dict):
+        return any(_holds(key, token_id) or _holds(item, token_id) for key, item in value.items())
+    return False

@@ -355,12 +355,22 @@ def test_an_oversized_frame_under_an_id_in_flight_is_a_duplicate(default_dir):
         assert peer.next_for(77)["ok"]
 
 
-def test_an_out_of_vocabulary_processor_option_names_its_index(engine):
+def test_an_out_of_vocabulary_processor_option_names_its_index_and_option(engine):
+    """As the spec asks of every processor refusal: the index and the option (when one option alone holds
+    the id; a dfa's state numbered like it would make two)."""
+    from processors.structured import Dfa
+
     with engine.session() as session:
         with pytest.raises(errors.InvalidProcessor) as caught:
             session.generate(token_ids=[5], processors=[P.configure(P.Temperature, temperature=0.5),
                                                         P.configure(P.SuppressTokens, token_ids=[5000])])
-    assert caught.value.details["index"] == 1
+        assert caught.value.details["index"] == 1
+        assert str(caught.value) == ("processors[1] (suppress_tokens): option 'token_ids' names token id 5000, outside "
+                                     "the vocabulary of 1024")
+        with pytest.raises(errors.InvalidProcessor, match=r"^processors\[0\] \(sequence_bias\): option 'sequence_bias' names"):
+            session.generate(token_ids=[5], processors=[P.configure(P.SequenceBias, sequence_bias=[[[7, 4000], 1.0]])])
+        with pytest.raises(errors.InvalidProcessor, match=r"^processors\[0\] \(dfa\): names token id 3000"):
+            session.generate(token_ids=[5], processors=[P.configure(Dfa, initial_state=3000, transitions=[[3000, 3000, 1]])])
 
 
 def test_only_option_values_count_towards_max_processor_values():
