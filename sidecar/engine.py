@@ -349,6 +349,7 @@ def _is_int(value) -> bool:
 def _naming(processor, token_id: int) -> str:
     """"option 'x' " when exactly one option of `processor` holds `token_id` (in a list, a pair or a map,
     however nested), else "": the message then names the processor alone."""
+    processor = getattr(processor, "constraint", processor)  # a constraint the server compiled on a thread
     if not dataclasses.is_dataclass(processor):
         return ""
     holding = [f.name for f in dataclasses.fields(processor) if _holds(getattr(processor, f.name), token_id)]

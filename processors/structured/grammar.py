@@ -267,6 +267,8 @@ class GrammarProcessor(LogitsProcessor):
         bias = np.take(_BYTE_BIASES, bitmask.astype("<i4", copy=False).view(np.uint8), axis=0)
         bias = bias.reshape(len(matchers), -1)[:, :logits.shape[1]]
         bias[:, self._eos_columns] = np.where(ends, np.float32(0), np.float32(NEG_INF))[:, None]
+        if self.tokenizer.eos_token not in self._eos_columns:  # llguidance's own end there, not the request's
+            bias[ends, self.tokenizer.eos_token] = NEG_INF
         logits = torch.from_numpy(bias).to(logits.device, logits.dtype).add_(logits)
         stuck = logits.amax(dim=1) == NEG_INF
         if bool(stuck.any()):

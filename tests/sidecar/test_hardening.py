@@ -369,6 +369,10 @@ def test_an_out_of_vocabulary_processor_option_names_its_index_and_option(engine
                                      "the vocabulary of 1024")
         with pytest.raises(errors.InvalidProcessor, match=r"^processors\[0\] \(sequence_bias\): option 'sequence_bias' names"):
             session.generate(token_ids=[5], processors=[P.configure(P.SequenceBias, sequence_bias=[[[7, 4000], 1.0]])])
+        large = [[state, 5, state + 1] for state in range(1500)] + [[1500, 3000, 0]]  # compiled apart by the server
+        with pytest.raises(errors.InvalidProcessor, match=r"^processors\[0\] \(dfa\): option 'transitions' names token id 3000"):
+            session.generate(token_ids=[5], processors=[P.configure(Dfa, initial_state=0, transitions=large)
+                                                        .with_compiled(engine.vocabulary, None)])
         with pytest.raises(errors.InvalidProcessor, match=r"^processors\[0\] \(dfa\): names token id 3000"):
             session.generate(token_ids=[5], processors=[P.configure(Dfa, initial_state=3000, transitions=[[3000, 3000, 1]])])
 

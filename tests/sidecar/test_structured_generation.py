@@ -219,7 +219,16 @@ def test_a_grammar_that_would_end_on_an_end_token_written_as_text_fails_typed_an
                 session.generate("x", max_new_tokens=6, strategy="sample", seed=1, num_samples=rows, processors=[grammar])
             assert session.history == []
         result = session.generate("x", max_new_tokens=6, eos_token_ids=[1], processors=[grammar])
-        assert result.token_ids[:3] == engine.tokenizer.convert_tokens_to_ids(["a", "</s>", "b"])
+        assert result.token_ids == engine.tokenizer.convert_tokens_to_ids(["a", "</s>", "b", "<s>"])
+        assert result.finish_reason == "eos"
+        # the request's end token, not llguidance's (the model's 2), ends a complete match
+        for constraint in (configure(Grammar, grammar='start: "ab"'),
+                           configure(JsonSchema, schema={"type": "integer", "minimum": 3, "maximum": 4})):
+            for rows in (1, 2):
+                done = session.generate("x", max_new_tokens=8, eos_token_ids=[5], strategy="sample", seed=1,
+                                        num_samples=rows, processors=[constraint])
+                assert all(s.finish_reason == "eos" and s.token_ids[-1] == 5 and 2 not in s.token_ids
+                           for s in done.sequences), done.sequences
 
 
 @contextlib.contextmanager
