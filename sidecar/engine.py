@@ -17,6 +17,7 @@ import torch
 
 import processors as proc
 from processors.structured import Vocabulary
+from processors.structured.constraints import Compiled
 from protocol.schema import DEFAULT_NUM_BEAMS
 
 from . import attention, chat, models, persist, sequences, shift
@@ -349,7 +350,8 @@ def _is_int(value) -> bool:
 def _naming(processor, token_id: int) -> str:
     """"option 'x' " when exactly one option of `processor` holds `token_id` (in a list, a pair or a map,
     however nested), else "": the message then names the processor alone."""
-    processor = getattr(processor, "constraint", processor)  # a constraint the server compiled on a thread
+    if isinstance(processor, Compiled):  # a constraint the server compiled on a thread: its options are its own
+        processor = processor.constraint
     if not dataclasses.is_dataclass(processor):
         return ""
     holding = [f.name for f in dataclasses.fields(processor) if _holds(getattr(processor, f.name), token_id)]

@@ -182,8 +182,8 @@ def _start(constraint: Constraint, grammar: str, vocabulary):
 def _probe(start, tokenizer) -> str | None:
     """Where llguidance's parser gives up along the first `PROBE_TOKENS` tokens of one text (each step the
     lowest token id it allows, short tokens mostly), or None. Some grammars it accepts and starts exceed a
-    limit of its own a token or two in (an object of 600 or more optional properties: "Current row has 2807
-    items; max is 2000", after its "{"): found here, on the compile thread, they are refused before the
+    limit of its own a token or two in (an object of about 500 or more optional properties: 700 give "Current
+    row has 2807 items; max is 2000", after its "{"): found here, on the compile thread, they are refused before the
     generation starts, not after its prompt's prefill."""
     import llguidance.numpy as llg
 
@@ -218,6 +218,13 @@ class GrammarProcessor(LogitsProcessor):
         pool = torch.tensor(0)
         pool.matchers = [self.start.deep_copy() for _ in range(rows)]
         return {"slot": torch.arange(rows, device=context.sequence.device), "pool": pool}
+
+    @functools.cached_property
+    def _own_end(self) -> int | None:
+        """llguidance's end-of-sequence token (the model's) when the request's `eos_token_ids` leave it out:
+        to the request it is text, which a complete match must not go on writing."""
+        end = self.tokenizer.eos_token
+        return None if end in self._eos_columns else end
 
     @functools.cached_property
     def _eos_columns(self) -> np.ndarray:
@@ -267,14 +274,13 @@ class GrammarProcessor(LogitsProcessor):
         bias = np.take(_BYTE_BIASES, bitmask.astype("<i4", copy=False).view(np.uint8), axis=0)
         bias = bias.reshape(len(matchers), -1)[:, :logits.shape[1]]
         bias[:, self._eos_columns] = np.where(ends, np.float32(0), np.float32(NEG_INF))[:, None]
-        if self.tokenizer.eos_token not in self._eos_columns:  # llguidance's own end there, not the request's
-            bias[ends, self.tokenizer.eos_token] = NEG_INF
+        if self._own_end is not None:  # where a row may end, llguidance's mask allows its own end there too
+            bias[ends, self._own_end] = NEG_INF
         logits = torch.from_numpy(bias).to(logits.device, logits.dtype).add_(logits)
         stuck = logits.amax(dim=1) == NEG_INF
         if bool(stuck.any()):
             logits[stuck.nonzero()[:, :1], self.eos_token_ids] = 0.0
         return state, logits
-
 
     def _check_end_tokens_as_text(self, matchers, bitmask: np.ndarray, ends: np.ndarray, context) -> None:
         """A grammar may write an end-of-sequence token as text (`<[2]>`, a token class that holds it). Where
@@ -294,6 +300,7 @@ class GrammarProcessor(LogitsProcessor):
                 after.consume_token(token)
                 if after.is_accepting() or after.is_stopped():
                     ends[row] = True
+                    break
             if not ends[row]:
                 raise InvalidInput(
                     f"{self.constraint.name}: after {context.length - context.input_length} tokens of row {row} the grammar "
