@@ -457,7 +457,10 @@ defmodule Sidecar do
     call(conn, "load_model", load_model_params(opts), nil, timeout)
   end
 
-  @doc "Unloads a model; its sessions are closed and their generations cancelled."
+  @doc """
+  Unloads a model; its sessions are closed and their generations cancelled. It returns once the model's
+  memory is freed, so a `load_model/2` after it does not hold two models at once.
+  """
   @spec unload_model(conn(), String.t(), timeout() | nil) :: :ok | {:error, Error.t()}
   def unload_model(conn, name, timeout \\ nil) do
     name!(name, "a model's")
