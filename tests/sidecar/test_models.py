@@ -28,6 +28,27 @@ def test_gpt2_style_model_loads(gpt2_engine):
     assert gpt2_engine.model.config.model_type == "gpt2" and gpt2_engine.max_context == 256
 
 
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_dropped_engine_is_freed_by_a_collection(kind, default_dir, gpt2_dir):
+    """What the README promises and `unload_model` relies on: nothing outside the engine keeps it or its
+    model (no registry, cache or hook of ours), so once dropped, a collection frees it, with a session
+    left open, beams and samples run, and a constraint compiled."""
+    import gc
+    import weakref
+
+    from processors import Regex, configure
+
+    engine = Engine.load(default_dir if kind == "llama" else gpt2_dir)
+    session = engine.session()
+    session.generate("hello", max_new_tokens=4, strategy="beam", num_beams=3)
+    session.generate("hello", max_new_tokens=4, strategy="sample", num_samples=3, seed=1,
+                     processors=[configure(Regex, pattern="[a-z]{1,6}")])
+    model, dropped = weakref.ref(engine.model), weakref.ref(engine)
+    del engine, session
+    gc.collect()
+    assert dropped() is None and model() is None
+
+
 def test_dtype_option(default_dir):
     import torch
 
