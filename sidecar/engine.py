@@ -254,6 +254,13 @@ class Engine:
         """The bytes each token id writes, what constraints are compiled against."""
         return Vocabulary.from_tokenizer(self.tokenizer, self.vocab_size)
 
+    @property
+    def vocabulary_fingerprint(self) -> str | None:
+        """The fingerprint of `vocabulary` once a constraint was bound to it (what the compile caches hold
+        for this engine); None while it was never built."""
+        built = self.__dict__.get("vocabulary")  # where functools.cached_property keeps it
+        return None if built is None else built.fingerprint
+
     def _check_rows(self, strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty,
                     early_stopping) -> dict:
         """The options that make a generation several rows: samples, or beams and their scoring."""

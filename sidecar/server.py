@@ -29,6 +29,7 @@ import torch
 
 import processors as proc
 from processors.structured.compile import CompileCancelled
+from processors.structured import forget_vocabulary
 from processors.structured.constraints import Constraint
 from processors.structured.grammar import llguidance_checks_deferred
 from protocol import (
@@ -596,12 +597,15 @@ class Server:
         return {}
 
     def _drop_model(self, name: str, rid: int) -> None:
-        """Closes a model's sessions and forgets it; a function of its own, so that no local of it outlives it."""
-        self._engine(name, rid)
+        """Closes a model's sessions and forgets it, and what was compiled over its vocabulary if no other model
+        has it; a function of its own, so that no local of it outlives it."""
+        vocabulary = self._engine(name, rid).vocabulary_fingerprint
         for session_name, (model, _) in list(self.sessions.items()):
             if model == name:
                 self._close(session_name)
         del self.engines[name]
+        if vocabulary is not None and all(e.vocabulary_fingerprint != vocabulary for e in self.engines.values()):
+            forget_vocabulary(vocabulary)
 
     def op_models(self, params, rid):
         return {"models": [model_info(name, engine) for name, engine in self.engines.items()]}

@@ -3,10 +3,21 @@
     chain = Chain([configure(Regex, pattern=r"\\d{3}-\\d{4}")]).bind(Vocabulary.from_tokenizer(tok), [tok.eos_token_id])
 """
 
+from . import compile, grammar, vocabulary
 from .automaton import TokenAutomaton
 from .constraints import AutomatonProcessor, Choice, Constraint, Dfa, Regex
 from .grammar import Grammar, GrammarProcessor
 from .json_schema import JsonSchema
 from .vocabulary import Vocabulary
 
-__all__ = ["AutomatonProcessor", "Choice", "Constraint", "Dfa", "Grammar", "GrammarProcessor", "JsonSchema", "Regex", "TokenAutomaton", "Vocabulary"]
+__all__ = ["AutomatonProcessor", "Choice", "Constraint", "Dfa", "Grammar", "GrammarProcessor", "JsonSchema", "Regex",
+           "TokenAutomaton", "Vocabulary", "forget_vocabulary"]
+
+
+def forget_vocabulary(fingerprint: str) -> None:
+    """Drops everything kept for constraints over the vocabulary of `fingerprint` (`Vocabulary.fingerprint`):
+    compiled automata (up to 512 MiB), llguidance's parsers and its view of the vocabulary. For a model
+    going away: later constraints over that vocabulary are compiled again."""
+    compile.forget(fingerprint)
+    grammar.forget(fingerprint)
+    vocabulary.forget(fingerprint)

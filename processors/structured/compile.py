@@ -92,6 +92,14 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
     return automaton
 
 
+def forget(fingerprint: str) -> None:
+    """Drops what was compiled, or found impossible to compile, over the vocabulary of `fingerprint`."""
+    with _cache_lock:
+        for table in (_cache, _failures):
+            for key in [key for key in table if key[1] == fingerprint]:
+                del table[key]
+
+
 def _store(key: tuple, automaton: TokenAutomaton) -> None:
     """Caches an automaton as the most recently used, within `CACHE_BYTES` (the least recently used go)."""
     with _cache_lock:

@@ -152,6 +152,13 @@ def start_matcher(constraint: Constraint, grammar: str, vocabulary):
     return made
 
 
+def forget(fingerprint: str) -> None:
+    """Drops the matchers kept over the vocabulary of `fingerprint`."""
+    with _started_lock:
+        for key in [key for key in _started if key[2] == fingerprint]:
+            del _started[key]
+
+
 def is_started(constraint: Constraint, grammar: str, vocabulary) -> bool:
     """Whether `start_matcher` has what it would make kept."""
     with _started_lock:

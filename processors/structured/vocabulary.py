@@ -93,6 +93,12 @@ class Vocabulary:
         return cached
 
 
+def forget(fingerprint: str) -> None:
+    """Drops llguidance's view of the vocabulary of `fingerprint`."""
+    with _llguidance_lock:
+        _LLGUIDANCE.pop(fingerprint, None)
+
+
 def _surface_decoder(tokenizer):
     """How this tokenizer spells bytes in its token strings, read from its decoder's configuration."""
     backend = getattr(tokenizer, "backend_tokenizer", None)

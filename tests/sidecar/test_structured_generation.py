@@ -408,6 +408,34 @@ def test_the_server_keeps_its_heap_frozen_and_an_unload_frees_the_model_at_once(
         gc.enable()
 
 
+def test_an_unload_drops_what_was_compiled_over_a_vocabulary_no_loaded_model_has(default_dir):
+    """Compiled automata (up to 512 MiB), llguidance's parsers and its view of a vocabulary are kept per
+    vocabulary, which models with one tokenizer share: the last unload of a model with that vocabulary
+    drops them, an unload of another one keeps them."""
+    from processors.structured import compile as compiled, grammar, vocabulary
+
+    def kept(fingerprint):  # whether each holds anything over it (other tests' constraints too)
+        return [any(key[1] == fingerprint for key in compiled._cache), any(key[2] == fingerprint for key in grammar._started),
+                fingerprint in vocabulary._LLGUIDANCE]
+
+    constrained = [{"name": "regex", "options": {"pattern": "[a-z]{1,5}"}},
+                   {"name": "grammar", "options": {"grammar": 'start: "ab" | "cd"'}}]
+    with server_on_a_thread() as (send, messages, server):
+        send({"id": 1, "op": "load_model", "name": "twin"})  # the embedded model again
+        for model, session, first in (("default", "a", 2), ("twin", "b", 5)):
+            send({"id": first, "op": "open_session", "model": model, "session": session})
+            for offset, processor in enumerate(constrained, start=1):
+                send({"id": first + offset, "op": "generate", "session": session, "prompt": "x", "max_new_tokens": 4,
+                      "processors": [processor]})
+        assert all(r["ok"] for r in replies_until(messages, range(1, 8)))
+        fingerprint = server.engines["default"].vocabulary_fingerprint
+        assert fingerprint == server.engines["twin"].vocabulary_fingerprint and kept(fingerprint) == [True] * 3
+        send({"id": 8, "op": "unload_model", "model": "default"})
+        assert replies_until(messages, [8])[0]["ok"] and kept(fingerprint) == [True] * 3  # the twin has it
+        send({"id": 9, "op": "unload_model", "model": "twin"})
+        assert replies_until(messages, [9])[0]["ok"] and kept(fingerprint) == [False] * 3
+
+
 def test_a_large_dfa_is_made_into_tables_on_a_compile_thread(default_dir, monkeypatch):
     """Its tables take about 5 us a transition (0.1 s for the most a request carries): over
     DFA_INLINE_TRANSITIONS, a compile thread makes them, and its tokens are checked against the vocabulary
