@@ -21,6 +21,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -182,14 +183,23 @@ class Server:
         """Collects every cycle, then moves what is left to the collector's permanent generation, where its
         full collections no longer walk it: the 356,000 objects of the modules a server imports made one take
         190-220 ms, a pause of every stream, as often as requests left enough objects behind (a dfa of 20,000
-        transitions is 80,000 lists). Done when serving starts and after each unload: an engine is a web of
-        cycles (its scheduler and store refer back to it), so an unloaded model's memory, gigabytes for a real
-        one, came back only at some later full collection, if ever (measured: 1-2 more copies of a 200 MB
-        model held after unload and load cycles). What is frozen is still freed when nothing refers to it; only
-        a cycle among objects alive now that later becomes garbage waits for the next unload."""
+        transitions is 80,000 lists). Done when serving starts, and again when a model frozen then is
+        unloaded. What is frozen is still freed when nothing refers to it; only a cycle among objects alive
+        now that later becomes garbage waits for the next such unload."""
         gc.unfreeze()
         gc.collect()
         gc.freeze()
+
+    def _collect_unloaded(self, model: weakref.ref) -> None:
+        """Frees an unloaded model now, where nothing holds its engine any more (see `_tick`): an engine is a
+        web of cycles (its scheduler and store refer back to it), so its memory, gigabytes for a real model,
+        came back only at some later full collection (measured: 1-2 more copies of a 200 MB model held
+        across load and unload cycles), or never, for the model frozen with the heap. A model loaded while
+        serving is not frozen: a collection of what is not, a few milliseconds, frees it; the startup model
+        takes a walk of the whole heap (0.15-0.2 s)."""
+        gc.collect()
+        if model() is not None:
+            self._settle_heap()
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # give a model's device memory back to the device, not to our allocator's pool
 
@@ -592,20 +602,21 @@ class Server:
                             f"with (--model-root: {roots})", rid, param="path")
 
     def op_unload_model(self, params, rid):
-        self._drop_model(params["model"], rid)
-        self._settle_heap()  # no frame holds the engine any more (see `_tick`): the reply means its memory is back
+        self._collect_unloaded(self._drop_model(params["model"], rid))  # the reply means its memory is back
         return {}
 
-    def _drop_model(self, name: str, rid: int) -> None:
+    def _drop_model(self, name: str, rid: int) -> weakref.ref:
         """Closes a model's sessions and forgets it, and what was compiled over its vocabulary if no other model
-        has it; a function of its own, so that no local of it outlives it."""
-        vocabulary = self._engine(name, rid).vocabulary_fingerprint
+        has it; returns a weak reference to the model. A function of its own, so that no local of it outlives it."""
+        engine = self._engine(name, rid)
+        weights, vocabulary = weakref.ref(engine.model), engine.vocabulary_fingerprint
         for session_name, (model, _) in list(self.sessions.items()):
             if model == name:
                 self._close(session_name)
         del self.engines[name]
         if vocabulary is not None and all(e.vocabulary_fingerprint != vocabulary for e in self.engines.values()):
             forget_vocabulary(vocabulary)
+        return weights
 
     def op_models(self, params, rid):
         return {"models": [model_info(name, engine) for name, engine in self.engines.items()]}
