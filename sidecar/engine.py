@@ -256,8 +256,8 @@ class Engine:
 
     @property
     def vocabulary_fingerprint(self) -> str | None:
-        """The fingerprint of `vocabulary` once a constraint was bound to it (what the compile caches hold
-        for this engine); None while it was never built."""
+        """The fingerprint of `vocabulary` once something built it (a constraint bound to it, a session saved
+        or restored): what the compile caches may hold for this engine. None while it was never built."""
         built = self.__dict__.get("vocabulary")  # where functools.cached_property keeps it
         return None if built is None else built.fingerprint
 

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 import processors as proc
-from processors.structured.compile import CompileCancelled
 from processors.structured import forget_vocabulary
+from processors.structured.compile import CompileCancelled
 from processors.structured.constraints import Constraint
 from processors.structured.grammar import llguidance_checks_deferred
 from protocol import (
@@ -190,7 +190,7 @@ class Server:
         gc.collect()
         gc.freeze()
 
-    def _collect_unloaded(self, model: weakref.ref) -> None:
+    def _collect_unloaded(self, weights: weakref.ref) -> None:
         """Frees an unloaded model now, where nothing holds its engine any more (see `_tick`): an engine is a
         web of cycles (its scheduler and store refer back to it), so its memory, gigabytes for a real model,
         came back only at some later full collection (measured: 1-2 more copies of a 200 MB model held
@@ -198,7 +198,7 @@ class Server:
         serving is not frozen: a collection of what is not, a few milliseconds, frees it; the startup model
         takes a walk of the whole heap (0.15-0.2 s)."""
         gc.collect()
-        if model() is not None:
+        if weights() is not None:
             self._settle_heap()
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # give a model's device memory back to the device, not to our allocator's pool
