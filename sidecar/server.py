@@ -183,23 +183,27 @@ class Server:
         """Collects every cycle, then moves what is left to the collector's permanent generation, where its
         full collections no longer walk it: the 356,000 objects of the modules a server imports made one take
         190-220 ms, a pause of every stream, as often as requests left enough objects behind (a dfa of 20,000
-        transitions is 80,000 lists). Done when serving starts, and again when a model frozen then is
-        unloaded. What is frozen is still freed when nothing refers to it; only a cycle among objects alive
-        now that later becomes garbage waits for the next such unload."""
+        transitions is 80,000 lists). Done when serving starts, and again when an unloaded model was frozen
+        (`_collect_unloaded`), which freezes the models still loaded in turn. What is frozen is still freed
+        when nothing refers to it; only a cycle among objects alive now that later becomes garbage waits for
+        the next such unload, if one comes."""
         gc.unfreeze()
         gc.collect()
         gc.freeze()
 
-    def _collect_unloaded(self, weights: weakref.ref) -> None:
+    def _collect_unloaded(self, model: weakref.ref) -> None:
         """Frees an unloaded model now, where nothing holds its engine any more (see `_tick`): an engine is a
         web of cycles (its scheduler and store refer back to it), so its memory, gigabytes for a real model,
         came back only at some later full collection (measured: 1-2 more copies of a 200 MB model held
-        across load and unload cycles), or never, for the model frozen with the heap. A model loaded while
-        serving is not frozen: a collection of what is not, a few milliseconds, frees it; the startup model
-        takes a walk of the whole heap (0.15-0.2 s)."""
+        across load and unload cycles), or never, for a frozen model. A collection of what is not frozen, a
+        few milliseconds, frees a model loaded since the heap was last frozen; a model that was loaded then
+        (the startup model, or one loaded before an earlier unload of a frozen model) takes a walk of the
+        whole heap (0.15-0.2 s)."""
         gc.collect()
-        if weights() is not None:
+        if model() is not None:
             self._settle_heap()
+        if model() is not None:  # a defect of ours holds it: say so, since its memory stays
+            log.warning("an unloaded model is still referred to; its memory is not freed")
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # give a model's device memory back to the device, not to our allocator's pool
 
@@ -397,6 +401,7 @@ class Server:
         """On the main thread, a compile is over: the generations it held that need nothing else go on."""
         task.done = True
         self._forget(task)
+        self._forget_vocabulary_if_unused(task.key[1])  # its models may have been unloaded meanwhile
         for job in list(task.waiting.values()):
             if job.request.id in self.in_flight and self._settled(job):
                 self._advance(job.request.params["session"])  # it waits at the head of that session's queue
@@ -609,14 +614,20 @@ class Server:
         """Closes a model's sessions and forgets it, and what was compiled over its vocabulary if no other model
         has it; returns a weak reference to the model. A function of its own, so that no local of it outlives it."""
         engine = self._engine(name, rid)
-        weights, vocabulary = weakref.ref(engine.model), engine.vocabulary_fingerprint
+        unloaded, fingerprint = weakref.ref(engine.model), engine.vocabulary_fingerprint
         for session_name, (model, _) in list(self.sessions.items()):
             if model == name:
                 self._close(session_name)
         del self.engines[name]
-        if vocabulary is not None and all(e.vocabulary_fingerprint != vocabulary for e in self.engines.values()):
-            forget_vocabulary(vocabulary)
-        return weights
+        self._forget_vocabulary_if_unused(fingerprint)
+        return unloaded
+
+    def _forget_vocabulary_if_unused(self, fingerprint: str | None) -> None:
+        """Drops what is kept for constraints over a vocabulary (`forget_vocabulary`) once no loaded model has
+        it: at the unload of its last model, and when a compile over it ends after that (an llguidance parser
+        is built to its end, and stored, even when nobody waits for it any more)."""
+        if fingerprint is not None and all(e.vocabulary_fingerprint != fingerprint for e in self.engines.values()):
+            forget_vocabulary(fingerprint)
 
     def op_models(self, params, rid):
         return {"models": [model_info(name, engine) for name, engine in self.engines.items()]}

@@ -15,9 +15,11 @@ __all__ = ["AutomatonProcessor", "Choice", "Constraint", "Dfa", "Grammar", "Gram
 
 
 def forget_vocabulary(fingerprint: str) -> None:
-    """Drops everything kept for constraints over the vocabulary of `fingerprint` (`Vocabulary.fingerprint`):
+    """Drops what is kept for constraints over the vocabulary of `fingerprint` (`Vocabulary.fingerprint`):
     compiled automata (up to 512 MiB), llguidance's parsers and its view of the vocabulary. For a model
-    going away: later constraints over that vocabulary are compiled again."""
+    going away: later constraints over that vocabulary are compiled again. Two smaller tables per
+    vocabulary are left to their own bounds: the token walkers of lazily compiled automata (`lazy`, the
+    last 4 vocabularies) and the compile fork server's tries."""
     compile.forget(fingerprint)
     grammar.forget(fingerprint)
     vocabulary.forget(fingerprint)

@@ -440,6 +440,44 @@ def test_an_unload_drops_what_was_compiled_over_a_vocabulary_no_loaded_model_has
         assert replies_until(messages, [9])[0]["ok"] and kept(fingerprint) == [False] * 3
 
 
+def test_a_compile_that_ends_after_its_models_unload_keeps_nothing(default_dir, monkeypatch):
+    """An llguidance parser is built to its end even when nobody waits for it any more: one that ends after
+    the unload of the last model with its vocabulary is dropped when its end reaches the main thread, not
+    kept (with that vocabulary's view) until some later unload."""
+    import threading
+
+    from processors.structured import grammar, vocabulary
+
+    building, release, start = threading.Event(), threading.Event(), grammar._start
+
+    def held(*args):
+        building.set()
+        assert release.wait(60)
+        return start(*args)
+
+    monkeypatch.setattr(grammar, "_start", held)
+    with server_on_a_thread() as (send, messages, server):
+        ended = []
+        compiled = server._compiled
+        server._compiled = lambda task: (compiled(task), ended.append(task))
+        send({"id": 1, "op": "open_session", "model": "default", "session": "s"})
+        send({"id": 2, "op": "generate", "session": "s", "prompt": "x", "max_new_tokens": 4,
+              "processors": [{"name": "grammar", "options": {"grammar": 'start: "held" | "back"'}}]})
+        assert building.wait(60)
+        fingerprint = server.engines["default"].vocabulary_fingerprint
+        send({"id": 3, "op": "unload_model", "model": "default"})
+        replies = [r for r in replies_until(messages, [1, 2, 3]) if r["id"] != 1]
+        assert [r.get("error", {}).get("code") for r in replies] == ["session_closed", None], replies
+        release.set()
+        for _ in range(600):  # the compile thread ends, then the main thread reads its end
+            if ended:
+                break
+            threading.Event().wait(0.1)
+        send({"id": 4, "op": "ping"})
+        assert ended and replies_until(messages, [4])[0]["ok"]
+        assert not any(key[2] == fingerprint for key in grammar._started) and fingerprint not in vocabulary._LLGUIDANCE
+
+
 def test_a_large_dfa_is_made_into_tables_on_a_compile_thread(default_dir, monkeypatch):
     """Its tables take about 5 us a transition (0.1 s for the most a request carries): over
     DFA_INLINE_TRANSITIONS, a compile thread makes them, and its tokens are checked against the vocabulary
