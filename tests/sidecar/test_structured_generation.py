@@ -412,6 +412,16 @@ def test_the_server_keeps_its_heap_frozen_and_an_unload_frees_the_model_at_once(
         gc.enable()
 
 
+def test_an_unloaded_model_that_something_still_holds_is_logged(default_dir, caplog):
+    """Its memory stays, so the server says so, rather than walking the heap for nothing in silence."""
+    with server_on_a_thread() as (send, messages, server):
+        held = server.engines["default"].model  # what a defect of ours would hold
+        send({"id": 1, "op": "unload_model", "model": "default"})
+        assert replies_until(messages, [1])[0]["ok"] and "default" not in server.engines
+    assert "an unloaded model is still referred to" in caplog.text
+    del held
+
+
 def test_an_unload_drops_what_was_compiled_over_a_vocabulary_no_loaded_model_has(default_dir):
     """Compiled automata (up to 512 MiB), llguidance's parsers and its view of a vocabulary are kept per
     vocabulary, which models with one tokenizer share: the last unload of a model with that vocabulary
