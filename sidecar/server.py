@@ -202,8 +202,8 @@ class Server:
         gc.collect()
         if model() is not None:
             self._settle_heap()
-        if model() is not None:  # a defect of ours holds it: say so, since its memory stays
-            log.warning("an unloaded model is still referred to; its memory is not freed")
+            if model() is not None:  # a defect of ours holds it: say so, since its memory stays
+                log.warning("an unloaded model is still referred to; its memory is not freed")
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # give a model's device memory back to the device, not to our allocator's pool
 
@@ -401,7 +401,7 @@ class Server:
         """On the main thread, a compile is over: the generations it held that need nothing else go on."""
         task.done = True
         self._forget(task)
-        self._forget_vocabulary_if_unused(task.key[1])  # its models may have been unloaded meanwhile
+        self._forget_vocabulary_if_unused(task.vocabulary.fingerprint)  # its models may be unloaded by now
         for job in list(task.waiting.values()):
             if job.request.id in self.in_flight and self._settled(job):
                 self._advance(job.request.params["session"])  # it waits at the head of that session's queue
