@@ -28,6 +28,7 @@ _TOKEN = re.compile(r"""
   | (?P<class>\[)
   | (?P<atom>.)
 """, re.VERBOSE | re.DOTALL)
+_POSIX_CLASS = re.compile(r"\[:\^?[A-Za-z]+:\]")  # [:alpha:], [:^digit:]: only inside a class
 
 
 @dataclass
@@ -110,26 +111,26 @@ def _tokens(pattern: str) -> list[tuple[str, str]]:
 
 
 def _class_end(pattern: str, at: int) -> int:
-    """Where the class opening at `at` ends: classes nest, `]` first in one is a literal, escapes skip."""
+    """Where the class opening at `at` ends: classes nest, `]` first in one is a literal, `[:name:]` inside
+    one is a POSIX class (outside, `[:a]` is the class of `:` and `a`), escapes skip."""
     depth, i = 0, at
     while i < len(pattern):
         if pattern[i] == "\\":
             i += 2
-            continue
-        if pattern[i] == "[" and not pattern.startswith("[:", i):
+        elif depth and (posix := _POSIX_CLASS.match(pattern, i)):
+            i = posix.end()
+        elif pattern[i] == "[":
             depth += 1
             i += 1
             i += pattern.startswith("^", i)
             i += pattern.startswith("]", i)
-            continue
-        if pattern.startswith("[:", i) and (close := pattern.find(":]", i + 2)) != -1:
-            i = close + 2
-            continue
-        if pattern[i] == "]":
+        elif pattern[i] == "]":
             depth -= 1
+            i += 1
             if depth == 0:
-                return i + 1
-        i += 1
+                return i
+        else:
+            i += 1
     return len(pattern)  # unclosed: the compiler says so
 
 
