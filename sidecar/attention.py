@@ -98,23 +98,60 @@ class Plan:
 
 @dataclass
 class Probe:
-    """A plan for one throw-away forward pass that teaches the store each layer's key/value shape."""
+    """A plan for one throw-away forward pass that teaches the store each layer's key/value shape, and
+    collects the keywords of the model's attention calls that this attention does not run (`unrun`)."""
 
     store: KVStore
+    unrun: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What a model's attention does to its scores beside scaling them, which SDPA does not: Gemma 2's
+    soft-capping (`softcap * tanh(score / softcap)`, before the mask), and the sinks of GPT-OSS (`s_aux`:
+    one logit per head that joins the softmax's denominator and attends to nothing). Attention with
+    either runs in plain operations, as transformers' eager attention of those models does."""
+
+    softcap: float | None
+    sinks: torch.Tensor | None  # [heads]
+
+    @classmethod
+    def of(cls, keywords: dict) -> "Scoring | None":
+        softcap, sinks = keywords.get("softcap"), keywords.get("s_aux")
+        return None if softcap is None and sinks is None else cls(softcap, sinks)
+
+
+# Keywords models pass to their attention that change nothing here (a sliding window: see `Engine._probe`),
+# and those `Scoring` runs. Any other, unless None or False (`is_causal`: unless True), is a computation
+# this attention would leave out: the model is refused at load rather than give other tokens.
+INERT_KEYWORDS = frozenset({"position_ids", "use_cache", "sliding_window", "output_router_logits", "output_attentions",
+                            "cache_position", "position_embeddings"})
+SCORING_KEYWORDS = frozenset({"softcap", "s_aux"})
+
+
+def unrun_keywords(keywords: dict) -> set[str]:
+    """The keywords of an attention call that would change its result and that this attention does not run."""
+    return {name for name, value in keywords.items()
+            if name not in INERT_KEYWORDS | SCORING_KEYWORDS and value is not None and value is not False
+            and not (name == "is_causal" and value is True)}
 
 
 def rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kv_plan=None, **kwargs):
+    scoring = Scoring.of(kwargs)
     if kv_plan is None:
+        if scoring is not None:  # transformers' SDPA refuses a softcap, and has no sinks
+            return _scored(query, key, value, scaling, _causal(attention_mask, query, key), scoring).transpose(1, 2), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if isinstance(kv_plan, Probe):
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         kv_plan.store.learn(module.layer_idx, key.shape[1], key.shape[3], key.dtype, window)
+        kv_plan.unrun.update(unrun_keywords(kwargs))
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout)
     layer = module.layer_idx
     gqa = getattr(module, "num_key_value_groups", 1) > 1
     segments, lanes = kv_plan.segments, kv_plan.lanes
     if lanes and len(lanes) == len(segments):  # a step of sessions decoding alone: the common tick
-        return _decode_lanes(kv_plan, layer, query, key, value, scaling, gqa).transpose(1, 2), None
+        return _decode_lanes(kv_plan, layer, query, key, value, scaling, gqa, scoring).transpose(1, 2), None
     if len(segments) == 1:
         parts = [(segments[0], query, key, value)]
     else:  # one split a tensor, not three slices a segment: a decode step of many sessions has dozens a layer
@@ -123,24 +160,27 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
     outputs = [None] * len(parts)  # each [1, heads, tokens, head_dim]
     if lanes:
         together = [torch.cat([parts[i][n] for i in lanes], dim=2) for n in (1, 2, 3)]
-        for i, out in zip(lanes, _decode_lanes(kv_plan, layer, *together, scaling, gqa).split(1, dim=2)):
+        for i, out in zip(lanes, _decode_lanes(kv_plan, layer, *together, scaling, gqa, scoring).split(1, dim=2)):
             outputs[i] = out
     for i, (segment, q, k, v) in enumerate(parts):
         if outputs[i] is not None:
             continue
         if segment.length == 1:
-            outputs[i] = _decode(segment, layer, q, k, v, scaling, gqa)
+            outputs[i] = _decode(segment, layer, q, k, v, scaling, gqa, scoring)
         else:
             keys, values = segment.cache.write(layer, segment.row, segment.start, k[0], v[0], segment.chain)
             mask = None  # a whole prompt from position 0: SDPA's own causal flag
-            if segment.position > 0:
+            if segment.position > 0 or scoring is not None:
                 mask = kv_plan.mask(segment.position, segment.length, query.device)
+            if scoring is not None:
+                outputs[i] = _scored(q, keys, values, scaling, mask, scoring)
+                continue
             out, _ = sdpa_attention_forward(module, q, keys, values, mask, scaling=scaling, dropout=dropout)
             outputs[i] = out.transpose(1, 2)
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)).transpose(1, 2), None
 
 
-def _decode_lanes(plan: Plan, layer: int, query, key, value, scaling, gqa: bool) -> torch.Tensor:
+def _decode_lanes(plan: Plan, layer: int, query, key, value, scaling, gqa: bool, scoring: Scoring | None) -> torch.Tensor:
     """The decode step of the group's members, one token each: `query` [1, heads, members, head_dim] and
     the fresh `key`/`value` [1, kv_heads, members, head_dim] in the order of its members. Their keys and
     values are written to their lanes in one indexed write each, and attended in one SDPA call over the
@@ -152,13 +192,15 @@ def _decode_lanes(plan: Plan, layer: int, query, key, value, scaling, gqa: bool)
     longest = mask.shape[-1]
     keys, values = keys[:, :, :longest], values[:, :, :longest]
     if plan.group.chain:
-        return _decode_after_prefix(plan.group.chain, layer, query[0], keys, values, scaling, mask).transpose(1, 2)
+        return _decode_after_prefix(plan.group.chain, layer, query[0], keys, values, scaling, scoring, mask).transpose(1, 2)
+    if scoring is not None:
+        return _scored(query.transpose(0, 2), keys, values, scaling, mask, scoring).transpose(0, 2)
     out = F.scaled_dot_product_attention(query.transpose(0, 2), keys, values, attn_mask=mask, scale=scaling,
                                          enable_gqa=gqa)
     return out.transpose(0, 2)
 
 
-def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool) -> torch.Tensor:
+def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool, scoring: Scoring | None) -> torch.Tensor:
     """One new token for each of `segment.rows` rows that share a length: one SDPA call for all of them.
 
     The call transformers' SDPA attention makes for one query without a mask, batched over the rows:
@@ -169,19 +211,22 @@ def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool)
     keys, values = segment.cache.write_rows(layer, segment.row, segment.rows, segment.start,
                                             key.transpose(0, 2), value.transpose(0, 2))
     if segment.chain:
-        return _decode_after_prefix(segment.chain, layer, query[0], keys, values, scaling).transpose(1, 2)
+        return _decode_after_prefix(segment.chain, layer, query[0], keys, values, scaling, scoring).transpose(1, 2)
+    if scoring is not None:
+        return _scored(query.transpose(0, 2), keys, values, scaling, None, scoring).transpose(0, 2)
     out = F.scaled_dot_product_attention(query.transpose(0, 2), keys, values, scale=scaling, enable_gqa=gqa)
     return out.transpose(0, 2)
 
 
-def _decode_after_prefix(chain, layer: int, query, keys, values, scaling, mask=None) -> torch.Tensor:
+def _decode_after_prefix(chain, layer: int, query, keys, values, scaling, scoring: Scoring | None = None,
+                         mask=None) -> torch.Tensor:
     """Attention of one new token per row over a prefix all rows share, then each row's own keys.
 
     The prefix (the caches of `chain`, each with how many of its tokens are read) is read in place, once
     for all rows (the rows' queries stacked), instead of once per row from a copy: for n samples or beams
     of a long prompt, or sessions continuing a shared system prompt, most of what attention reads. Each
     part is attended alone, and the parts are merged by their log-sum-exps, which is exactly one softmax
-    over all the keys (up to rounding).
+    over all the keys (up to rounding). A `scoring`'s sinks join that merge as one more part, of no values.
     `query` is [heads, rows, head_dim]; `keys`/`values` [rows, kv_heads, suffix, head_dim]; `mask`, added
     to the scores of the rows' own keys, [rows, 1, 1, suffix] (the decode group's lanes, of several lengths).
     """
@@ -191,35 +236,69 @@ def _decode_after_prefix(chain, layer: int, query, keys, values, scaling, mask=N
     scale = scaling if scaling is not None else dim**-0.5
     q = query.transpose(0, 1).reshape(rows, kv_heads, group, dim)  # the heads of one kv head side by side
     stacked = q.transpose(0, 1).reshape(1, kv_heads, rows * group, dim)
-    parts = [_attend(stacked, cache.keys[layer][:1, :, :n], cache.values[layer][:1, :, :n], scale)
+    softcap = scoring.softcap if scoring is not None else None
+    parts = [_attend(stacked, cache.keys[layer][:1, :, :n], cache.values[layer][:1, :, :n], scale, softcap=softcap)
              for cache, n in chain]  # each [1, kv_heads, rows * group, ...]
     if rows > 1:  # back to one row per query
         parts = [(out.view(kv_heads, rows, group, dim).transpose(0, 1), lse.view(kv_heads, rows, group).transpose(0, 1))
                  for out, lse in parts]
-    parts.append(_attend(q, keys, values, scale, mask))  # [rows, kv_heads, group, ...]
+    parts.append(_attend(q, keys, values, scale, mask, softcap))  # [rows, kv_heads, group, ...]
+    if scoring is not None and scoring.sinks is not None:
+        out = parts[-1][0]
+        sinks = scoring.sinks.to(torch.float32).view(1, kv_heads, group).expand(out.shape[0], -1, -1)
+        parts.append((torch.zeros_like(out), sinks))
     weights = torch.stack([lse for _, lse in parts]).softmax(dim=0).unsqueeze(-1)  # each part's share of the softmax
     out = (torch.stack([out for out, _ in parts]) * weights).sum(dim=0)
     return out.to(query.dtype).reshape(1, rows, heads, dim)
 
 
-def _attend(q, k, v, scale: float, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of `q` [b, h, n, d] over `k`/`v` [b, h, m, d], `mask` (if any) added to the scores: the
-    output and each query's log-sum-exp of scores ([b, h, n], float32), which let attention over parts of
-    the keys be merged. On CPU, the fused kernel SDPA itself runs (it returns both); elsewhere, the same in
-    plain ops."""
-    if q.device.type == "cpu":
+def _attend(q, k, v, scale: float, mask=None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of `q` [b, h, n, d] over `k`/`v` [b, h, m, d], `mask` (if any) added to the scores (or, bool,
+    the keys each query sees): the output and each query's log-sum-exp of scores ([b, h, n], float32),
+    which let attention over parts of the keys be merged. On CPU, the fused kernel SDPA itself runs (it
+    returns both); elsewhere, or with a `softcap`, the same in plain ops."""
+    if q.device.type == "cpu" and softcap is None:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
                                                                                scale=scale)
         return out, lse
-    return _attend_plain(q, k, v, scale, mask)
+    return _attend_plain(q, k, v, scale, mask, softcap)
 
 
-def _attend_plain(q, k, v, scale: float, mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_plain(q, k, v, scale: float, mask=None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     scores = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale)
-    if mask is not None:
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    if mask is not None and mask.dtype == torch.bool:
+        scores.masked_fill_(~mask, float("-inf"))
+    elif mask is not None:
         scores += mask
     lse = scores.logsumexp(dim=-1)
     return torch.matmul((scores - lse.unsqueeze(-1)).exp_().to(v.dtype), v), lse
+
+
+def _scored(q, k, v, scaling, mask, scoring: Scoring) -> torch.Tensor:
+    """Attention with a `Scoring`, in plain ops: `q` [b, heads, n, d] over `k`/`v` [b, kv_heads, m, d],
+    `mask` (bool: the keys each query sees, or added) [b or 1, 1, n, m]; returns [b, heads, n, d]."""
+    b, heads, n, dim = q.shape
+    kv_heads, group = k.shape[1], heads // k.shape[1]
+    scale = scaling if scaling is not None else dim**-0.5
+    grouped = q.reshape(b, kv_heads, group * n, dim)  # head h is kv head h // group: its queries side by side
+    if mask is not None:
+        mask = mask.unsqueeze(2).expand(-1, -1, group, -1, -1).reshape(mask.shape[0], 1, group * n, mask.shape[-1])
+    out, lse = _attend_plain(grouped, k, v, scale, mask, scoring.softcap)
+    if scoring.sinks is not None:  # exp(lse) / (exp(lse) + exp(sink)): the share the keys keep
+        sinks = scoring.sinks.to(torch.float32).view(kv_heads, group, 1).expand(-1, -1, n).reshape(kv_heads, group * n)
+        out = out * torch.sigmoid(lse - sinks).unsqueeze(-1).to(out.dtype)
+    return out.reshape(b, heads, n, dim)
+
+
+def _causal(mask, query, key):
+    """The mask transformers' SDPA mask function made for a call without a plan, or, where it left one out
+    for SDPA's causal flag, the causal mask it stands for (the queries are the last of the keys)."""
+    if mask is not None:
+        return mask
+    n, m = query.shape[2], key.shape[2]
+    return torch.ones(n, m, dtype=torch.bool, device=query.device).tril(m - n)[None, None]
 
 
 AttentionInterface.register(NAME, rows_attention)

@@ -92,12 +92,16 @@ class Engine:
 
     def _probe(self) -> None:
         """One throw-away forward pass that tells the store each layer's key/value shape."""
+        probe = attention.Probe(self.store)
         with torch.inference_mode():
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.model.device), use_cache=False,
-                       kv_plan=attention.Probe(self.store))
+                       kv_plan=probe)
         if not self.store.layers or None in self.store.layers:
             raise InvalidModel(f"{type(self.model).__name__}'s attention does not go through transformers' "
                                "attention interface, which the batched engine needs")
+        if probe.unrun:
+            raise InvalidModel(f"{type(self.model).__name__}'s attention takes {', '.join(sorted(probe.unrun))}, which "
+                               "the batched engine's attention does not run: its tokens would not be transformers'")
         if self.store.sliding_window is not None:
             # Our attention is causal over the whole row: exact as long as no row outgrows the window.
             self.max_context = min(self.max_context or self.store.sliding_window, self.store.sliding_window)
