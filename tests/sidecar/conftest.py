@@ -8,6 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from protocol.peer import Peer
 from sidecar import Engine
 from sidecar.default_model import materialise
+from sidecar.kv import DecodeGroup
 
 
 @pytest.fixture(scope="session")
@@ -46,6 +47,23 @@ def gpt2_engine(gpt2_dir):
 @pytest.fixture(params=["llama", "gpt2"])
 def any_engine(request, engine, gpt2_engine):
     return {"llama": engine, "gpt2": gpt2_engine}[request.param]
+
+
+@pytest.fixture
+def group_sizes(monkeypatch):
+    """The number of members of every group formed (a test of the group must see one formed)."""
+    sizes = []
+    update = DecodeGroup.update
+
+    def spied(self, caches, chain=()):
+        members = self.members
+        grouped = update(self, caches, chain)
+        if grouped and self.members is not members:  # formed now, not kept from the step before
+            sizes.append(len(self.members))
+        return grouped
+
+    monkeypatch.setattr(DecodeGroup, "update", spied)
+    return sizes
 
 
 def tokens(n: int, seed: int, low: int = 3, high: int = 1000) -> list[int]:

@@ -15,7 +15,6 @@ from sidecar.errors import InvalidModel
 
 from .conftest import tokens
 from .test_batching import drain
-from .test_decode_group import group_sizes  # noqa: F401 (a fixture of the tests below)
 
 SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, sliding_window=1024, pad_token_id=0,
@@ -76,7 +75,7 @@ def test_logits_and_greedy_tokens_equal_eager_attention_through_prefill_chunks_a
     assert greedy(engine.model, prompt, 6) == first.token_ids  # the model's own calls, without a plan
 
 
-def test_sessions_decoding_together_equal_eager_attention(pair, group_sizes):  # noqa: F811
+def test_sessions_decoding_together_equal_eager_attention(pair, group_sizes):
     engine, reference = pair
     prompts = [tokens(n, seed=10 + n) for n in (3, 11, 40, 90)]
     sessions = [engine.session() for _ in prompts]
@@ -90,7 +89,7 @@ def test_sessions_decoding_together_equal_eager_attention(pair, group_sizes):  #
             s.close()
 
 
-def test_sessions_continuing_one_system_prompt_equal_eager_attention(pair, group_sizes):  # noqa: F811
+def test_sessions_continuing_one_system_prompt_equal_eager_attention(pair, group_sizes):
     engine, reference = pair
     system = tokens(48, seed=20)
     prompts = [system + tokens(n, seed=21 + n) for n in (2, 5, 9)]

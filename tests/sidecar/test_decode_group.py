@@ -6,27 +6,9 @@ import torch
 from transformers import DynamicCache
 
 from sidecar import Engine
-from sidecar.kv import DecodeGroup
 
 from .conftest import tokens
 from .test_batching import drain, reference_greedy
-
-
-@pytest.fixture
-def group_sizes(monkeypatch):
-    """The number of members of every group formed (a test of the group must see one formed)."""
-    sizes = []
-    update = DecodeGroup.update
-
-    def spied(self, caches, chain=()):
-        members = self.members
-        grouped = update(self, caches, chain)
-        if grouped and self.members is not members:  # formed now, not kept from the step before
-            sizes.append(len(self.members))
-        return grouped
-
-    monkeypatch.setattr(DecodeGroup, "update", spied)
-    return sizes
 
 
 def cold_keys(engine, token_ids):
