@@ -270,7 +270,8 @@ class Run:
 
     def _sample_step(self, processed: torch.Tensor) -> None:
         request = self.request
-        tokens = pick(processed, request.strategy == "greedy", self.generator)
+        tokens = pick(processed, request.strategy == "greedy", self.generator, [row.index for row in self.rows],
+                      self.width)
         self._advance_context(tokens)
         token_list = tokens.tolist()
         keep = []

@@ -292,6 +292,28 @@ def test_n_samples_equal_transformers_sampling_with_the_same_seed(engine, length
     assert result.stats.prefill_tokens == len(prompt) and result.stats.generated_tokens == 40
 
 
+@pytest.mark.parametrize("length", [12, 400], ids=["prompt copied to each row", "prompt shared by the rows"])
+def test_n_samples_still_equal_transformers_sampling_after_one_of_them_ends(engine, length):
+    """transformers goes on drawing for a sample that ended (and drops what it draws): the others draw the
+    same numbers as long as ours does too (they drew others once the ended row stopped drawing)."""
+    prompt = tokens(length, seed=12)
+
+    def theirs(eos):
+        torch.manual_seed(5)
+        out = engine.model.generate(torch.tensor([prompt]), do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                                    num_return_sequences=4, max_new_tokens=10, eos_token_id=eos, pad_token_id=0)
+        rows = out[:, len(prompt):].tolist()
+        return [row[: row.index(eos) + 1] if eos in row else row for row in rows]
+
+    eos = theirs(None)[1][2]  # the second sample ends at its third token
+    expected = theirs(eos)
+    assert len(expected[1]) == 3 and max(map(len, expected)) == 10  # one ended early, another went on after it
+    with engine.session() as session:
+        result = session.generate(token_ids=prompt, strategy="sample", num_samples=4, seed=5, max_new_tokens=10,
+                                  eos_token_ids=[eos])
+    assert [s.token_ids for s in result.sequences] == expected
+
+
 def test_n_samples_prefill_once_are_reproducible_and_stream_tagged(engine):
     prompt = tokens(40, seed=13)
     calls = []
