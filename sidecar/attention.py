@@ -6,13 +6,15 @@ tokens belongs to which row of which `KVCache`, starting at which position. tran
 attention layer's fresh keys and values to the function registered for the model's attention
 implementation, with the extra keywords of the call. This one writes each row's keys and values into
 its cache and runs the stock SDPA attention of the row's queries against the row's cached keys, with a
-causal mask offset by what the row already holds. A decode step of several rows that share one cache
-(beams, samples) is one SDPA call over those rows. A row therefore computes what it computes alone:
-a lone session's decode steps are bit-identical to transformers' own `DynamicCache` path (its prefill
-logits differ only by the rounding of the output layer's matmul over fewer positions, ~4e-7).
+causal mask offset by what the row already holds, and within the layer's sliding window if it has one
+(the window's keys stay in the cache). A decode step of several rows that share one cache (beams,
+samples) is one SDPA call over those rows. A row therefore computes what it computes alone: a lone
+session's decode steps are bit-identical to transformers' own `DynamicCache` path (its prefill logits
+differ only by the rounding of the output layer's matmul over fewer positions, ~4e-7). Scores SDPA
+cannot compute (`Scoring`) are computed in plain ops on every path.
 
-Called without a plan (`model.generate`, a plain forward), it is transformers' SDPA attention, so the
-model stays usable as a reference.
+Called without a plan (`model.generate`, a plain forward), it is transformers' SDPA attention (or, with a
+`Scoring`, the plain ops'), so the model stays usable as a reference.
 """
 
 from __future__ import annotations
@@ -69,29 +71,47 @@ class Plan:
     _masks: dict = field(default_factory=dict)
 
     @functools.cached_property
-    def lane_steps(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The group's step: where each member writes (lane, position), and the mask that keeps each
-        member's query to its own keys, [members, 1, 1, longest + 1]: bool, or, when the members continue
-        a prefix, added to the scores (0 or -inf, in the keys' dtype, what the kernel that also returns
-        log-sum-exps takes); made once a pass."""
+    def lane_steps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's step: where each member writes (lane, position); made once a pass."""
         device = self.group.keys[0].device
-        ends = [self.segments[i].start for i in self.lanes]
-        positions = torch.tensor(ends, device=device)
-        mask = (torch.arange(max(ends) + 1, device=device) <= positions[:, None])[:, None, None, :]
-        if self.group.chain:
-            mask = torch.zeros(mask.shape, dtype=self.group.keys[0].dtype, device=device).masked_fill_(~mask, float("-inf"))
-        return torch.arange(len(ends), device=device), positions, mask
+        positions = torch.tensor([self.segments[i].start for i in self.lanes], device=device)
+        return torch.arange(len(positions), device=device), positions
+
+    def lane_mask(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The mask that keeps each member's query to its own keys, and to the last `window` of all it
+        reads (a layer's sliding window), [members, 1, 1, longest + 1]: bool, or, when the members continue
+        a prefix, added to the scores (0 or -inf, in the keys' dtype, what the kernel that also returns
+        log-sum-exps takes); and, when the window leaves some of that prefix out for some member, the
+        first position of it each member reads ([members]; else None). Made once a pass per window."""
+        key = ("lanes", window)
+        if key not in self._masks:
+            _, positions = self.lane_steps
+            columns = torch.arange(int(positions.max()) + 1, device=positions.device)
+            allowed = columns <= positions[:, None]
+            first = None
+            if window is not None:
+                prefix = sum(n for _, n in self.group.chain)
+                starts = positions + prefix + 1 - window  # each member's first key, counted from the prefix's first
+                allowed &= columns >= (starts - prefix)[:, None]
+                if prefix and int(starts.max()) > 0:
+                    first = starts.clamp(min=0)
+            allowed = allowed[:, None, None, :]
+            self._masks[key] = (_additive(allowed, self.group.keys[0].dtype) if self.group.chain else allowed, first)
+        return self._masks[key]
 
     @functools.cached_property
     def sizes(self) -> list[int]:
         """How many tokens of the batch each segment takes, in order."""
         return [segment.tokens for segment in self.segments]
 
-    def mask(self, start: int, length: int, device) -> torch.Tensor:
-        """The causal mask of `length` queries after `start` cached tokens: query i sees keys 0..start+i."""
-        key = (start, length)
+    def mask(self, start: int, length: int, device, window: int | None = None) -> torch.Tensor:
+        """The causal mask of `length` queries after `start` cached tokens: query i sees keys 0..start+i,
+        the last `window` of them only when the layer has a sliding window."""
+        key = (start, length, window)
         if key not in self._masks:
             allowed = torch.ones(length, start + length, dtype=torch.bool, device=device).tril(start)
+            if window is not None:
+                allowed = allowed.triu(start + 1 - window)
             self._masks[key] = allowed[None, None]
         return self._masks[key]
 
@@ -121,18 +141,18 @@ class Scoring:
         return None if softcap is None and sinks is None else cls(softcap, sinks)
 
 
-# Keywords models pass to their attention that change nothing here (a sliding window: see `Engine._probe`),
-# and those `Scoring` runs. Any other, unless None or False (`is_causal`: unless True), is a computation
+# Keywords models pass to their attention that change nothing here, and those this attention runs (the
+# sliding window, `Scoring`'s). Any other, unless None or False (`is_causal`: unless True), is a computation
 # this attention would leave out: the model is refused at load rather than give other tokens.
-INERT_KEYWORDS = frozenset({"position_ids", "use_cache", "sliding_window", "output_router_logits", "output_attentions",
-                            "cache_position", "position_embeddings"})
-SCORING_KEYWORDS = frozenset({"softcap", "s_aux"})
+INERT_KEYWORDS = frozenset({"position_ids", "use_cache", "output_router_logits", "output_attentions", "cache_position",
+                            "position_embeddings"})
+RUN_KEYWORDS = frozenset({"sliding_window", "softcap", "s_aux"})
 
 
 def unrun_keywords(keywords: dict) -> set[str]:
     """The keywords of an attention call that would change its result and that this attention does not run."""
     return {name for name, value in keywords.items()
-            if name not in INERT_KEYWORDS | SCORING_KEYWORDS and value is not None and value is not False
+            if name not in INERT_KEYWORDS | RUN_KEYWORDS and value is not None and value is not False
             and not (name == "is_causal" and value is True)}
 
 
@@ -143,15 +163,15 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
             return _scored(query, key, value, scaling, _causal(attention_mask, query, key), scoring).transpose(1, 2), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if isinstance(kv_plan, Probe):
-        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-        kv_plan.store.learn(module.layer_idx, key.shape[1], key.shape[3], key.dtype, window)
+        kv_plan.store.learn(module.layer_idx, key.shape[1], key.shape[3], key.dtype)
         kv_plan.unrun.update(unrun_keywords(kwargs))
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout)
     layer = module.layer_idx
     gqa = getattr(module, "num_key_value_groups", 1) > 1
+    window = kwargs.get("sliding_window")  # this layer's: a query reads the last `window` keys, itself included
     segments, lanes = kv_plan.segments, kv_plan.lanes
     if lanes and len(lanes) == len(segments):  # a step of sessions decoding alone: the common tick
-        return _decode_lanes(kv_plan, layer, query, key, value, scaling, gqa, scoring).transpose(1, 2), None
+        return _decode_lanes(kv_plan, layer, query, key, value, scaling, gqa, scoring, window).transpose(1, 2), None
     if len(segments) == 1:
         parts = [(segments[0], query, key, value)]
     else:  # one split a tensor, not three slices a segment: a decode step of many sessions has dozens a layer
@@ -160,18 +180,19 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
     outputs = [None] * len(parts)  # each [1, heads, tokens, head_dim]
     if lanes:
         together = [torch.cat([parts[i][n] for i in lanes], dim=2) for n in (1, 2, 3)]
-        for i, out in zip(lanes, _decode_lanes(kv_plan, layer, *together, scaling, gqa, scoring).split(1, dim=2)):
+        for i, out in zip(lanes, _decode_lanes(kv_plan, layer, *together, scaling, gqa, scoring, window).split(1, dim=2)):
             outputs[i] = out
     for i, (segment, q, k, v) in enumerate(parts):
         if outputs[i] is not None:
             continue
         if segment.length == 1:
-            outputs[i] = _decode(segment, layer, q, k, v, scaling, gqa, scoring)
+            outputs[i] = _decode(segment, layer, q, k, v, scaling, gqa, scoring, window)
         else:
             keys, values = segment.cache.write(layer, segment.row, segment.start, k[0], v[0], segment.chain)
-            mask = None  # a whole prompt from position 0: SDPA's own causal flag
-            if segment.position > 0 or scoring is not None:
-                mask = kv_plan.mask(segment.position, segment.length, query.device)
+            mask = None  # a whole prompt from position 0 within any window: SDPA's own causal flag
+            end = segment.position + segment.length
+            if segment.position > 0 or scoring is not None or (window is not None and end > window):
+                mask = kv_plan.mask(segment.position, segment.length, query.device, window)
             if scoring is not None:
                 outputs[i] = _scored(q, keys, values, scaling, mask, scoring)
                 continue
@@ -180,19 +201,22 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)).transpose(1, 2), None
 
 
-def _decode_lanes(plan: Plan, layer: int, query, key, value, scaling, gqa: bool, scoring: Scoring | None) -> torch.Tensor:
+def _decode_lanes(plan: Plan, layer: int, query, key, value, scaling, gqa: bool, scoring: Scoring | None,
+                  window: int | None) -> torch.Tensor:
     """The decode step of the group's members, one token each: `query` [1, heads, members, head_dim] and
     the fresh `key`/`value` [1, kv_heads, members, head_dim] in the order of its members. Their keys and
     values are written to their lanes in one indexed write each, and attended in one SDPA call over the
     lanes up to the longest, a mask keeping each member to its own; returns [1, heads, members, head_dim]."""
-    lanes, positions, mask = plan.lane_steps
+    lanes, positions = plan.lane_steps
+    mask, first = plan.lane_mask(window)
     keys, values = plan.group.keys[layer], plan.group.values[layer]
     keys[lanes, :, positions] = key[0].transpose(0, 1)
     values[lanes, :, positions] = value[0].transpose(0, 1)
     longest = mask.shape[-1]
     keys, values = keys[:, :, :longest], values[:, :, :longest]
     if plan.group.chain:
-        return _decode_after_prefix(plan.group.chain, layer, query[0], keys, values, scaling, scoring, mask).transpose(1, 2)
+        return _decode_after_prefix(_spans(plan.group.chain)[0], layer, query[0], keys, values, scaling, scoring, mask,
+                                    first).transpose(1, 2)
     if scoring is not None:
         return _scored(query.transpose(0, 2), keys, values, scaling, mask, scoring).transpose(0, 2)
     out = F.scaled_dot_product_attention(query.transpose(0, 2), keys, values, attn_mask=mask, scale=scaling,
@@ -200,35 +224,53 @@ def _decode_lanes(plan: Plan, layer: int, query, key, value, scaling, gqa: bool,
     return out.transpose(0, 2)
 
 
-def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool, scoring: Scoring | None) -> torch.Tensor:
+def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool, scoring: Scoring | None,
+            window: int | None) -> torch.Tensor:
     """One new token for each of `segment.rows` rows that share a length: one SDPA call for all of them.
 
     The call transformers' SDPA attention makes for one query without a mask, batched over the rows:
     `query` [1, heads, rows, head_dim] and the fresh `key`/`value` [1, kv_heads, rows, head_dim] of the
     flattened batch become [rows, heads, 1, head_dim] (a transpose, no copy); returns
-    [1, heads, rows, head_dim].
+    [1, heads, rows, head_dim]. A sliding `window` reads the last keys only: a slice, as the rows share it.
     """
     keys, values = segment.cache.write_rows(layer, segment.row, segment.rows, segment.start,
                                             key.transpose(0, 2), value.transpose(0, 2))
+    drop = 0 if window is None else max(0, segment.position + 1 - window)  # the keys before the window
     if segment.chain:
-        return _decode_after_prefix(segment.chain, layer, query[0], keys, values, scaling, scoring).transpose(1, 2)
+        spans, own = _spans(segment.chain, drop)
+        return _decode_after_prefix(spans, layer, query[0], keys[:, :, own:], values[:, :, own:], scaling,
+                                    scoring).transpose(1, 2)
+    keys, values = keys[:, :, drop:], values[:, :, drop:]
     if scoring is not None:
         return _scored(query.transpose(0, 2), keys, values, scaling, None, scoring).transpose(0, 2)
     out = F.scaled_dot_product_attention(query.transpose(0, 2), keys, values, scale=scaling, enable_gqa=gqa)
     return out.transpose(0, 2)
 
 
-def _decode_after_prefix(chain, layer: int, query, keys, values, scaling, scoring: Scoring | None = None,
-                         mask=None) -> torch.Tensor:
+def _spans(chain: list[tuple[KVCache, int]], drop: int = 0) -> tuple[list[tuple[KVCache, int, int]], int]:
+    """The prefix `chain` reads ((cache, tokens read), in order) less its first `drop` tokens, as (cache,
+    first, end) spans; and how many of the tokens after the prefix are dropped too."""
+    spans = []
+    for cache, n in chain:
+        skipped = min(n, drop)
+        drop -= skipped
+        if skipped < n:
+            spans.append((cache, skipped, n))
+    return spans, drop
+
+
+def _decode_after_prefix(spans, layer: int, query, keys, values, scaling, scoring: Scoring | None = None,
+                         mask=None, first=None) -> torch.Tensor:
     """Attention of one new token per row over a prefix all rows share, then each row's own keys.
 
-    The prefix (the caches of `chain`, each with how many of its tokens are read) is read in place, once
-    for all rows (the rows' queries stacked), instead of once per row from a copy: for n samples or beams
-    of a long prompt, or sessions continuing a shared system prompt, most of what attention reads. Each
-    part is attended alone, and the parts are merged by their log-sum-exps, which is exactly one softmax
-    over all the keys (up to rounding). A `scoring`'s sinks join that merge as one more part, of no values.
+    The prefix (`spans` of caches, `_spans`) is read in place, once for all rows (the rows' queries
+    stacked), instead of once per row from a copy: for n samples or beams of a long prompt, or sessions
+    continuing a shared system prompt, most of what attention reads. Each part is attended alone, and
+    the parts are merged by their log-sum-exps, which is exactly one softmax over all the keys (up to
+    rounding). A `scoring`'s sinks join that merge as one more part, of no values.
     `query` is [heads, rows, head_dim]; `keys`/`values` [rows, kv_heads, suffix, head_dim]; `mask`, added
-    to the scores of the rows' own keys, [rows, 1, 1, suffix] (the decode group's lanes, of several lengths).
+    to the scores of the rows' own keys, [rows, 1, 1, suffix] (the decode group's lanes, of several lengths);
+    `first`, with a sliding window, the first position of the prefix each row reads ([rows]).
     """
     heads, rows, dim = query.shape
     kv_heads = keys.shape[1]
@@ -237,8 +279,18 @@ def _decode_after_prefix(chain, layer: int, query, keys, values, scaling, scorin
     q = query.transpose(0, 1).reshape(rows, kv_heads, group, dim)  # the heads of one kv head side by side
     stacked = q.transpose(0, 1).reshape(1, kv_heads, rows * group, dim)
     softcap = scoring.softcap if scoring is not None else None
-    parts = [_attend(stacked, cache.keys[layer][:1, :, :n], cache.values[layer][:1, :, :n], scale, softcap=softcap)
-             for cache, n in chain]  # each [1, kv_heads, rows * group, ...]
+    parts, position = [], 0  # each [1, kv_heads, rows * group, ...]
+    for cache, start, end in spans:
+        part = cache.keys[layer][:1, :, start:end], cache.values[layer][:1, :, start:end]
+        if first is None:
+            parts.append(_attend(stacked, *part, scale, softcap=softcap))
+        else:  # the window's start differs by row: a mask, and no part at all for a row that reads none of it
+            seen = torch.arange(position, position + end - start, device=query.device) >= first.repeat_interleave(group)[:, None]
+            if bool(seen.any()):
+                out, lse = _attend(stacked, *part, scale, _additive(seen[None, None], part[0].dtype), softcap)
+                unread = ~seen.any(dim=1)  # the kernel gives such a row 0 for its log-sum-exp, not -inf
+                parts.append((out.masked_fill(unread[:, None], 0.0), lse.masked_fill(unread, float("-inf"))))
+        position += end - start
     if rows > 1:  # back to one row per query
         parts = [(out.view(kv_heads, rows, group, dim).transpose(0, 1), lse.view(kv_heads, rows, group).transpose(0, 1))
                  for out, lse in parts]
@@ -290,6 +342,11 @@ def _scored(q, k, v, scaling, mask, scoring: Scoring) -> torch.Tensor:
         sinks = scoring.sinks.to(torch.float32).view(kv_heads, group, 1).expand(-1, -1, n).reshape(kv_heads, group * n)
         out = out * torch.sigmoid(lse - sinks).unsqueeze(-1).to(out.dtype)
     return out.reshape(b, heads, n, dim)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as one added to the scores: 0 where allowed, -inf elsewhere."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def _causal(mask, query, key):

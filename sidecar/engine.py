@@ -81,7 +81,6 @@ class Engine:
         self.share_prefixes = share_prefixes
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_context = getattr(model.config, "max_position_embeddings", None)
-        self.context_bound = "max_position_embeddings"  # what sets max_context
         self._sessions: OrderedDict[int, Session] = OrderedDict()  # least recently used first
         self._ids = itertools.count(1)
         self.lock = threading.RLock()
@@ -102,10 +101,6 @@ class Engine:
         if probe.unrun:
             raise InvalidModel(f"{type(self.model).__name__}'s attention takes {', '.join(sorted(probe.unrun))}, which "
                                "the batched engine's attention does not run: its tokens would not be transformers'")
-        if self.store.sliding_window is not None:
-            # Our attention is causal over the whole row: exact as long as no row outgrows the window.
-            self.max_context = min(self.max_context or self.store.sliding_window, self.store.sliding_window)
-            self.context_bound = "the sliding attention window, which the batched engine does not apply"
 
     @classmethod
     def load(cls, path=None, *, dtype=None, device: str = "cpu", trust_remote_code: bool = False, **options) -> "Engine":
@@ -197,7 +192,7 @@ class Engine:
         if self.max_context is not None and len(input_ids) + max_new_tokens > self.max_context:
             raise ContextOverflow(
                 f"{len(input_ids)} input tokens + max_new_tokens {max_new_tokens} exceed the model's context "
-                f"of {self.max_context} tokens ({self.context_bound})",
+                f"of {self.max_context} tokens (max_position_embeddings)",
                 limit="max_context", max=self.max_context, value=len(input_ids) + max_new_tokens,
             )
         if strategy not in STRATEGIES:

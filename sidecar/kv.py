@@ -56,7 +56,6 @@ class KVStore:
         self.device = device
         self.dtype = dtype
         self.layers: list[LayerShape] = []  # learnt from the model's first forward pass (`learn`)
-        self.sliding_window: int | None = None  # the smallest attention window of any layer
         self.used_bytes = 0
         self.peak_bytes = 0
         self.evictions = 0
@@ -70,13 +69,11 @@ class KVStore:
         size = torch.empty((), dtype=self.dtype).element_size()
         return sum(2 * shape.kv_heads * shape.head_dim * size for shape in self.layers)
 
-    def learn(self, layer: int, kv_heads: int, head_dim: int, dtype: torch.dtype, window: int | None = None) -> None:
+    def learn(self, layer: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         while len(self.layers) <= layer:
             self.layers.append(None)
         self.layers[layer] = LayerShape(kv_heads, head_dim)
         self.dtype = dtype
-        if window is not None:
-            self.sliding_window = min(window, self.sliding_window or window)
 
     def cache(self, rows: int = 1) -> "KVCache":
         cache = KVCache(self, rows)

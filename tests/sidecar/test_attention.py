@@ -16,8 +16,10 @@ class Part:
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("rows", [1, 3])
-def test_parts_merged_by_log_sum_exp_equal_one_softmax_over_all_keys(dtype, tolerance, rows):
+@pytest.mark.parametrize("rows, first", [(1, None), (3, None), (4, [0, 45, 60, 80])],
+                         ids=["1 row", "3 rows", "4 rows, each reading the prefix from its own window's start"])
+def test_parts_merged_by_log_sum_exp_equal_one_softmax_over_all_keys(dtype, tolerance, rows, first):
+    """The last row's window starts past the whole prefix (72 tokens), the second row's past its first part."""
     g = torch.Generator().manual_seed(0)
     kv_heads, heads, dim = 2, 4, 16
     chain = []
@@ -27,13 +29,15 @@ def test_parts_merged_by_log_sum_exp_equal_one_softmax_over_all_keys(dtype, tole
     own_keys = torch.randn(rows, kv_heads, 12, dim, generator=g).to(dtype)[:, :, :5]
     own_values = torch.randn(rows, kv_heads, 12, dim, generator=g).to(dtype)[:, :, :5]
     query = torch.randn(heads, rows, dim, generator=g).to(dtype)
-    out = _decode_after_prefix(chain, 0, query, own_keys, own_values, None)
+    spans = [(part, 0, n) for part, n in chain]
+    out = _decode_after_prefix(spans, 0, query, own_keys, own_values, None, first=None if first is None else torch.tensor(first))
     assert out.shape == (1, rows, heads, dim) and out.dtype == dtype
     for r in range(rows):
         keys = torch.cat([p.keys[0][:, :, :n] for p, n in chain] + [own_keys[r : r + 1]], dim=2)
         values = torch.cat([p.values[0][:, :, :n] for p, n in chain] + [own_values[r : r + 1]], dim=2)
-        expected = F.scaled_dot_product_attention(query[:, r : r + 1].transpose(0, 1).unsqueeze(2), keys, values,
-                                                  enable_gqa=True)  # [1, heads, 1, dim]
+        start = 0 if first is None else min(first[r], 72)  # the own keys: all of them (the lanes' own mask cuts them)
+        expected = F.scaled_dot_product_attention(query[:, r : r + 1].transpose(0, 1).unsqueeze(2), keys[:, :, start:],
+                                                  values[:, :, start:], enable_gqa=True)  # [1, heads, 1, dim]
         torch.testing.assert_close(out[0, r].float(), expected[0, :, 0].float(), atol=tolerance, rtol=tolerance)
 
 

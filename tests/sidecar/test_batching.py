@@ -532,24 +532,6 @@ def test_samples_share_the_prompt_cache_instead_of_copying_it(default_dir):
     assert engine.store.peak_bytes == (300 + 8 * 10) * per_token
 
 
-def test_a_sliding_window_model_is_exact_within_its_window_and_refuses_beyond(engine):
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from sidecar.errors import ContextOverflow
-
-    torch.manual_seed(0)
-    config = MistralConfig(vocab_size=engine.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, sliding_window=16)
-    model = MistralForCausalLM(config).eval()
-    windowed = Engine(model, engine.tokenizer)
-    assert windowed.max_context == 16
-    prompt = tokens(8, seed=3)
-    with windowed.session() as session:
-        assert session.generate(token_ids=prompt, max_new_tokens=8, eos_token_ids=[]).token_ids == reference_greedy(windowed, prompt, 8)
-        with pytest.raises(ContextOverflow, match="sliding attention window"):
-            session.generate(token_ids=tokens(12, seed=4), max_new_tokens=8)
-
-
 def test_one_beam_is_greedy_search_as_in_transformers(engine):
     prompt = tokens(10, seed=23)
     with engine.session() as session:

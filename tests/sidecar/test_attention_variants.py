@@ -1,0 +1,165 @@
+"""Attention that is not plain causal SDPA: sliding windows (Mistral, Qwen2's upper layers, the local layers
+of Gemma 2 and GPT-OSS), Gemma 2's soft-capping and GPT-OSS's sinks, on every path of the engine's attention
+(prefill chunks, prefixes reused and shared in place, decode rows, decode groups), against transformers' own
+attention over the same weights, with its own cache; and a model whose attention takes a keyword the engine
+does not run, refused at load. Each of these models once gave other tokens than transformers, or (windows)
+had its context cut to the window."""
+
+import copy
+
+import pytest
+import torch
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+                          GptOssForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers.models.llama.modeling_llama import LlamaAttention
+
+from sidecar import Engine
+from sidecar.errors import InvalidModel
+
+from .conftest import tokens
+from .test_batching import drain
+
+SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
+             eos_token_id=2)
+ALTERNATING = ["sliding_attention", "full_attention"]
+MODELS = {  # what transformers loads each with: SDPA, or eager where SDPA cannot run its scores
+    "mistral, window 24": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=24), "sdpa"),
+    "mistral, window 64": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=64), "sdpa"),
+    "qwen2, window 24 on its upper layer": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, use_sliding_window=True,
+                                                                          sliding_window=24, max_window_layers=1), "sdpa"),
+    # soft-capping at 0.5 (Gemma 2's own is 50): nearly every score is capped, so leaving it out shows
+    "gemma2, softcap, window 24": (Gemma2ForCausalLM, Gemma2Config(**SHAPE, sliding_window=24, attn_logit_softcapping=0.5,
+                                                                   final_logit_softcapping=None, query_pre_attn_scalar=16),
+                                   "eager"),
+    "gemma3, window 24": (Gemma3ForCausalLM, Gemma3TextConfig(**SHAPE, sliding_window=24, layer_types=ALTERNATING,
+                                                              query_pre_attn_scalar=16), "sdpa"),
+    "gpt-oss, sinks, window 24": (GptOssForCausalLM, GptOssConfig(**SHAPE, sliding_window=24, num_local_experts=2,
+                                                                  num_experts_per_tok=1, layer_types=ALTERNATING), "eager"),
+}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def pair(request, engine):
+    """An engine over the model (prefill chunks of 64 tokens), and the same weights in transformers' own
+    attention, as the reference."""
+    model_class, config, implementation = MODELS[request.param]
+    torch.manual_seed(0)
+    model = model_class(copy.deepcopy(config)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.mul_(3.0)  # weights less uniform: tokens that vary
+        for layer in model.model.layers:
+            if hasattr(layer.self_attn, "sinks"):
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    reference = model_class._from_config(copy.deepcopy(config), attn_implementation=implementation).eval()
+    reference.load_state_dict(model.state_dict())
+    varied = Engine(model, engine.tokenizer, prefill_chunk=64)
+    assert reference.config._attn_implementation == implementation  # its own config: the engine switched the model's
+    assert varied.max_context == 1024  # a window no longer cuts the context
+    return varied, reference
+
+
+def greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_logits_and_greedy_tokens_equal_transformers_through_prefill_chunks_and_reuse(pair):
+    engine, reference = pair
+    seen = []
+    prompt = tokens(150, seed=1)  # three prefill chunks, each past the window
+    with engine.session() as session:
+        first = session.generate(token_ids=prompt, max_new_tokens=6, eos_token_ids=[],
+                                 processors=[lambda logits, context: (seen.append(logits.clone()), logits)[1]])
+        longer = session.history + tokens(7, seed=2)
+        second = session.generate(token_ids=longer, max_new_tokens=6, eos_token_ids=[])  # prefilled after what it holds
+        assert second.stats.reused_tokens == len(prompt) + 5
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt])).logits[0, -1]
+    torch.testing.assert_close(seen[0][0], expected, atol=1e-4, rtol=1e-4)
+    assert first.token_ids == greedy(reference, prompt, 6)
+    assert second.token_ids == greedy(reference, longer, 6)
+    assert greedy(engine.model, prompt, 6) == first.token_ids  # the model's own calls, without a plan
+
+
+def test_sessions_decoding_together_equal_transformers(pair, group_sizes):
+    """Five sessions decode as a group; a sixth joins while they do, its prefill in their passes."""
+    engine, reference = pair
+    prompts = [tokens(n, seed=10 + n) for n in (3, 11, 20, 40, 90, 100)]  # within the window, past it, far past it
+    sessions = [engine.session() for _ in prompts]
+    try:
+        generations = [s.stream(token_ids=p, max_new_tokens=16, eos_token_ids=[]) for s, p in zip(sessions[:5], prompts)]
+        while not group_sizes:
+            engine.scheduler.tick()
+        generations.append(sessions[5].stream(token_ids=prompts[5], max_new_tokens=16, eos_token_ids=[]))
+        streamed = drain(generations, engine)
+        assert group_sizes[0] == 5  # one attention call a layer for the five
+        assert [g.result.token_ids for g in generations] == [greedy(reference, p, 16) for p in prompts]
+        assert all(len(s) == 16 for s in streamed[:5])
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_sessions_continuing_one_system_prompt_equal_transformers(pair, group_sizes):
+    """The window of a member starts in the shared prefix, or past it, and (window 64) before it."""
+    engine, reference = pair
+    system = tokens(40, seed=20)
+    prompts = [system + tokens(n, seed=21 + n) for n in (1, 5, 12, 20)]
+    host = engine.session()
+    sessions = [engine.session() for _ in prompts]
+    try:
+        host.generate(token_ids=system + [5], max_new_tokens=1, eos_token_ids=[])
+        generations = [s.stream(token_ids=p, max_new_tokens=12, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
+        streamed = drain(generations, engine)
+        assert 4 in group_sizes and all(g.result.stats.shared_tokens == len(system) for g in generations)
+        assert streamed == [greedy(reference, p, 12) for p in prompts]
+    finally:
+        for s in [host, *sessions]:
+            s.close()
+
+
+@pytest.mark.parametrize("length", [9, 400], ids=["prompt copied to each beam", "prompt shared by the beams"])
+def test_beam_search_equals_transformers(pair, length):
+    engine, reference = pair
+    prompt = tokens(length, seed=30)
+    case = dict(num_beams=3, max_new_tokens=20, num_return_sequences=3)
+    theirs = reference.generate(torch.tensor([prompt]), do_sample=False, output_scores=True, return_dict_in_generate=True,
+                                pad_token_id=0, eos_token_id=None, **case)
+    with engine.session() as session:
+        result = session.generate(token_ids=prompt, strategy="beam", eos_token_ids=[], **case)
+    assert [s.token_ids for s in result.sequences] == [row[len(prompt):].tolist() for row in theirs.sequences]
+    torch.testing.assert_close(torch.tensor([s.score for s in result.sequences]), theirs.sequences_scores, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("length", [12, 400], ids=["prompt copied to each row", "prompt shared by the rows"])
+def test_n_samples_equal_transformers_sampling_with_the_same_seed(pair, length):
+    engine, reference = pair
+    prompt = tokens(length, seed=40)
+    torch.manual_seed(5)
+    theirs = reference.generate(torch.tensor([prompt]), do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                                num_return_sequences=4, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    with engine.session() as session:
+        result = session.generate(token_ids=prompt, strategy="sample", num_samples=4, seed=5, max_new_tokens=20,
+                                  eos_token_ids=[])
+    assert [s.token_ids for s in result.sequences] == theirs[:, len(prompt):].tolist()
+
+
+def test_a_model_whose_attention_takes_a_keyword_the_engine_does_not_run_is_refused_at_load(engine, monkeypatch):
+    """DeepSeek V3.2's sparse attention passes the keys each query reads (`indices`), T5's a position bias:
+    left out, the model would load and give other tokens, so it is refused, naming the keyword."""
+    forward = LlamaAttention.forward
+
+    def with_indices(self, *args, **kwargs):
+        return forward(self, *args, indices=torch.zeros(1, dtype=torch.long), **kwargs)
+
+    monkeypatch.setattr(LlamaAttention, "forward", with_indices)
+    with pytest.raises(InvalidModel, match="LlamaForCausalLM's attention takes indices, which the batched engine's "
+                                           "attention does not run"):
+        Engine(engine.model, engine.tokenizer)
+    monkeypatch.undo()
+    with engine.session() as session:  # the model itself is as it was
+        assert session.generate(token_ids=[5, 6, 7], max_new_tokens=3, eos_token_ids=[]).token_ids == greedy(
+            engine.model, [5, 6, 7], 3)
