@@ -152,8 +152,8 @@ RUN_KEYWORDS = frozenset({"sliding_window", "softcap", "s_aux"})
 def unrun_keywords(keywords: dict) -> set[str]:
     """The keywords of an attention call that would change its result and that this attention does not run."""
     return {name for name, value in keywords.items()
-            if name not in INERT_KEYWORDS | RUN_KEYWORDS and value is not None and value is not False
-            and not (name == "is_causal" and value is True)}
+            if (value is not True if name == "is_causal" else
+                name not in INERT_KEYWORDS | RUN_KEYWORDS and value is not None and value is not False)}
 
 
 def rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kv_plan=None, **kwargs):
@@ -164,7 +164,7 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if isinstance(kv_plan, Probe):
         kv_plan.store.learn(module.layer_idx, key.shape[1], key.shape[3], key.dtype)
-        kv_plan.unrun.update(unrun_keywords(kwargs))
+        kv_plan.unrun.update(unrun_keywords({"is_causal": getattr(module, "is_causal", True), **kwargs}))
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout)
     layer = module.layer_idx
     gqa = getattr(module, "num_key_value_groups", 1) > 1

@@ -98,6 +98,11 @@ class Engine:
         if not self.store.layers or None in self.store.layers:
             raise InvalidModel(f"{type(self.model).__name__}'s attention does not go through transformers' "
                                "attention interface, which the batched engine needs")
+        kinds = {kind for kind in getattr(self.model.config, "layer_types", None) or ()
+                 if kind.endswith("_attention") and kind not in ("full_attention", "sliding_attention")}
+        if kinds:  # their masks (chunks, sparse indices) are made by transformers, and not read by ours
+            raise InvalidModel(f"{type(self.model).__name__} has layers of {', '.join(sorted(kinds))}, which the batched "
+                               "engine's attention does not run: its tokens would not be transformers'")
         if probe.unrun:
             raise InvalidModel(f"{type(self.model).__name__}'s attention takes {', '.join(sorted(probe.unrun))}, which "
                                "the batched engine's attention does not run: its tokens would not be transformers'")

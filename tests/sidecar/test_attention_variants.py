@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
-                          GptOssForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                          GptOssForCausalLM, Llama4ForCausalLM, Llama4TextConfig, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from sidecar import Engine
@@ -163,3 +164,16 @@ def test_a_model_whose_attention_takes_a_keyword_the_engine_does_not_run_is_refu
     with engine.session() as session:  # the model itself is as it was
         assert session.generate(token_ids=[5, 6, 7], max_new_tokens=3, eos_token_ids=[]).token_ids == greedy(
             engine.model, [5, 6, 7], 3)
+
+
+@pytest.mark.parametrize("model, refusal", [
+    (lambda: Gemma3ForCausalLM(Gemma3TextConfig(**SHAPE, use_bidirectional_attention=True)),
+     "Gemma3ForCausalLM's attention takes is_causal, which"),
+    (lambda: Llama4ForCausalLM(Llama4TextConfig(**SHAPE, attention_chunk_size=16, intermediate_size_mlp=128,
+                                                num_local_experts=2)),
+     "Llama4ForCausalLM has layers of chunked_attention, which"),
+], ids=["bidirectional (an embedding model)", "chunked (Llama 4)"])
+def test_a_model_whose_attention_masks_are_not_causal_windows_is_refused_at_load(engine, model, refusal):
+    """Their masks are made by transformers and passed in, which the engine's attention does not read."""
+    with pytest.raises(InvalidModel, match=refusal.replace("(", r"\(").replace(")", r"\)")):
+        Engine(model().eval(), engine.tokenizer)
