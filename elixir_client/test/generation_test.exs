@@ -57,9 +57,40 @@ defmodule Sidecar.GenerationTest do
           {%{role: "user", content: "a"}, ~r/input must be/},
           # improper lists: a FunctionClauseError from deep inside before
           {[1 | 2], ~r/input must be a proper list of token ids or messages, got \[1 \| 2\]/},
-          {[%{role: "user", content: "a"} | :x], ~r/input must be a proper list/}
+          {[%{role: "user", content: "a"} | :x], ~r/input must be a proper list/},
+          {[%{role: "user", content: "a", extra: [1 | 2]}], ~r/the input holds an improper list: \[1 \| 2\]/},
+          {{:continue, append_token_ids: [1 | 2]}, ~r/the input holds an improper list/}
         ] do
       assert_raise ArgumentError, pattern, fn -> Generation.params(bad, [], nil) end
+    end
+  end
+
+  test "nil and false processors are skipped, as an if/2 in the list gives them" do
+    top_k = Sidecar.configure(Sidecar.Processors.TopK, k: 3)
+
+    assert %{"processors" => [%{"name" => "top_k"}]} =
+             Generation.params("a", [processors: [nil, if(false, do: top_k), top_k]], nil)
+  end
+
+  test "an improper list anywhere in an option raises ArgumentError naming the option" do
+    # each raised a FunctionClauseError from deep inside, or was refused at encoding naming no option
+    alias Sidecar.Processors, as: P
+
+    for {opts, name} <- [
+          {[processors: [Sidecar.configure(P.TopK, k: 3) | :x]], ":processors"},
+          {[processors: [Sidecar.configure(P.DFA, initial_state: 0, transitions: [{0, 5, 1} | :x])]],
+           ":processors"},
+          {[processors: [Sidecar.configure(P.SequenceBias, sequence_bias: [{[1], 1.0} | :x])]],
+           ":processors"},
+          {[processors: [Sidecar.configure(P.JSONSchema, schema: %{enum: ["a" | "b"]})]], ":processors"},
+          {[processors: [Sidecar.configure(P.Choice, options: ["a" | "b"])]], ":processors"},
+          {[stop: ["a" | "b"]], ":stop"},
+          {[suppressed_token_ids: [1 | 2]], ":suppressed_token_ids"},
+          {[eos_token_id: [2 | 3]], ":eos_token_id"}
+        ] do
+      assert_raise ArgumentError, ~r/^option #{name} holds an improper list/, fn ->
+        Generation.params("a", opts, nil)
+      end
     end
   end
 

@@ -72,6 +72,14 @@ defmodule Sidecar.HostileValuesTest do
     assert {:ok, %{"history_tokens" => 0}} = Sidecar.session_info(conn, session)
   end
 
+  test "an improper list is refused at encoding, naming where it is", %{conn: conn} do
+    # the depth check walked it first, with a FunctionClauseError: "cannot encode the request", naming nothing
+    assert {:error, %Error{reason: :invalid_argument, details: %{"param" => "token_ids"}} = error} =
+             Sidecar.detokenize(conn, [1 | 2])
+
+    assert error.message =~ "an improper list"
+  end
+
   test "text that is not UTF-8 is refused at once, naming where it is", %{conn: conn, session: session} do
     latin1 = "caf" <> <<0xE9>>
 

@@ -623,9 +623,15 @@ defmodule Sidecar.Connection do
     do: level > max or Enum.any?(map, fn {_, v} -> nests_deeper?(v, level + 1, max) end)
 
   defp nests_deeper?(list, level, max) when is_list(list),
-    do: level > max or Enum.any?(list, &nests_deeper?(&1, level + 1, max))
+    do: level > max or cells_nest_deeper?(list, level + 1, max)
 
   defp nests_deeper?(_, _, _), do: false
+
+  # An improper tail is left to the encoder, which refuses it naming where it is.
+  defp cells_nest_deeper?([head | tail], level, max),
+    do: nests_deeper?(head, level, max) or cells_nest_deeper?(tail, level, max)
+
+  defp cells_nest_deeper?(_, _, _), do: false
 
   # A frame of ours (hello, cancel): a small map of ints and strings, which the built-in codec always
   # encodes (an application's codec failing here would take the connection down with it).

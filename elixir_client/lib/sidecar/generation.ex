@@ -40,7 +40,8 @@ defmodule Sidecar.Generation do
     * `:eos_token_id` - an id or a list of ids (default: the model's; `[]` never stops early)
     * `:seed` - makes sampling reproducible
     * `:stop` - stop strings, trimmed from the text (not in Bumblebee)
-    * `:processors` - more processor structs (`Sidecar.Processors`), applied after the ones above
+    * `:processors` - more processor structs (`Sidecar.Processors`), applied after the ones above;
+      `nil` and `false` entries are skipped, so `if(...)` may stand in the list
     * `:reuse` - how the session reuses its KV cache: `:prefix` (the default: the longest common
       prefix, exact) or `:shift` (opt-in, approximate: a window that slid reuses its cached tokens
       moved back by the number dropped; a model without rotary positions answers
@@ -132,6 +133,14 @@ defmodule Sidecar.Generation do
   @spec params(input(), keyword(), [non_neg_integer()] | nil) :: map()
   def params(input, opts, model_eos_ids) do
     Options.known!(opts, @options, "generation")
+    for {key, value} <- opts, do: Options.proper!(value, "option #{inspect(key)}")
+
+    if is_list(input) and List.improper?(input) do
+      raise ArgumentError,
+            "input must be a proper list of token ids or messages, got #{inspect(input, limit: 8)}"
+    end
+
+    Options.proper!(input, "the input")
     Options.timeout!(opts[:timeout])
 
     unless is_list(Keyword.get(opts, :processors, [])),
@@ -168,11 +177,6 @@ defmodule Sidecar.Generation do
         opts[:temperature] && opts[:temperature] != 1.0 &&
           Processors.configure(Processors.Temperature, temperature: opts[:temperature])
       ] ++ sampling ++ Keyword.get(opts, :processors, [])
-
-    if is_list(input) and List.improper?(input) do
-      raise ArgumentError,
-            "input must be a proper list of token ids or messages, got #{inspect(input, limit: 8)}"
-    end
 
     input
     |> input_param(opts)

@@ -175,6 +175,29 @@ defmodule Sidecar.Options do
   end
 
   @doc false
+  # Raises when `value` holds an improper list (`[1 | 2]`) anywhere, through lists, maps, tuples and
+  # structs: walking it would raise a `FunctionClauseError` deep inside, naming nothing. `name` says
+  # what holds it (`"option :stop"`).
+  @spec proper!(term(), String.t()) :: :ok
+  def proper!(value, name) do
+    if improper = improper_in(value),
+      do: raise(ArgumentError, "#{name} holds an improper list: #{inspect(improper, limit: 5)}")
+
+    :ok
+  end
+
+  defp improper_in([]), do: nil
+  defp improper_in([head | tail]) when is_list(tail), do: improper_in(head) || improper_in(tail)
+  defp improper_in([_ | _] = list), do: list
+  defp improper_in(%_{} = struct), do: struct |> Map.from_struct() |> improper_in()
+
+  defp improper_in(map) when is_map(map),
+    do: Enum.find_value(map, fn {key, value} -> improper_in(key) || improper_in(value) end)
+
+  defp improper_in(tuple) when is_tuple(tuple), do: tuple |> Tuple.to_list() |> improper_in()
+  defp improper_in(_), do: nil
+
+  @doc false
   # A call's `timeout`: checked before anything is sent, so a bad one never leaves a request behind.
   @spec timeout!(term()) :: :ok
   def timeout!(timeout) when is_nil(timeout) or timeout == :infinity, do: :ok
