@@ -206,7 +206,8 @@ def _decode_lanes(plan: Plan, layer: int, query, key, value, scaling, gqa: bool,
     """The decode step of the group's members, one token each: `query` [1, heads, members, head_dim] and
     the fresh `key`/`value` [1, kv_heads, members, head_dim] in the order of its members. Their keys and
     values are written to their lanes in one indexed write each, and attended in one SDPA call over the
-    lanes up to the longest, a mask keeping each member to its own; returns [1, heads, members, head_dim]."""
+    lanes up to the longest, a mask keeping each member to its own (and to its `window`, `Plan.lane_mask`);
+    returns [1, heads, members, head_dim]."""
     lanes, positions = plan.lane_steps
     mask, first = plan.lane_mask(window)
     keys, values = plan.group.keys[layer], plan.group.values[layer]
@@ -285,7 +286,8 @@ def _decode_after_prefix(spans, layer: int, query, keys, values, scaling, scorin
         if first is None:
             parts.append(_attend(stacked, *part, scale, softcap=softcap))
         else:  # the window's start differs by row: a mask, and no part at all for a row that reads none of it
-            seen = torch.arange(position, position + end - start, device=query.device) >= first.repeat_interleave(group)[:, None]
+            columns = torch.arange(position, position + end - start, device=query.device)
+            seen = columns >= first.repeat_interleave(group)[:, None]  # [rows * group, its tokens]
             if bool(seen.any()):
                 out, lse = _attend(stacked, *part, scale, _additive(seen[None, None], part[0].dtype), softcap)
                 unread = ~seen.any(dim=1)  # the kernel gives such a row 0 for its log-sum-exp, not -inf
