@@ -66,6 +66,7 @@ class Plan:
     the segments `lanes` names are its members' decode steps, in the order of its members."""
 
     segments: list[Segment]
+    windows: tuple[int | None, ...]  # each layer's sliding window, None for none (`Engine.windows`)
     group: DecodeGroup | None = None
     lanes: tuple[int, ...] = ()
     _masks: dict = field(default_factory=dict)
@@ -119,9 +120,11 @@ class Plan:
 @dataclass
 class Probe:
     """A plan for one throw-away forward pass that teaches the store each layer's key/value shape, and
-    collects the keywords of the model's attention calls that this attention does not run (`unrun`)."""
+    collects each layer's sliding window as its attention is told it (`windows`: the call's keyword, or
+    the module's own attribute) and the keywords of the calls that this attention does not run (`unrun`)."""
 
     store: KVStore
+    windows: dict[int, int | None] = field(default_factory=dict)
     unrun: set[str] = field(default_factory=set)
 
 
@@ -164,11 +167,12 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if isinstance(kv_plan, Probe):
         kv_plan.store.learn(module.layer_idx, key.shape[1], key.shape[3], key.dtype)
+        kv_plan.windows[module.layer_idx] = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         kv_plan.unrun.update(unrun_keywords({"is_causal": getattr(module, "is_causal", True), **kwargs}))
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout)
     layer = module.layer_idx
     gqa = getattr(module, "num_key_value_groups", 1) > 1
-    window = kwargs.get("sliding_window")  # this layer's: a query reads the last `window` keys, itself included
+    window = kv_plan.windows[layer]  # a query reads the last `window` keys, itself included
     segments, lanes = kv_plan.segments, kv_plan.lanes
     if lanes and len(lanes) == len(segments):  # a step of sessions decoding alone: the common tick
         return _decode_lanes(kv_plan, layer, query, key, value, scaling, gqa, scoring, window).transpose(1, 2), None
@@ -248,6 +252,16 @@ def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool,
         return _scored(query.transpose(0, 2), keys, values, scaling, None, scoring).transpose(0, 2)
     out = F.scaled_dot_product_attention(query.transpose(0, 2), keys, values, scale=scaling, enable_gqa=gqa)
     return out.transpose(0, 2)
+
+
+def layer_windows(config, told: list[int | None]) -> tuple[int | None, ...]:
+    """Each layer's sliding window: what its attention is told (`Probe.windows`), else what transformers'
+    masks give it, which this attention does not read: the config's `sliding_window` on its layers of
+    `layer_types` "sliding_attention", or on every layer when it has no `layer_types` (Qwen2-MoE and
+    PhiMoE apply their windows through the mask alone)."""
+    window, kinds = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    masked = [window if kinds is None or kinds[i] == "sliding_attention" else None for i in range(len(told))]
+    return tuple(mine if mine is not None else theirs for mine, theirs in zip(told, masked))
 
 
 def _spans(chain: list[tuple[KVCache, int]], drop: int = 0) -> tuple[list[tuple[KVCache, int, int]], int]:

@@ -98,6 +98,7 @@ class Engine:
         if not self.store.layers or None in self.store.layers:
             raise InvalidModel(f"{type(self.model).__name__}'s attention does not go through transformers' "
                                "attention interface, which the batched engine needs")
+        self.windows = attention.layer_windows(self.model.config, [probe.windows[i] for i in range(len(self.store.layers))])
         kinds = {kind for kind in getattr(self.model.config, "layer_types", None) or ()
                  if kind.endswith("_attention") and kind not in ("full_attention", "sliding_attention")}
         if kinds:  # their masks (chunks, sparse indices) are made by transformers, and not read by ours

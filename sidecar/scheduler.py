@@ -159,7 +159,8 @@ class Scheduler:
         lanes = [] if self.waiting else _lanes(feeds, self.group)  # a waiting generation: the group's copy would keep it waiting
         chain = feeds[lanes[0]].segment.chain if lanes else []
         grouped = self.group.update([feeds[i].segment.cache for i in lanes], chain)
-        plan = Plan([f.segment for f in feeds], self.group if grouped else None, tuple(lanes) if grouped else ())
+        plan = Plan([f.segment for f in feeds], self.engine.windows, self.group if grouped else None,
+                    tuple(lanes) if grouped else ())
         try:
             logits = forward(self.engine.model, token_ids, positions, plan, keep)
         except Exception as error:

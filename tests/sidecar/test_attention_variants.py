@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
                           GptOssForCausalLM, Llama4ForCausalLM, Llama4TextConfig, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM)
+                          PhimoeConfig, PhimoeForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM)
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from sidecar import Engine
@@ -29,6 +30,12 @@ MODELS = {  # what transformers loads each with: SDPA, or eager where SDPA canno
     "mistral, window 64": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=64), "sdpa"),
     "qwen2, window 24 on its upper layer": (Qwen2ForCausalLM, Qwen2Config(**SHAPE, use_sliding_window=True,
                                                                           sliding_window=24, max_window_layers=1), "sdpa"),
+    # these two apply their windows through transformers' mask alone, not a keyword of the attention call
+    "qwen2-moe, window 24 on its upper layer": (Qwen2MoeForCausalLM, Qwen2MoeConfig(
+        **SHAPE, use_sliding_window=True, sliding_window=24, max_window_layers=1, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, num_experts=2, num_experts_per_tok=1), "sdpa"),
+    "phimoe, window 24": (PhimoeForCausalLM, PhimoeConfig(**SHAPE, sliding_window=24, num_local_experts=2,
+                                                          num_experts_per_tok=1), "sdpa"),
     # soft-capping at 0.5 (Gemma 2's own is 50): nearly every score is capped, so leaving it out shows
     "gemma2, softcap, window 24": (Gemma2ForCausalLM, Gemma2Config(**SHAPE, sliding_window=24, attn_logit_softcapping=0.5,
                                                                    final_logit_softcapping=None, query_pre_attn_scalar=16),
