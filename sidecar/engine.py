@@ -17,7 +17,7 @@ import torch
 
 import processors as proc
 from processors.structured import Vocabulary
-from processors.structured.constraints import Compiled
+from processors.structured.constraints import Compiled, Constraint
 from protocol.schema import DEFAULT_NUM_BEAMS
 
 from . import attention, chat, models, persist, sequences, shift
@@ -232,6 +232,12 @@ class Engine:
             token_id = processor.max_token_id()
             raise InvalidProcessor(f"processors[{index}] ({processor.name}): {_naming(processor, token_id)}names token id "
                                    f"{token_id}, outside the vocabulary of {self.vocab_size}", index=index)
+        if len(self.tokenizer) > self.vocab_size:
+            index = next((i for i, p in enumerate(chain.processors) if isinstance(p, Constraint)), None)
+            if index is not None:  # llguidance takes no vocabulary smaller than the tokenizer, ours none wider than the logits
+                raise InvalidProcessor(f"processors[{index}] ({chain.processors[index].name}): the tokenizer has "
+                                       f"{len(self.tokenizer)} tokens, more than the model's {self.vocab_size} logits: "
+                                       "a constraint needs the two to agree", index=index)
         try:  # constraints compile against the vocabulary (cached per constraint) and move to the front
             chain = chain.bind(self.vocabulary, eos, self.model.device)
         except proc.ProcessorError as error:

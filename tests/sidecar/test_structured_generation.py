@@ -11,7 +11,7 @@ import sys
 import jsonschema
 import pytest
 
-from processors import Choice, Grammar, JsonSchema, Regex, configure
+from processors import Choice, Grammar, JsonSchema, Regex, TopK, configure
 from sidecar.errors import InvalidProcessor
 
 SCHEMA = {
@@ -169,6 +169,25 @@ def test_a_bad_constraint_changes_nothing(engine):
             session.generate("Hello", max_new_tokens=4, processors=[slow])
         assert session.history == history
         assert session.generate("Hello", max_new_tokens=4).token_ids == before.token_ids
+
+
+def test_a_constraint_on_a_tokenizer_wider_than_the_model_is_refused_typed(engine):
+    """A tokenizer with more tokens than the model's logits (a token added, the embeddings not resized):
+    the masks were as wide as the tokenizer, and the first step failed with a raw shape mismatch."""
+    import copy
+
+    from sidecar import Engine
+
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenizer.add_tokens(["<extra_token>"])
+    assert len(tokenizer) == engine.vocab_size + 1
+    wider = Engine(engine.model, tokenizer)
+    with wider.session() as session:
+        before = session.generate("Hello", max_new_tokens=4, eos_token_ids=[])
+        with pytest.raises(InvalidProcessor, match=r"processors\[1\] \(regex\): the tokenizer has 1025 tokens, more than "
+                                                   r"the model's 1024 logits"):
+            session.generate("Hello", max_new_tokens=4, processors=[TopK(5), configure(Regex, pattern="[a-z]+")])
+        assert session.generate("Hello", max_new_tokens=4, eos_token_ids=[]).token_ids == before.token_ids
 
 
 def test_a_pattern_of_characters_written_by_several_tokens_runs(engine):
