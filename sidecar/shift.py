@@ -119,10 +119,11 @@ class Rotation:
         """The model's rotation; raises `InvalidArgument(option="reuse")` saying why a model cannot shift."""
         name = type(model).__name__
         rotary = getattr(model.base_model, "rotary_emb", None)
-        if rotary is None or not hasattr(rotary, "inv_freq"):
+        if rotary is None:
             raise InvalidArgument(f"reuse 'shift' needs rotary position embeddings, and {name} has none (its "
                                   "positions are absolute, so cached keys cannot be moved)", option="reuse")
-        if any(hasattr(module, "inv_freq") for module in model.modules() if module is not rotary):
+        if not hasattr(rotary, "inv_freq") or any(hasattr(module, "inv_freq") for module in model.modules()
+                                                  if module is not rotary):  # Gemma 3: one per kind of layer
             raise InvalidArgument(f"reuse 'shift' cannot move {name}'s keys: its layers rotate keys with rotary "
                                   "embeddings of their own", option="reuse")
         rope_type = getattr(rotary, "rope_type", "default")
@@ -133,8 +134,8 @@ class Rotation:
         rotation = cls(rotary)
         width = rotation.angles(1, rotary.inv_freq.device)[0].shape[-1]
         if width != head_dim:
-            raise InvalidArgument(f"reuse 'shift' needs rotary embeddings over whole key heads; {name} rotates "
-                                  f"{width} of {head_dim} dimensions", option="reuse")
+            raise InvalidArgument(f"reuse 'shift' needs rotary angles over whole key heads; {name}'s cover {width} "
+                                  f"of its {head_dim} dimensions", option="reuse")
         return rotation
 
     def angles(self, delta: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

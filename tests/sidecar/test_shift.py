@@ -291,11 +291,26 @@ def test_rotary_embeddings_per_layer_or_over_part_of_a_head_refuse_shift():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))
     assert isinstance(Rotation.of(model, 16), Rotation)
-    with pytest.raises(InvalidArgument, match="rotates 16 of 32 dimensions"):
+    with pytest.raises(InvalidArgument, match="cover 16 of its 32 dimensions"):
         Rotation.of(model, 32)
     model.model.layers[0].self_attn.rotary_emb = copy.deepcopy(model.model.rotary_emb)
     with pytest.raises(InvalidArgument, match="of their own"):
         Rotation.of(model, 16)
+
+
+def test_the_refusals_of_gemma_3_and_gpt_oss_say_why():
+    """Gemma 3 rotates each kind of layer with frequencies of its own, GPT-OSS applies half-width angles to
+    both halves of a head: they were refused as having no rotary embeddings, and as rotating half a head."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM
+
+    from sidecar.shift import Rotation
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, head_dim=16)
+    with pytest.raises(InvalidArgument, match="of their own"):
+        Rotation.of(Gemma3ForCausalLM(Gemma3TextConfig(**shape)), 16)
+    with pytest.raises(InvalidArgument, match="cover 8 of its 16 dimensions"):
+        Rotation.of(GptOssForCausalLM(GptOssConfig(**shape, num_local_experts=2, num_experts_per_tok=1)), 16)
 
 
 @pytest.mark.parametrize("options, option", [
