@@ -90,7 +90,8 @@ class Engine:
         self.scheduler = Scheduler(self)
 
     def _probe(self) -> None:
-        """One throw-away forward pass that tells the store each layer's key/value shape."""
+        """One throw-away forward pass that tells the store each layer's key/value shape, and this engine each
+        layer's sliding window (`windows`); refuses a model whose attention this engine's would not reproduce."""
         probe = attention.Probe(self.store)
         with torch.inference_mode():
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.model.device), use_cache=False,
@@ -232,12 +233,12 @@ class Engine:
             token_id = processor.max_token_id()
             raise InvalidProcessor(f"processors[{index}] ({processor.name}): {_naming(processor, token_id)}names token id "
                                    f"{token_id}, outside the vocabulary of {self.vocab_size}", index=index)
-        if len(self.tokenizer) > self.vocab_size:
-            index = next((i for i, p in enumerate(chain.processors) if isinstance(p, Constraint)), None)
-            if index is not None:  # llguidance takes no vocabulary smaller than the tokenizer, ours none wider than the logits
-                raise InvalidProcessor(f"processors[{index}] ({chain.processors[index].name}): the tokenizer has "
-                                       f"{len(self.tokenizer)} tokens, more than the model's {self.vocab_size} logits: "
-                                       "a constraint needs the two to agree", index=index)
+        index = next((i for i, p in enumerate(chain.processors) if isinstance(p, Constraint)), None)
+        if index is not None and len(self.tokenizer) > self.vocab_size:
+            # llguidance takes no vocabulary smaller than the tokenizer, our automata none wider than the logits
+            raise InvalidProcessor(f"processors[{index}] ({chain.processors[index].name}): the tokenizer has "
+                                   f"{len(self.tokenizer)} tokens, more than the model's {self.vocab_size} logits: "
+                                   "a constraint needs the two to agree", index=index)
         try:  # constraints compile against the vocabulary (cached per constraint) and move to the front
             chain = chain.bind(self.vocabulary, eos, self.model.device)
         except proc.ProcessorError as error:
