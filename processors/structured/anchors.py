@@ -6,6 +6,9 @@ on a light parse of the pattern: its tokens (escapes, classes, groups, alternati
 how they nest, nothing more. An anchor with something before (or after) it, repeated, or inside a repeated
 group, stays, and is refused with a clear message; so is every anchor under the multi-line (`m`) or verbose (`x`)
 flag, where `^`/`$` mean lines or the text holds comments this parse does not read.
+
+The same reading of classes says which hold syntax Rust's regex reads otherwise than JSON Schema's
+(`class_read_differently`), for the schema checks.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ _TOKEN = re.compile(r"""
   | (?P<atom>.)
 """, re.VERBOSE | re.DOTALL)
 _POSIX_CLASS = re.compile(r"\[:\^?[A-Za-z]+:\]")  # [:alpha:], [:^digit:]: only inside a class
+_SET_SYNTAX = re.compile(r"\\.|(\[|&&|--|~~)", re.DOTALL)  # in a class: an escape, or what Rust reads as set syntax
 
 
 @dataclass
@@ -108,6 +112,26 @@ def _tokens(pattern: str) -> list[tuple[str, str]]:
         tokens.append((kind, text))
         at += len(text)
     return tokens
+
+
+def class_read_differently(pattern: str) -> bool:
+    """Whether a character class in `pattern` holds a `[` or a `&&`, `--`, `~~`: Rust's regex, which both
+    backends use, reads `[[:alpha:]]` as a POSIX class and `[a-z&&[b-c]]` as an intersection, where JSON
+    Schema's regex (ECMA-262) and Python's read literal characters."""
+    at = 0
+    while at < len(pattern):
+        if pattern[at] == "\\":
+            at += 2
+        elif pattern[at] == "[":
+            end = _class_end(pattern, at)
+            body = at + 1 + pattern.startswith("^", at + 1)
+            body += pattern.startswith("]", body)  # a ] first in the class is one of its characters
+            if any(found.group(1) for found in _SET_SYNTAX.finditer(pattern, body, end)):
+                return True
+            at = end
+        else:
+            at += 1
+    return False
 
 
 def _class_end(pattern: str, at: int) -> int:

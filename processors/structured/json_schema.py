@@ -17,9 +17,10 @@ from typing import ClassVar
 from .. import checks
 from ..contract import option
 from ..errors import InvalidOption
+from .anchors import class_read_differently
 from .constraints import MAX_PATTERN_CHARS, RegularConstraint, _compile_timeout, _pattern
 from .grammar import RunByLlguidance, check_grammar
-from .schema_fit import class_read_differently, dfa_obstacle, read_alike, schema_objects
+from .schema_fit import dfa_obstacle, read_alike, schema_objects
 
 CHECKED_SCHEMAS = 256  # schema texts remembered as valid: at most 256 x max_pattern_chars (100 KB) held
 # Maps and lists nested in a schema, the schema itself level 1. The checks after it recurse a few frames a

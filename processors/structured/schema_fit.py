@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from .anchors import alternates_at_top
+from .anchors import alternates_at_top, class_read_differently
 
 INSTANCES = frozenset({"const", "default", "enum", "examples"})  # keywords whose values are JSON values, not schemas
 MAX_REF_DEPTH = 2  # $refs within $refs that outlines-core is left to follow
@@ -295,28 +295,6 @@ def _pattern_fits(pattern: str) -> bool:
         if not ok:
             return False
     return True
-
-
-def class_read_differently(pattern: str) -> bool:
-    """Whether a character class in `pattern` holds a `[` or a `&&`, `--`, `~~`: Rust's regex, which both
-    backends use, reads `[[:alpha:]]` as a POSIX class and `[a-z&&[b-c]]` as an intersection, where JSON
-    Schema's regex (ECMA-262) and Python's read literal characters."""
-    at, in_class = 0, False
-    while at < len(pattern):
-        if pattern[at] == "\\":
-            at += 2
-            continue
-        if in_class:
-            if pattern[at] == "[" or pattern.startswith(("&&", "--", "~~"), at):
-                return True
-            in_class = pattern[at] != "]"
-        elif pattern[at] == "[":
-            in_class = True
-            at += 1 + pattern.startswith("^", at + 1)
-            at += pattern.startswith("]", at)  # a ] first in the class is one of its characters
-            continue
-        at += 1
-    return False
 
 
 def _plain_char(code: int) -> bool:
