@@ -110,10 +110,7 @@ class Plan:
         the last `window` of them only when the layer has a sliding window."""
         key = (start, length, window)
         if key not in self._masks:
-            allowed = torch.ones(length, start + length, dtype=torch.bool, device=device).tril(start)
-            if window is not None:
-                allowed = allowed.triu(start + 1 - window)
-            self._masks[key] = allowed[None, None]
+            self._masks[key] = _causal_mask(start, length, device, window)
         return self._masks[key]
 
 
@@ -297,13 +294,14 @@ def _decode_after_prefix(spans, layer: int, query, keys, values, scaling, scorin
     stacked = q.transpose(0, 1).reshape(1, kv_heads, rows * group, dim)
     softcap = scoring.softcap if scoring is not None else None
     parts, position = [], 0  # each [1, kv_heads, rows * group, ...]
+    firsts = None if first is None else first.repeat_interleave(group)[:, None]  # each stacked query's
     for cache, start, end in spans:
         part = cache.keys[layer][:1, :, start:end], cache.values[layer][:1, :, start:end]
-        if first is None:
+        if firsts is None:
             parts.append(_attend(stacked, *part, scale, softcap=softcap))
         else:  # the window's start differs by row: a mask, and no part at all for a row that reads none of it
             columns = torch.arange(position, position + end - start, device=query.device)
-            seen = columns >= first.repeat_interleave(group)[:, None]  # [rows * group, its tokens]
+            seen = columns >= firsts  # [rows * group, its tokens]
             if bool(seen.any()):
                 out, lse = _attend(stacked, *part, scale, _additive(seen[None, None], part[0].dtype), softcap)
                 unread = ~seen.any(dim=1)  # the kernel gives such a row 0 for its log-sum-exp, not -inf
@@ -367,13 +365,16 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
+def _causal_mask(start: int, length: int, device, window: int | None = None) -> torch.Tensor:
+    """bool [1, 1, length, start + length]: query i sees keys 0..start+i, the last `window` of them only."""
+    allowed = torch.ones(length, start + length, dtype=torch.bool, device=device).tril(start)
+    return (allowed if window is None else allowed.triu(start + 1 - window))[None, None]
+
+
 def _causal(mask, query, key):
     """The mask transformers' SDPA mask function made for a call without a plan, or, where it left one out
     for SDPA's causal flag, the causal mask it stands for (the queries are the last of the keys)."""
-    if mask is not None:
-        return mask
-    n, m = query.shape[2], key.shape[2]
-    return torch.ones(n, m, dtype=torch.bool, device=query.device).tril(m - n)[None, None]
+    return mask if mask is not None else _causal_mask(key.shape[2] - query.shape[2], query.shape[2], query.device)
 
 
 AttentionInterface.register(NAME, rows_attention)

@@ -60,14 +60,14 @@ def pick(logits: torch.Tensor, greedy: bool, generator: torch.Generator | None, 
          width: int = 1) -> torch.Tensor:
     """One token per row: greedy argmax, or a multinomial draw from softmax(logits) with the seeded generator.
 
-    With `rows`, the indices of the rows among the `width` samples of one generation that are still going,
-    the draw is made for all `width` (the ended ones' are dropped): transformers goes on drawing for the
-    samples that ended, and a draw takes the same random numbers for each row whatever its row holds, so
-    the samples still going draw what they draw there."""
+    With `rows`, the indices of the fewer than `width` samples of one generation still going, the draw is
+    made for all `width` (the ended ones' are dropped): transformers goes on drawing for the samples that
+    ended, and a draw takes the same random numbers for each row whatever its row holds, so the samples
+    still going draw what they draw there."""
     if greedy:
         return logits.argmax(dim=-1)
     probabilities = logits.softmax(dim=-1)
-    if rows is None or len(rows) == width:
+    if rows is None:
         return torch.multinomial(probabilities, 1, generator=generator).squeeze(1)
     index = torch.tensor(rows, device=logits.device)
     every = probabilities[:1].expand(width, -1).clone()  # an ended row: any distribution, its draw is dropped

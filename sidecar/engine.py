@@ -100,6 +100,10 @@ class Engine:
             raise InvalidModel(f"{type(self.model).__name__}'s attention does not go through transformers' "
                                "attention interface, which the batched engine needs")
         self.windows = attention.layer_windows(self.model.config, [probe.windows[i] for i in range(len(self.store.layers))])
+        for window in self.windows:  # 0 attends nothing (transformers' own masks fail on it)
+            if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+                raise InvalidModel(f"{type(self.model).__name__}'s sliding window {window!r} is not a number of "
+                                   "tokens >= 1")
         kinds = {kind for kind in getattr(self.model.config, "layer_types", None) or ()
                  if kind.endswith("_attention") and kind not in ("full_attention", "sliding_attention")}
         if kinds:  # their masks (chunks, sparse indices) are made by transformers, and not read by ours

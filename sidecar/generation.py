@@ -270,8 +270,9 @@ class Run:
 
     def _sample_step(self, processed: torch.Tensor) -> None:
         request = self.request
-        tokens = pick(processed, request.strategy == "greedy", self.generator, [row.index for row in self.rows],
-                      self.width)
+        ended = len(self.rows) < self.width  # samples that ended still draw (`pick`)
+        tokens = pick(processed, request.strategy == "greedy", self.generator,
+                      [row.index for row in self.rows] if ended else None, self.width)
         self._advance_context(tokens)
         token_list = tokens.tolist()
         keep = []

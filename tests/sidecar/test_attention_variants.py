@@ -184,3 +184,12 @@ def test_a_model_whose_attention_masks_are_not_causal_windows_is_refused_at_load
     """Their masks are made by transformers and passed in, which the engine's attention does not read."""
     with pytest.raises(InvalidModel, match=refusal.replace("(", r"\(").replace(")", r"\)")):
         Engine(model().eval(), engine.tokenizer)
+
+
+@pytest.mark.parametrize("window", [0, -3])
+def test_a_sliding_window_that_is_no_number_of_tokens_is_refused_at_load(engine, window):
+    """A window of 0 attends nothing: the model loaded and generated from attention over no keys (transformers'
+    own masks fail on it)."""
+    model = MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=window)).eval()
+    with pytest.raises(InvalidModel, match=f"MistralForCausalLM's sliding window {window} is not a number of tokens"):
+        Engine(model, engine.tokenizer)
