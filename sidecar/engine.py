@@ -85,8 +85,13 @@ class Engine:
         self._ids = itertools.count(1)
         self.lock = threading.RLock()
         self.store = KVStore(self.cache_budget_bytes, model.device, model.dtype)
+        previous = model.config._attn_implementation
         attention.install(model)
-        self._probe()
+        try:
+            self._probe()
+        except InvalidModel:  # a model refused is given back as it came: its own calls stay transformers'
+            model.set_attn_implementation(previous)
+            raise
         self.scheduler = Scheduler(self)
 
     def _probe(self) -> None:

@@ -181,9 +181,13 @@ def test_a_model_whose_attention_takes_a_keyword_the_engine_does_not_run_is_refu
      "Llama4ForCausalLM has layers of chunked_attention, which"),
 ], ids=["bidirectional (an embedding model)", "chunked (Llama 4)"])
 def test_a_model_whose_attention_masks_are_not_causal_windows_is_refused_at_load(engine, model, refusal):
-    """Their masks are made by transformers and passed in, which the engine's attention does not read."""
+    """Their masks are made by transformers and passed in, which the engine's attention does not read. The
+    model refused keeps its own attention (it was left on the engine's, which its own calls then took)."""
+    model = model().eval()
+    before = model.config._attn_implementation
     with pytest.raises(InvalidModel, match=refusal.replace("(", r"\(").replace(")", r"\)")):
-        Engine(model().eval(), engine.tokenizer)
+        Engine(model, engine.tokenizer)
+    assert model.config._attn_implementation == before != "sidecar_rows"
 
 
 @pytest.mark.parametrize("window", [0, -3])
