@@ -30,6 +30,12 @@ SENTINEL, SENTINEL_REGEX = "\U0010FFFF", r"\x{10FFFF}"  # a noncharacter: no rea
 SENTINEL_ID = 256  # its token id in the vocabulary of single bytes
 
 MAX_REGEX_CHARS = 4_000_000  # a schema's regex, built in the child
+# A character of a JSON string as outlines-core writes it, and as JSON writes it: outlines-core's leaves out
+# the `\uXXXX` escapes (so a control character other than the five with short escapes could not be written
+# at all) and U+007F-U+009F written as they are, which JSON allows. Each is one character of the string,
+# as minLength and maxLength count them, in the group that the lengths repeat.
+OUTLINES_STRING_CHARACTER = r'[^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt]'
+JSON_STRING_CHARACTER = r'[^"\\\x00-\x1F]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4}'
 MAX_MASK_BYTES = 256 * 2**20  # the distinct masks of one compiled constraint, as float32 bias rows x vocabulary
 MAX_TABLE_BYTES = 256 * 2**20  # its transitions, 16 bytes each: 16M (the benchmark's JSON schema has 2M over 32k tokens)
 
@@ -48,7 +54,7 @@ def build_tables(source: tuple[str, str], trie: TokenTrie, vocab_size: int) -> d
         from outlines_core.json_schema import build_regex_from_schema
 
         try:
-            pattern = build_regex_from_schema(source[1])
+            pattern = build_regex_from_schema(source[1]).replace(OUTLINES_STRING_CHARACTER, JSON_STRING_CHARACTER)
         except Exception as error:  # outlines-core names the part of the schema it does not support
             raise InvalidOption(f"option 'schema' cannot be compiled: {error}") from None
         if len(pattern) > MAX_REGEX_CHARS:

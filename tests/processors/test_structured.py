@@ -987,6 +987,27 @@ def accepts(bound, tokens: list[int]) -> bool:
             return False
 
 
+def test_json_strings_hold_every_character_json_can_write(vocab, tokenizer):
+    """outlines-core's JSON string leaves out `\\uXXXX` escapes, so no control character but the five with
+    short escapes could be written, and U+007F-U+009F written as they are. Ours has both, one character each
+    as maxLength counts them, as jsonschema reads them."""
+    schema = {"type": "object", "properties": {"log": {"type": "string", "maxLength": 4}}, "required": ["log"],
+              "additionalProperties": False}
+    bound = configure(JsonSchema, schema=schema).bind(vocab, [EOS])
+    assert isinstance(bound, AutomatonProcessor)
+    validator = jsonschema.Draft202012Validator(schema)
+    for value, written in [("\x1b[0m", '"\\u001b[0m"'), ("\x7f\x85\x9f", '"\x7f\x85\x9f"'),
+                           ("\x01\x02\u00e9x", '"\\u0001\\u0002\\u00E9x"'), ("\t\"", '"\\t\\""'),
+                           ("\x01" * 5, '"' + "\\u0001" * 5 + '"'), ("\x01", '"\x01"'), (None, '"\\u001"')]:
+        text = '{"log":' + written + "}"
+        try:
+            valid = validator.is_valid(json.loads(text)) and json.loads(text)["log"] == value
+        except json.JSONDecodeError:
+            valid = False
+        assert accepts(bound, tokenizer.encode(text, add_special_tokens=False)) == valid, text
+        assert valid == (value is not None and len(value) <= 4 and "\x01" not in written), text
+
+
 def test_refs_outlines_core_would_cut_are_run_by_llguidance(vocab, tokenizer):
     """outlines-core unrolls $refs a few levels and then drops the property that goes deeper, required or
     not: a recursive schema, or refs chained past MAX_REF_DEPTH, run on llguidance, which nests as deep as
