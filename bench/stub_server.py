@@ -24,7 +24,7 @@ import sidecar.__main__ as cli  # noqa: E402
 import sidecar.scheduler as scheduler_module  # noqa: E402
 import sidecar.server as server_module  # noqa: E402
 from sidecar.engine import Engine  # noqa: E402
-from sidecar.transport import EOF_MARK, FrameWriter  # noqa: E402
+from sidecar.transport import FrameWriter, Inbox  # noqa: E402
 
 LOGITS = torch.zeros(1, 1024)
 LOGITS[0, 5] = 1.0
@@ -52,7 +52,7 @@ class JsonLinesReader:
     def __init__(self, fd: int, max_frame_bytes: int, closed):
         self.fd = fd
         self.closed = closed
-        self.inbox = __import__("queue").Queue(maxsize=1024)
+        self.inbox = Inbox()
 
     def start(self) -> None:
         threading.Thread(target=self._run, daemon=True).start()
@@ -60,9 +60,9 @@ class JsonLinesReader:
     def _run(self) -> None:
         with os.fdopen(self.fd, "rb", buffering=1 << 16) as stream:
             for line in stream:
-                self.inbox.put(line)
+                self.inbox.put(line, len(line), lambda: False)
         self.closed.set()
-        self.inbox.put(EOF_MARK)
+        self.inbox.close()
 
 
 class JsonLinesWriter(FrameWriter):

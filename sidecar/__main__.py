@@ -205,8 +205,8 @@ def main(argv=None) -> int:
         if path is not None:
             server.allow_path(path)
         try:
-            server.op_load_model({"name": "default", "path": path, "dtype": args.dtype, "device": None,
-                                  "trust_remote_code": False}, None)
+            server.load_model({"name": "default", "path": path, "dtype": args.dtype, "device": None,
+                                  "trust_remote_code": False})
         except SidecarError as problem:
             logging.getLogger("sidecar").error("cannot load --model %s: %s (%s)", args.model, problem.message, problem.code)
             return 2

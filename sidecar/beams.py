@@ -69,10 +69,10 @@ class BeamSearch:
         self.top_beams = torch.arange(self.keep, device=device) < num_beams
         self.step_count = 0  # tokens generated so far by every running beam
         self.running = torch.zeros(num_beams, max_new_tokens, dtype=torch.long, device=device)
-        self.running_scores = torch.full((num_beams,), DEAD, device=device)
+        self.running_scores = torch.full((num_beams,), DEAD, dtype=torch.float32, device=device)
         self.running_scores[0] = 0.0
         self.finished = torch.zeros(num_beams, max_new_tokens, dtype=torch.long, device=device)
-        self.finished_scores = torch.full((num_beams,), DEAD, device=device)
+        self.finished_scores = torch.full((num_beams,), DEAD, dtype=torch.float32, device=device)
         self.finished_lengths = torch.zeros(num_beams, dtype=torch.long, device=device)
         self.is_finished = torch.zeros(num_beams, dtype=torch.bool, device=device)
         self.improvable = True
@@ -130,7 +130,7 @@ class BeamSearch:
             best_length = self.step_count
         best_running = self.running_scores[0] / length_power(best_length, self.length_penalty)
         # Slots not yet finished count as DEAD, so any open slot keeps the search going.
-        worst = torch.where(self.is_finished, self.finished_scores.min(), torch.tensor(DEAD, device=best_running.device))
+        worst = torch.where(self.is_finished, self.finished_scores.min(), torch.tensor(DEAD, dtype=torch.float32, device=best_running.device))
         self.improvable = bool((best_running > worst).any())
 
     def results(self, count: int) -> list[tuple[list[int], float]]:

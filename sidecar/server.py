@@ -4,8 +4,9 @@ One main thread does all the work. It owns the output, drains incoming frames be
 ticks each engine's scheduler, which runs one forward pass for every active generation of that model
 together (continuous batching), so a long generation in one session does not delay a ping or a
 generation in another. Requests for one session wait in that session's queue and run in arrival order.
-Only compiling constraints runs elsewhere, on COMPILERS threads, and configuring the processors of a
-generate that carries many bytes of them, on a thread of its own: neither is waited for by the main thread.
+Only compiling constraints runs elsewhere, on COMPILERS threads, configuring the processors of a
+generate that carries many bytes of them, on a thread of its own, and loading a model, on another: none
+is waited for by the main thread. While a model loads, the frames after its load_model wait unread.
 
 Every request gets exactly one reply, whatever happens to it or to its session: a failure while it
 starts or runs is an error on that request alone, and a session closed or unloaded under queued
@@ -45,6 +46,7 @@ from .engine import Engine
 from .errors import InvalidArgument, InvalidProcessor, InvalidSessionFile, ReplyTooLarge, SessionClosed, SidecarError
 from .generation import Generation
 from .session import STRATEGIES, Stats
+from .torch_defaults import DEFAULTS
 from .transport import EOF_MARK, Hangup
 
 log = logging.getLogger("sidecar")
@@ -117,6 +119,15 @@ class Configured:
     job: Job
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """Put in the inbox by the loading thread: the model of `request` loaded as `engine`, or `failure` says why not."""
+
+    request: Request
+    engine: Engine | None = None
+    failure: BaseException | None = None
+
+
 class Shutdown(Exception):
     """Raised inside the loop to stop serving with the given exit status."""
 
@@ -158,12 +169,16 @@ class Server:
         self.in_flight: dict[int, Job] = {}
         self.queued_bytes = 0  # frame bytes of the jobs in flight
         self.active: list[Job] = []  # started generations, in the order they started
+        self.loading: Request | None = None  # the load_model whose model loads on the loading thread
         self._names = 0
         self.started = time.time()
 
     # ---- the loop --------------------------------------------------------------------------------
 
     def serve(self, inbox) -> int:
+        """Serves until the input ends. The main thread holds torch's defaults (`DEFAULTS`) while it works,
+        and lets go of them between ticks and while it waits, so that a model loading on the loading thread
+        can build its modules (which changes the default dtype for that while)."""
         self.inbox = inbox
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._settle_heap()
@@ -171,8 +186,10 @@ class Server:
             while True:
                 if not self.active:
                     self.writer.flush()  # about to wait: nothing may linger in the buffer
-                self._drain(inbox, block=not self.active)
-                self._tick(inbox)
+                    inbox.wait(frames=self.loading is None)
+                with DEFAULTS.using():
+                    self._drain(inbox)
+                    self._tick(inbox)
         except Shutdown as stop:
             return stop.status
         except (BrokenPipeError, Hangup):
@@ -213,7 +230,7 @@ class Server:
         for name in list(self.engines):
             if self._tick_engine(name):
                 self._deliver()
-                self._drain(inbox, block=False)
+                self._drain(inbox)
 
     def _tick_engine(self, name: str) -> bool:
         """Ticks the model of that name if it is still loaded and busy; whether it did."""
@@ -223,13 +240,14 @@ class Server:
         engine.scheduler.tick()
         return True
 
-    def _drain(self, inbox, block: bool) -> None:
+    def _drain(self, inbox) -> None:
+        """Handles what the inbox holds: notices, and frames unless a load_model is being answered (the frames
+        after it are read once it has replied)."""
         while True:
             try:
-                item = inbox.get(block=block)
+                item = inbox.get(frames=self.loading is None)
             except queue.Empty:
                 return
-            block = False
             if item is EOF_MARK:
                 log.info("input closed; cancelling %d request(s) and exiting", len(self.in_flight))
                 self._cancel_all(reply=False)
@@ -240,6 +258,8 @@ class Server:
                 self._compiled(item.compile)
             elif isinstance(item, Configured):
                 self._configured(item.job)
+            elif isinstance(item, Loaded):
+                self._loaded(item)
             else:
                 self.handle_payload(item)
 
@@ -283,6 +303,9 @@ class Server:
             self.queued_bytes += size
             self.queues[name].append(job)
             self._advance(name)
+            return
+        if request.op == "load_model":
+            self._start_load(request)
             return
         handler = getattr(self, f"op_{request.op}")
         self.writer.send(ok(request.id, handler(request.params, request.id)))
@@ -371,7 +394,7 @@ class Server:
         except Exception as bug:  # a defect of ours: the generations will meet it again when they start
             log.exception("compiling constraint %s failed", task.constraint.name, exc_info=bug)
         finally:
-            self.inbox.put(Compiled(task), 0, lambda: False)
+            self.inbox.notify(Compiled(task))
 
     def _configurer(self) -> None:
         """The configuring thread. A daemon, like the compiling ones; it reads a job's request, which nothing
@@ -384,11 +407,12 @@ class Server:
         """A method of its own, so that the configuring thread does not keep the last job (its generation,
         its session, an unloaded model) while it waits for the next."""
         try:
-            job.processors = configured(job.request.params["processors"], job.request.id)
+            with DEFAULTS.using():  # processors make tensors
+                job.processors = configured(job.request.params["processors"], job.request.id)
         except Exception as failure:  # ProtocolError, SidecarError, or a defect of ours, answered as such
             job.configure_failure = failure
         finally:
-            self.inbox.put(Configured(job), 0, lambda: False)
+            self.inbox.notify(Configured(job))
 
     def _configured(self, job: Job) -> None:
         """On the main thread, a job's processors are configured: it goes on, unless it was answered meanwhile
@@ -449,9 +473,9 @@ class Server:
             raise InvalidArgument(f"the model has no chat template named {p['chat_template'][:64]!r} (it has: {names}); "
                                   "over the protocol a template is named, never sent", option="chat_template")
         prompt = p["prompt"]
+        if sum(p[name] is not None for name in ("prompt", "token_ids", "messages", "continue")) != 1:
+            raise InvalidArgument("give exactly one input: prompt, token_ids, messages or continue", option="prompt")
         if p["continue"] is not None:  # read now, at the head of the queue: the result of the call before it
-            if prompt is not None:
-                raise InvalidArgument("give exactly one input: prompt, token_ids, messages or continue", option="prompt")
             prompt = session.continuation(**p["continue"])
         job.generation = session.stream(
             prompt, token_ids=p["token_ids"], messages=p["messages"], chat_template=p["chat_template"],
@@ -574,7 +598,23 @@ class Server:
         was loaded from (the CLI's --chat-template, for the startup model)."""
         self.operator_templates[_directory(engine)] = engine.tokenizer.chat_template = template
 
-    def op_load_model(self, params, rid):
+    def load_model(self, params: dict) -> dict:
+        """Loads a model here and now, as a load_model with these params would: the CLI's startup model, before
+        serving. Returns its model info."""
+        engine = Engine.load(**self._load_arguments(params, None))
+        return self._add_model(params["name"], engine)
+
+    def _start_load(self, request: Request) -> None:
+        """Checks a load_model and starts loading its model on a thread of its own: the generations under way
+        go on meanwhile (a real model takes seconds to minutes to read), and the frames after it wait in the
+        inbox until `_loaded` has answered it, so that what a client sends after a load_model still finds it
+        answered. Until then no other op can change `engines`."""
+        arguments = self._load_arguments(request.params, request.id)
+        threading.Thread(target=self._load, args=(request, arguments), daemon=True, name="load").start()
+        self.loading = request  # once the thread runs, so that a failure to start one holds no frame back
+
+    def _load_arguments(self, params: dict, rid) -> dict:
+        """`Engine.load`'s arguments for a load_model, once checked against the models loaded and the limits."""
         name = params["name"]
         if name in self.engines:
             raise ProtocolError(codes.MODEL_EXISTS, f"a model named {name!r} is already loaded", rid, model=name)
@@ -584,7 +624,30 @@ class Server:
         options = dict(self.engine_options)
         if params["device"] is not None:
             options["device"] = params["device"]
-        engine = Engine.load(params["path"], dtype=params["dtype"], trust_remote_code=params["trust_remote_code"], **options)
+        return {"path": params["path"], "dtype": params["dtype"], "trust_remote_code": params["trust_remote_code"],
+                **options}
+
+    def _load(self, request: Request, arguments: dict) -> None:
+        """The loading thread. A daemon: a server whose input ends does not wait for a load."""
+        try:
+            engine = Engine.load(**arguments)
+        except BaseException as failure:  # typed, a defect of ours, or a model's code exiting: answered all the same
+            self.inbox.notify(Loaded(request, failure=failure))
+        else:
+            self.inbox.notify(Loaded(request, engine))
+
+    def _loaded(self, loaded: Loaded) -> None:
+        """On the main thread, a load_model is over: its reply, then the frames that waited behind it."""
+        self.loading = None
+        rid = loaded.request.id
+        if isinstance(loaded.failure, (ProtocolError, SidecarError)):
+            self.writer.send(problem_reply(rid, loaded.failure))
+        elif loaded.failure is not None:
+            self.writer.send(internal_reply(rid, loaded.failure))
+        else:
+            self.writer.send(ok(rid, self._add_model(loaded.request.params["name"], loaded.engine)))
+
+    def _add_model(self, name: str, engine: Engine) -> dict:
         if _directory(engine) in self.operator_templates:
             engine.tokenizer.chat_template = self.operator_templates[_directory(engine)]
         self.engines[name] = engine

@@ -54,43 +54,59 @@ class InputClosed:
 
 
 class Inbox:
-    """Frames read but not yet handled, bounded in bytes so that a client that keeps writing while it
-    stops reading cannot grow the server's memory. Once closed (the client is gone), `get` returns
-    `EOF_MARK` at once: frames still waiting belong to nobody."""
+    """What the main thread has yet to handle: frames read, bounded in bytes so that a client that keeps
+    writing while it stops reading cannot grow the server's memory, and notices from the server's own
+    threads (a compile or a load is over), which never wait for room. Notices come first. Frames can be
+    left where they are while a `load_model` runs (`frames=False`), since the protocol answers it before the
+    frames sent after it are read. Once closed (the client is gone), `get` returns `EOF_MARK` at once:
+    frames still waiting belong to nobody."""
 
     def __init__(self, max_bytes: int = INBOX_BYTES):
-        self._items: deque = deque()
+        self._frames: deque = deque()
+        self._notices: deque = deque()
         self._bytes = 0
         self._max_bytes = max_bytes
         self._changed = threading.Condition()
         self._closed = False
 
     def put(self, item, size: int, hung_up) -> bool:
-        """Waits for room; gives up (False) if `hung_up()` says the client went away meanwhile."""
+        """Adds a frame; waits for room; gives up (False) if `hung_up()` says the client went away meanwhile."""
         with self._changed:
-            while self._items and self._bytes + size > self._max_bytes:
+            while self._frames and self._bytes + size > self._max_bytes:
                 if not self._changed.wait(0.05) and hung_up():
                     return False
-            self._items.append((item, size))
+            self._frames.append((item, size))
             self._bytes += size
             self._changed.notify_all()
         return True
+
+    def notify(self, notice) -> None:
+        with self._changed:
+            self._notices.append(notice)
+            self._changed.notify_all()
 
     def close(self) -> None:
         with self._changed:
             self._closed = True
             self._changed.notify_all()
 
-    def get(self, block: bool = True):
-        """The next frame, `EOF_MARK` once closed; raises `queue.Empty` when not blocking and there is none."""
+    def wait(self, frames: bool = True) -> None:
+        """Returns once `get(frames=frames)` has something to return."""
         with self._changed:
-            while not self._items and not self._closed:
-                if not block:
-                    raise queue.Empty
+            while not (self._closed or self._notices or (frames and self._frames)):
                 self._changed.wait()
+
+    def get(self, frames: bool = True):
+        """The next notice, else the next frame (none with `frames=False`), `EOF_MARK` once closed; raises
+        `queue.Empty` when there is none."""
+        with self._changed:
             if self._closed:
                 return EOF_MARK
-            item, size = self._items.popleft()
+            if self._notices:
+                return self._notices.popleft()
+            if not frames or not self._frames:
+                raise queue.Empty
+            item, size = self._frames.popleft()
             self._bytes -= size
             self._changed.notify_all()
             return item

@@ -699,6 +699,14 @@ def test_protocol(servers, kind, given, code, detail):
     CATALOGUE.append(Ran(kind, "protocol", code))
 
 
+def test_a_generate_without_exactly_one_input_names_the_four_inputs(servers):
+    for params in ({"max_new_tokens": 2}, {"prompt": "a", "continue": {}}, {"token_ids": [5], "continue": {}}):
+        reply = send(servers["main"], gen(**params))
+        assert reply["error"]["code"] == "invalid_argument", reply
+        assert "prompt, token_ids, messages or continue" in reply["error"]["message"], reply
+    assert session_info(servers["main"], "kept") == servers["kept"]
+
+
 def test_the_catalogue(servers, engine, capsys, request):
     """Runs last: prints every row, checks the coverage, and that nothing was left in flight or internal."""
     main = servers["main"]

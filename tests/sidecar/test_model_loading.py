@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -107,17 +108,34 @@ def auto_map_outside_path(default, d, markers):
     edit_json(d / "config.json", auto_map={"AutoConfig": f"{outside}/evil.MyConfig"})
 
 
+def remote_code_model(default, d, letter: str, config_body: str, head: str = ""):
+    """A copy of the default model whose config class (`<letter>Config`, `head` before it, `config_body` its
+    body) and model class ship in the directory, as `configuration_<letter>.py` and `modeling_<letter>.py`."""
+    copy_model(default, d)
+    upper = letter.upper()
+    (d / f"configuration_{letter}.py").write_text(
+        f"{head}from transformers import LlamaConfig\n\n\nclass {upper}Config(LlamaConfig):\n"
+        f"    model_type = '{letter}_llama'\n{config_body}")
+    (d / f"modeling_{letter}.py").write_text(
+        f"from transformers import LlamaForCausalLM\n\nfrom .configuration_{letter} import {upper}Config\n\n\n"
+        f"class {upper}Model(LlamaForCausalLM):\n    config_class = {upper}Config\n")
+    edit_json(d / "config.json", model_type=f"{letter}_llama", auto_map={
+        "AutoConfig": f"configuration_{letter}.{upper}Config", "AutoModelForCausalLM": f"modeling_{letter}.{upper}Model"})
+
+
 def shipped_code(default, d, markers):
     """A model whose configuration module leaves a marker when imported: a working remote-code model."""
-    copy_model(default, d)
-    (d / "configuration_x.py").write_text(
-        f"import pathlib\npathlib.Path({str(markers / d.name)!r}).touch()\n"
-        "from transformers import LlamaConfig\n\n\nclass XConfig(LlamaConfig):\n    model_type = 'x_llama'\n")
-    (d / "modeling_x.py").write_text(
-        "from transformers import LlamaForCausalLM\n\nfrom .configuration_x import XConfig\n\n\n"
-        "class XModel(LlamaForCausalLM):\n    config_class = XConfig\n")
-    edit_json(d / "config.json", model_type="x_llama",
-              auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"})
+    remote_code_model(default, d, "x", "", head=f"import pathlib\npathlib.Path({str(markers / d.name)!r}).touch()\n")
+
+
+def waits_for_a_file(default, d, markers):
+    """A working remote-code model whose config, once read, waits until `d/released` exists (2 minutes at
+    most): a load that lasts as long as a test wants, outside transformers' building of the modules."""
+    remote_code_model(default, d, "w", (
+        "\n    def __init__(self, **kwargs):\n        super().__init__(**kwargs)\n"
+        "        deadline = time.monotonic() + 120\n"
+        f"        while not pathlib.Path({str(d / 'released')!r}).exists() and time.monotonic() < deadline:\n"
+        "            time.sleep(0.01)\n"), head="import pathlib\nimport time\n")
 
 
 BROKEN = [  # (kind, builder, trust_remote_code, code)
@@ -135,7 +153,7 @@ BROKEN = [  # (kind, builder, trust_remote_code, code)
 IDS = [getattr(row, "id", None) or row[0] for row in BROKEN]
 BUILDERS = [no_weights, config_not_json, config_a_list, truncated_safetensors, config_of_another_architecture,
             malicious_pickle, auto_map_local,
-            auto_map_other_repo, tokenizer_auto_map_other_repo, auto_map_outside_path, shipped_code]
+            auto_map_other_repo, tokenizer_auto_map_other_repo, auto_map_outside_path, shipped_code, waits_for_a_file]
 SERVER = [sys.executable, "-m", "sidecar", "--log-level", "WARNING", "--max-models", "16"]
 
 
@@ -227,6 +245,33 @@ def test_shipped_code_runs_only_with_consent_from_both_sides(dirs, servers):
     assert loaded["ok"] and loaded["result"]["architecture"] == "XModel", loaded
     assert marker.exists()
     assert servers["trusted"].call("unload_model", model=loaded["result"]["name"])["ok"]
+
+
+def test_streams_go_on_while_a_model_loads_and_the_frames_after_it_wait(dirs, servers):
+    """A generation on one model streams to its end while another model loads; a ping sent after the
+    load_model is answered after it (PROTOCOL.md, section 4)."""
+    peer, path = servers["trusted"], dirs["root"] / "waits_for_a_file"
+    release = threading.Timer(60, (path / "released").touch)  # with a load that stops the loop, the test ends
+    release.start()
+    try:
+        streaming = load_model(peer, dirs["root"] / "good")["result"]["name"]
+        session = peer.call("open_session", model=streaming)["result"]["session"]
+        peer.send({"id": 901, "op": "generate", "session": session, "token_ids": [5, 6], "max_new_tokens": 40,
+                   "eos_token_ids": [], "stream": True})
+        assert peer.next_for(901)["event"] == "token"
+        peer.send({"id": 902, "op": "load_model", "name": "waiting", "path": str(path), "trust_remote_code": True})
+        peer.send({"id": 903, "op": "ping"})
+        events, done = peer.reply_for(901)
+        assert done["ok"] and len(events) == 39 and 902 not in peer.replied and 903 not in peer.replied, peer.replied
+        (path / "released").touch()
+        loaded = peer.next_for(902)
+        assert loaded["ok"] and loaded["result"]["architecture"] == "WModel", loaded
+        assert peer.next_for(903)["ok"] and peer.replied[-2:] == [902, 903]
+    finally:
+        release.cancel()
+        (path / "released").touch()
+    for name in ("waiting", streaming):
+        assert peer.call("unload_model", model=name)["ok"]
 
 
 def test_a_directory_inside_the_root_loads(dirs, servers):

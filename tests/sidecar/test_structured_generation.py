@@ -273,7 +273,7 @@ def server_on_a_thread():
 
     writer, inbox, switch_interval = Writer(), Inbox(), sys.getswitchinterval()
     server = Server(writer)
-    server.op_load_model({"name": "default", "path": None, "dtype": None, "device": None, "trust_remote_code": False}, None)
+    server.load_model({"name": "default", "path": None, "dtype": None, "device": None, "trust_remote_code": False})
     serving = threading.Thread(target=server.serve, args=(inbox,), name="serving")
     serving.start()
 
