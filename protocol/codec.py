@@ -12,8 +12,10 @@ from math import prod
 
 import msgpack
 
-from .errors import INVALID_MSGPACK, ProtocolError
+from .errors import INVALID_MSGPACK, LIMIT_EXCEEDED, ProtocolError
 from .schema import request_id_of
+
+DECODER_DEPTH = 1024  # maps and lists nested one within another that msgpack's decoder reads, at most
 
 # dtype name -> (bytes per element, Nx type)
 DTYPES = {
@@ -27,18 +29,24 @@ def pack(message) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
-def unpack(payload: bytes):
+def unpack(payload: bytes, max_depth: int | None = None):
     """Decodes one msgpack value that must fill the payload exactly; anything else is `invalid_msgpack`.
 
     A payload whose only fault is a str that is not UTF-8 is still a request whose id can be read: its
-    error carries that id (and says where the str is), so the client waiting on it gets its reply."""
+    error carries that id (and says where the str is), so the client waiting on it gets its reply. So is
+    one nested deeper than msgpack's decoder reads (`DECODER_DEPTH`): valid msgpack over the limit
+    `max_depth`, whose error names that limit."""
     try:
         return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except msgpack.exceptions.StackError as error:
+        raise ProtocolError(LIMIT_EXCEEDED, f"the request nests maps and lists more than {DECODER_DEPTH} deep, deeper "
+                            f"than the decoder reads (limit max_depth)", peek_request_id(payload), limit="max_depth",
+                            **({} if max_depth is None else {"max": max_depth}), value=DECODER_DEPTH + 1) from error
     except UnicodeDecodeError as error:
         raise _not_utf8(payload, error) from error
     except TypeError as error:  # a map or list used as a map key: valid msgpack, but no Python map can hold it
         raise ProtocolError(INVALID_MSGPACK, f"map keys must be strings, numbers, booleans or nil ({error})") from error
-    except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError, msgpack.exceptions.StackError) as error:
+    except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError) as error:
         raise ProtocolError(INVALID_MSGPACK, f"the frame is not one valid msgpack value ({type(error).__name__}: {error or 'malformed data'})") from error
 
 

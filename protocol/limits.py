@@ -139,16 +139,18 @@ def check_params(op: str, params: dict, limits: Limits, request_id: int) -> None
 
 
 def check_depth(value, max_depth: int, request_id: int | None, param: str, *, start: int = 1) -> None:
-    """Raises `limit_exceeded` (max_depth) for maps and lists nested deeper than `max_depth`, without recursing.
+    """Raises `limit_exceeded` (max_depth) for maps and lists nested deeper than `max_depth`, without recursing;
+    its `value` is the deepest level, found by the walk a request within the limit takes anyway.
 
     `start` is the level of `value` itself inside the request.
     """
-    stack = [(value, start)]
+    stack, deepest = [(value, start)], 0
     while stack:
         item, depth = stack.pop()
         if isinstance(item, (dict, list)):
-            if depth > max_depth:
-                raise ProtocolError(LIMIT_EXCEEDED, f"the request nests maps and lists deeper than max_depth = {max_depth}",
-                                    request_id, limit="max_depth", max=max_depth, value=depth, param=param)
+            deepest = max(deepest, depth)
             children = item.values() if isinstance(item, dict) else item
             stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    if deepest > max_depth:
+        raise ProtocolError(LIMIT_EXCEEDED, f"the request nests maps and lists {deepest} deep, deeper than max_depth = "
+                            f"{max_depth}", request_id, limit="max_depth", max=max_depth, value=deepest, param=param)

@@ -266,7 +266,7 @@ class Server:
     def handle_payload(self, payload: bytes) -> None:
         message = None
         try:
-            message = unpack(payload)
+            message = unpack(payload, self.limits.max_depth)
             rid = request_id_of(message)
             if rid in self.in_flight:  # before anything else: any other error would settle the request in flight
                 raise duplicate_id(rid)

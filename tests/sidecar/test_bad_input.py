@@ -596,6 +596,8 @@ PROTOCOL_ROWS = [
     ("invalid UTF-8 in a str", raw(BAD_UTF8, rid=1), "invalid_msgpack", None),
     ("lone surrogate encoded in a str", raw(ENCODED_SURROGATE, rid=1), "invalid_msgpack", None),
     ("truncated msgpack", raw(pack({"id": 1, "op": "ping"})[:-2]), "invalid_msgpack", None),
+    ("lists nested deeper than msgpack's decoder reads",
+     raw(b"\x83\xa2id\x07\xa2op\xa8generate\xa4stop" + b"\x91" * 2000 + b"\xa1a", rid=7), "limit_exceeded", "limit"),
     ("two msgpack values in one frame", raw(pack(1) + pack(2)), "invalid_msgpack", None),
     ("request not a map", raw(pack([1, "ping"])), "invalid_message", None),
     ("request without op", {"id": 10**9}, "invalid_message", None),

@@ -73,6 +73,7 @@ def test_a_bad_request_queued_behind_a_running_generation_is_answered_and_the_se
     assert got[10]["ok"] and len(got[10]["result"]["token_ids"]) == 20
     assert got[11]["error"]["code"] == "invalid_processor"
     assert got[12]["error"]["code"] == "limit_exceeded" and got[12]["error"]["limit"] == "max_depth"
+    assert got[12]["error"]["value"] == 1004  # the request, processors, a processor, options, then k's lists
     assert got[13]["result"]["history_tokens"] == 22
     assert peer.call("ping")["ok"] and peer.process.poll() is None
 
