@@ -58,7 +58,7 @@ SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", 
 SERVER_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 MAX_FRAME = 200_000  # every fuzz frame stays under this
 OUTSTANDING = 48  # replies the sender lets the server owe before it waits
-NULL_CODES = {"invalid_msgpack", "invalid_message", "invalid_id", "frame_too_large"}
+NULL_CODES = {"invalid_msgpack", "invalid_message", "invalid_id", "frame_too_large", "limit_exceeded"}
 CATALOGUE = processors.catalogue()
 CONSTRAINTS = {"regex", "choice", "json_schema", "grammar", "dfa"}
 ID_BASE = 2**40  # the sender's own ids; hostile ids that happen to be valid are far below
@@ -88,7 +88,8 @@ HOSTILE = [
     [{"name": "top_k", "options": {"k": 1}}] * 65,
 ]
 HOSTILE_KEYS = ["bogus", "", "\x00", "ID", 1, -1, None, 1.5, True, b"op", msgpack.ExtType(1, b"")]
-# Payloads that are not one msgpack value a map can hold: each gets invalid_msgpack with id null.
+# Payloads that are not one msgpack value a map can hold: each gets invalid_msgpack with id null (limit_exceeded,
+# max_depth, for the one nested past the decoder's stack).
 UNDECODABLE = [
     b"", b"\xc1", b"\x92\x01", b"\xa3ab", b"\x81\xa2id\x01\x00",  # truncated, reserved byte, trailing bytes
     b"\xdf\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xc9\xff\xff\xff\xff\x01",  # 2^32 items
