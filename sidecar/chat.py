@@ -64,8 +64,9 @@ def render(tokenizer, messages, *, chat_template=None, add_generation_prompt=Non
                               f"(known: {', '.join(names) or 'none'}) nor a template (no {{{{ }}}} or {{% %}} in it)",
                               option="chat_template")
     if chat_template is None and not names:
-        raise NoChatTemplate("the model's tokenizer has no chat template: give one with chat_template "
-                             "(from Python, the template's text; to a server, --chat-template at start)")
+        raise NoChatTemplate("the model's tokenizer has no chat template: send a prompt or token_ids, or give it "
+                             "one: a chat_template.jinja in the model's directory; from Python, chat_template with "
+                             "the template's text; for a server's startup model, --chat-template")
     if chat_template == DEFAULT and names == [DEFAULT]:
         chat_template = None
     try:
