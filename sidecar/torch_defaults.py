@@ -23,18 +23,20 @@ from transformers import modeling_utils
 
 class Gate:
     """Shared use of torch's process-wide defaults, or their change by one thread alone (writers first:
-    a change that waits lets no new use begin, so it waits only for the uses under way)."""
+    a change that waits lets no new use begin, so it waits only for the uses under way). Both nest on one
+    thread: a composite model builds its parts with `from_config`, which enters transformers' window again."""
 
     def __init__(self):
         self._changed = threading.Condition()
         self._users: dict[int, int] = {}  # thread id -> uses it holds
-        self._changing = False
+        self._changer: int | None = None  # the thread that changes or waits to change the defaults
+        self._changes = 0  # how deep its changes nest
 
     @contextmanager
     def using(self):
         me = threading.get_ident()
         with self._changed:
-            while self._changing and not self._users.get(me):
+            while self._changer not in (None, me) and not self._users.get(me):
                 self._changed.wait()
             self._users[me] = self._users.get(me, 0) + 1
         try:
@@ -50,16 +52,19 @@ class Gate:
     def changing(self):
         me = threading.get_ident()
         with self._changed:
-            while self._changing:
+            while self._changer not in (None, me):
                 self._changed.wait()
-            self._changing = True
+            self._changer = me
+            self._changes += 1
             while any(thread != me for thread in self._users):
                 self._changed.wait()
         try:
             yield
         finally:
             with self._changed:
-                self._changing = False
+                self._changes -= 1
+                if not self._changes:
+                    self._changer = None
                 self._changed.notify_all()
 
 

@@ -29,6 +29,28 @@ def test_a_bf16_load_waits_for_the_work_under_way_and_never_shows_its_dtype(defa
     assert loaded["model"].dtype == torch.bfloat16 and torch.get_default_dtype() == torch.float32
 
 
+def test_a_composite_model_that_builds_its_parts_inside_its_build_loads(default_dir, tmp_path):
+    """Gemma 3's conditional-generation model builds its text and vision towers with `from_config`, which
+    enters transformers' dtype window inside the outer one: the gate nests on the loading thread."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    config = Gemma3Config(
+        text_config=dict(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=256),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=1000, boi_token_index=1001, eoi_token_index=1002)
+    Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((default_dir / name).read_bytes())
+    loaded = {}
+    loader = threading.Thread(target=lambda: loaded.update(model=models.load(tmp_path, dtype="bfloat16")[0]),
+                              daemon=True)
+    loader.start()
+    loader.join(timeout=120)
+    assert not loader.is_alive() and loaded["model"].dtype == torch.bfloat16
+
+
 def test_uses_share_the_gate_a_change_waits_for_them_and_a_later_use_for_the_change():
     gate, log = Gate(), []
     holding, release = threading.Event(), threading.Event()
@@ -51,7 +73,7 @@ def test_uses_share_the_gate_a_change_waits_for_them_and_a_later_use_for_the_cha
         log.append("shared use")
     changer = threading.Thread(target=change)
     changer.start()
-    while not gate._changing:  # the change is asked for, and waits for the held use
+    while gate._changer is None:  # the change is asked for, and waits for the held use
         time.sleep(0.001)
     later = threading.Thread(target=use, args=("later use",))
     later.start()
@@ -63,7 +85,11 @@ def test_uses_share_the_gate_a_change_waits_for_them_and_a_later_use_for_the_cha
     assert log == ["held use", "shared use", "change", "later use"]
 
 
-def test_a_thread_that_uses_the_defaults_may_change_them_itself():
+def test_a_thread_may_change_the_defaults_while_it_uses_or_changes_them():
+    """A composite model (Gemma 3's) builds its parts with `from_config` inside its own build, which enters
+    transformers' window again."""
     gate = Gate()
-    with gate.using(), gate.changing(), gate.using():
+    with gate.using(), gate.changing(), gate.using(), gate.changing():
+        pass
+    with gate.changing():  # and the gate is free again
         pass
