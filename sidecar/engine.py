@@ -72,6 +72,10 @@ class Engine:
             raise InvalidArgument(f"max_rows must be an integer >= 1, got {max_rows!r}", option="max_rows")
         if not isinstance(share_prefixes, bool):
             raise InvalidArgument(f"share_prefixes must be True or False, got {share_prefixes!r}", option="share_prefixes")
+        eos = model.generation_config.eos_token_id
+        if eos is not None and not all(_is_int(e) and e >= 0 for e in (eos if isinstance(eos, list) else [eos])):
+            raise InvalidModel(f"the model's generation config has eos_token_id {str(eos)[:100]}, which is not a token "
+                               "id or a list of them")
         self.model = model
         self.tokenizer = tokenizer
         self.path = path

@@ -138,12 +138,18 @@ def waits_for_a_file(default, d, markers):
         "            time.sleep(0.01)\n"), head="import pathlib\nimport time\n")
 
 
+def end_token_not_an_id(default, d, markers):
+    copy_model(default, d)
+    edit_json(d / "generation_config.json", eos_token_id=[2, None])
+
+
 BROKEN = [  # (kind, builder, trust_remote_code, code)
     ("config.json but no weights", no_weights, False, "invalid_model"),
     ("config.json not JSON", config_not_json, False, "invalid_model"),
     ("config.json a JSON list", config_a_list, False, "invalid_model"),
     ("truncated safetensors", truncated_safetensors, False, "invalid_model"),
     ("weights of another architecture than the config's", config_of_another_architecture, False, "invalid_model"),
+    ("an end token in generation_config.json that is no token id", end_token_not_an_id, False, "invalid_model"),
     ("malicious pickle as pytorch_model.bin", malicious_pickle, False, "invalid_model"),
     ("auto_map without trust", auto_map_local, False, "remote_code_required"),
     ("auto_map naming another repository, trusted", auto_map_other_repo, True, "invalid_model"),
@@ -152,7 +158,7 @@ BROKEN = [  # (kind, builder, trust_remote_code, code)
 ]
 IDS = [getattr(row, "id", None) or row[0] for row in BROKEN]
 BUILDERS = [no_weights, config_not_json, config_a_list, truncated_safetensors, config_of_another_architecture,
-            malicious_pickle, auto_map_local,
+            end_token_not_an_id, malicious_pickle, auto_map_local,
             auto_map_other_repo, tokenizer_auto_map_other_repo, auto_map_outside_path, shipped_code, waits_for_a_file]
 SERVER = [sys.executable, "-m", "sidecar", "--log-level", "WARNING", "--max-models", "16"]
 
@@ -224,10 +230,12 @@ def test_engine_load(dirs, no_network, kind, build, trust, code):
 @pytest.mark.parametrize("kind, build, trust, code", BROKEN, ids=IDS)
 def test_load_model(dirs, servers, kind, build, trust, code):
     started = time.monotonic()
-    reply = load_model(servers["trusted" if trust else "plain"], dirs["root"] / build.__name__, trust_remote_code=trust)
+    peer = servers["trusted" if trust else "plain"]
+    reply = load_model(peer, dirs["root"] / build.__name__, trust_remote_code=trust)
     assert reply["ok"] is False and reply["error"]["code"] == code, reply
     assert not trust or time.monotonic() - started < FAST_S
     assert not list(dirs["markers"].iterdir())
+    assert peer.call("ping")["ok"]
 
 
 def test_shipped_code_runs_only_with_consent_from_both_sides(dirs, servers):
