@@ -73,7 +73,7 @@ class Engine:
         if not isinstance(share_prefixes, bool):
             raise InvalidArgument(f"share_prefixes must be True or False, got {share_prefixes!r}", option="share_prefixes")
         eos = model.generation_config.eos_token_id
-        if eos is not None and not all(_is_int(e) and e >= 0 for e in (eos if isinstance(eos, list) else [eos])):
+        if not all(_is_int(e) and e >= 0 for e in _end_tokens(eos)):
             raise InvalidModel(f"the model's generation config has eos_token_id {str(eos)[:100]}, which is not a token "
                                "id or a list of them")
         self.model = model
@@ -150,9 +150,7 @@ class Engine:
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id
-        if eos is None:
-            return frozenset()
-        return frozenset([eos] if isinstance(eos, int) else eos)
+        return frozenset(_end_tokens(eos))
 
     def stats(self) -> dict:
         with self.lock:
@@ -377,6 +375,11 @@ def _finite(number: Real) -> bool:
 
 def _is_int(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _end_tokens(eos) -> list:
+    """An `eos_token_id` as transformers keeps it (None, an id, or a list of ids) as a list."""
+    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
 def _naming(processor, token_id: int) -> str:
