@@ -1,5 +1,8 @@
+import contextlib
+import gc
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -192,3 +195,43 @@ def peer(_module_server, request):
     finally:
         if not clean:
             _module_server.pop().__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def server_on_a_thread():
+    """A server, in this process, serving on a thread of its own ("serving") with the default model loaded:
+    yields `send(request)`, the queue of the messages it writes, and the server."""
+    import queue
+    import threading
+
+    from protocol import pack
+    from sidecar.server import Server
+    from sidecar.transport import Inbox
+
+    class Writer:
+        def __init__(self):
+            self.replies = queue.Queue()
+
+        def send(self, message, urgent=True):
+            self.replies.put(message)
+
+        def flush(self):
+            pass
+
+    writer, inbox, switch_interval = Writer(), Inbox(), sys.getswitchinterval()
+    server = Server(writer)
+    server.load_model({"name": "default", "path": None, "dtype": None, "device": None, "trust_remote_code": False})
+    serving = threading.Thread(target=server.serve, args=(inbox,), name="serving")
+    serving.start()
+
+    def send(request):
+        payload = pack(request)
+        inbox.put(payload, len(payload), lambda: False)
+
+    try:
+        yield send, writer.replies, server
+    finally:
+        inbox.close()
+        serving.join(timeout=60)
+        gc.unfreeze()  # the server froze this process's heap (`Server.serve`): the tests after collect it again
+        sys.setswitchinterval(switch_interval)  # and set the interpreter's switch interval

@@ -18,7 +18,7 @@ from protocol import frame, pack, unpack
 from protocol.peer import Peer
 from sidecar import errors
 
-from .conftest import shared_server
+from .conftest import server_on_a_thread, shared_server
 
 SERVER = [sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "ERROR"]
 POISON = {"name": "suppress_tokens", "options": {"token_ids": [2**63]}}
@@ -538,3 +538,21 @@ def test_a_session_closed_by_another_generation_in_the_step_its_prefill_ends_is_
 def fresh_greedy(engine, prompt, n):
     with engine.session() as session:
         return session.generate(token_ids=prompt, max_new_tokens=n, eos_token_ids=[]).token_ids
+
+
+def test_a_defect_while_a_loaded_model_is_put_in_service_is_an_error_on_its_load_alone(monkeypatch):
+    """The model loads on its thread; its reply is made on the main thread, where a defect of ours is an
+    `internal` error on that load_model and the model is not served, as for any request."""
+    import sidecar.server as server_module
+
+    made = server_module.model_info
+    monkeypatch.setattr(server_module, "model_info",
+                        lambda name, engine: 1 / 0 if name == "broken" else made(name, engine))
+    with server_on_a_thread() as (send, replies, _):
+        send({"id": 1, "op": "load_model", "name": "broken", "path": None})
+        send({"id": 2, "op": "ping"})
+        send({"id": 3, "op": "models"})
+        got = [replies.get(timeout=120) for _ in range(3)]
+    assert [reply["id"] for reply in got] == [1, 2, 3], got
+    assert got[0]["error"]["code"] == "internal" and "ZeroDivisionError" in got[0]["error"]["message"], got[0]
+    assert got[1]["ok"] and [model["name"] for model in got[2]["result"]["models"]] == ["default"], got

@@ -2,17 +2,17 @@
 comply: every text must fullmatch its pattern (Python's `re`) or validate against its schema (`jsonschema`),
 whatever the strategy, the number of rows, or whether it is streamed."""
 
-import contextlib
 import gc
 import json
 import re
-import sys
 
 import jsonschema
 import pytest
 
 from processors import Choice, Grammar, JsonSchema, Regex, TopK, configure
 from sidecar.errors import InvalidProcessor
+
+from .conftest import server_on_a_thread
 
 SCHEMA = {
     "type": "object",
@@ -248,46 +248,6 @@ def test_a_grammar_that_would_end_on_an_end_token_written_as_text_fails_typed_an
                                         num_samples=rows, processors=[constraint])
                 assert all(s.finish_reason == "eos" and s.token_ids[-1] == 5 and 2 not in s.token_ids
                            for s in done.sequences), done.sequences
-
-
-@contextlib.contextmanager
-def server_on_a_thread():
-    """A server, in this process, serving on a thread of its own ("serving") with the default model loaded:
-    yields `send(request)`, the queue of the messages it writes, and the server."""
-    import queue
-    import threading
-
-    from protocol import pack
-    from sidecar.server import Server
-    from sidecar.transport import Inbox
-
-    class Writer:
-        def __init__(self):
-            self.replies = queue.Queue()
-
-        def send(self, message, urgent=True):
-            self.replies.put(message)
-
-        def flush(self):
-            pass
-
-    writer, inbox, switch_interval = Writer(), Inbox(), sys.getswitchinterval()
-    server = Server(writer)
-    server.load_model({"name": "default", "path": None, "dtype": None, "device": None, "trust_remote_code": False})
-    serving = threading.Thread(target=server.serve, args=(inbox,), name="serving")
-    serving.start()
-
-    def send(request):
-        payload = pack(request)
-        inbox.put(payload, len(payload), lambda: False)
-
-    try:
-        yield send, writer.replies, server
-    finally:
-        inbox.close()
-        serving.join(timeout=60)
-        gc.unfreeze()  # the server froze this process's heap (`Server.serve`): the tests after collect it again
-        sys.setswitchinterval(switch_interval)  # and set the interpreter's switch interval
 
 
 def generate_on_a_server(processor: dict, expect: str = "result") -> dict:
