@@ -12,7 +12,7 @@ from math import prod
 
 import msgpack
 
-from .errors import INVALID_MSGPACK, LIMIT_EXCEEDED, ProtocolError
+from .errors import INVALID_MSGPACK, INVALID_PARAMS, LIMIT_EXCEEDED, ProtocolError
 from .schema import request_id_of
 
 DECODER_DEPTH = 1024  # maps and lists nested one within another that msgpack's decoder reads, at most
@@ -35,9 +35,12 @@ def unpack(payload: bytes, max_depth: int | None = None):
     A payload whose only fault is a str that is not UTF-8 is still a request whose id can be read: its
     error carries that id (and says where the str is), so the client waiting on it gets its reply. So is
     one nested deeper than msgpack's decoder reads (`DECODER_DEPTH`): valid msgpack over the limit
-    `max_depth`, whose error names that limit."""
+    `max_depth`, whose error names that limit. So is a map that holds a key twice: valid msgpack, but
+    which of its values was meant cannot be told (msgpack would keep the last), so it is refused."""
     try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_unique_keys)
+    except _RepeatedKey:
+        raise _repeated_key(payload) from None
     except msgpack.exceptions.StackError as error:
         raise ProtocolError(LIMIT_EXCEEDED, f"the request nests maps and lists more than {DECODER_DEPTH} deep, deeper "
                             f"than the decoder reads (limit max_depth)", peek_request_id(payload), limit="max_depth",
@@ -48,6 +51,55 @@ def unpack(payload: bytes, max_depth: int | None = None):
         raise ProtocolError(INVALID_MSGPACK, f"map keys must be strings, numbers, booleans or nil ({error})") from error
     except (ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError) as error:
         raise ProtocolError(INVALID_MSGPACK, f"the frame is not one valid msgpack value ({type(error).__name__}: {error or 'malformed data'})") from error
+
+
+class _RepeatedKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list) -> dict:
+    mapping = dict(pairs)
+    if len(mapping) != len(pairs):
+        raise _RepeatedKey
+    return mapping
+
+
+class _Pairs(list):
+    """A decoded map kept as its (key, value) pairs, repeated keys included."""
+
+
+def _repeated_key(payload: bytes) -> ProtocolError:
+    """The `invalid_params` error of a payload with a map holding a key twice: it names the key and
+    where the map is, and carries the request's id when the request map holds "id" once."""
+    message = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_Pairs)
+    ids = [value for key, value in message if key == "id"] if isinstance(message, _Pairs) else []
+    rid = request_id_of({"id": ids[0]}) if len(ids) == 1 else None
+    pending = [(message, "")]
+    while pending:
+        value, path = pending.pop()
+        if isinstance(value, _Pairs):
+            repeated = _first_repeated(key for key, _ in value)
+            if repeated is not None:
+                first, again = repeated
+                what = (f"the key {again!r} more than once" if repr(first) == repr(again) else
+                        f"the keys {first!r} and {again!r}, one key to Python")
+                return ProtocolError(INVALID_PARAMS, f"the map at {path or 'the top'} holds {what}", rid,
+                                     param=f"{path}.{again}" if path else str(again))
+            pending += [(item, f"{path}.{key}" if path else str(key)) for key, item in reversed(value)]
+        elif isinstance(value, list):
+            pending += [(item, f"{path}[{index}]") for index, item in reversed(list(enumerate(value)))]
+    raise AssertionError("no repeated key found in a payload whose decoding found one")
+
+
+def _first_repeated(keys) -> tuple | None:
+    """(the key seen first, the key equal to it seen later) for the first key a map holds twice, else None."""
+    seen = {}
+    for key in keys:
+        if isinstance(key, (str, int, float, bool, type(None), bytes)):  # a list key (no map holds it) repeats nothing
+            if key in seen:
+                return seen[key], key
+            seen[key] = key
+    return None
 
 
 def _not_utf8(payload: bytes, error: UnicodeDecodeError) -> ProtocolError:

@@ -1,6 +1,7 @@
 import json
 from pathlib import Path
 
+import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -75,3 +76,32 @@ def test_the_spec_examples_decode_to_what_they_say():
     for message, hex_frame in rows:
         frames = FrameDecoder().feed(bytes.fromhex(hex_frame.replace(" ", "")))
         assert len(frames) == 1 and unpack(frames[0]) == json.loads(message)
+
+
+def _map(*pairs) -> bytes:
+    """A msgpack map written pair by pair, so that it can hold a key twice."""
+    return bytes([0x80 | len(pairs)]) + b"".join(pack(key) + value for key, value in pairs)
+
+
+@pytest.mark.parametrize("payload, request_id, param", [
+    (_map(("id", pack(5)), ("op", pack("ping")), ("op", pack("hello"))), 5, "op"),
+    (_map(("id", pack(5)), ("id", pack(6)), ("op", pack("ping"))), None, "id"),
+    (_map(("op", pack("generate")), ("id", pack(7)), ("processors", b"\x91" + _map(
+        ("name", pack("regex")), ("options", _map(("pattern", pack("a")), ("pattern", pack("b"))))))),
+     7, "processors[0].options.pattern"),
+    (_map(("id", pack(8)), ("x", _map((1, pack(1)), (True, pack(2))))), 8, "x.True"),
+])
+def test_a_map_holding_a_key_twice_is_refused_with_the_key_and_the_request_id(payload, request_id, param):
+    """msgpack allows a key twice and its decoder keeps the last value; a client meant one of them."""
+    assert msgpack.unpackb(payload, strict_map_key=False)  # valid msgpack, which the decoder reads last-wins
+    with pytest.raises(ProtocolError) as caught:
+        unpack(payload)
+    assert (caught.value.code, caught.value.request_id, caught.value.details) == ("invalid_params", request_id, {"param": param})
+
+
+def test_a_repeated_key_next_to_a_list_key_is_still_named():
+    """The inner map's repeat is found first; the walk that names it must not trip on an outer list key."""
+    payload = _map(("id", pack(9)), ("a", _map(("k", pack(1)), ("k", pack(2)))), ([1], pack(0)))
+    with pytest.raises(ProtocolError) as caught:
+        unpack(payload)
+    assert (caught.value.code, caught.value.details) == ("invalid_params", {"param": "a.k"})
