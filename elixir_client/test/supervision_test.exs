@@ -228,6 +228,16 @@ defmodule Sidecar.SupervisionTest do
       assert eventually(fn -> ours() -- before == [] end, 1_000)
     end
 
+    test "an argument that prints and exits, such as --version: the message says it did not serve",
+         %{before: before} do
+      assert {:error, %Error{reason: :sidecar_exited, message: message, details: %{status: 0}}} =
+               Sidecar.start_link(sidecar_opts(args: ["--version"]))
+
+      assert message =~ ~r/^the sidecar exited with status 0 during startup: it ended without serving/
+      assert message =~ "--version"
+      assert eventually(fn -> ours() -- before == [] end, 1_000)
+    end
+
     test "a device this machine lacks: the sidecar's message names it and what there is", %{before: before} do
       assert {:error,
               %Error{reason: :sidecar_exited, message: message, details: %{status: 2, stderr: stderr}}} =

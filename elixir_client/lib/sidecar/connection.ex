@@ -311,6 +311,10 @@ defmodule Sidecar.Connection do
         line = Enum.find(last_first, &(&1 =~ ~r/\berror\b|Error\b|\bERROR\b|\bCRITICAL\b/)) ->
           strip_log_prefix(line)
 
+        status == 0 ->
+          "it ended without serving: an argument such as --help or --version prints (to its " <>
+            "stdout, the BEAM's own) and exits"
+
         line = Enum.find(last_first, &(String.trim(&1) != "")) ->
           strip_log_prefix(line)
 
