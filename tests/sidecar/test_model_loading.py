@@ -282,6 +282,22 @@ def test_streams_go_on_while_a_model_loads_and_the_frames_after_it_wait(dirs, se
         assert peer.call("unload_model", model=name)["ok"]
 
 
+def test_end_of_input_during_a_load_that_does_not_end_exits_at_once(dirs, tmp_path):
+    """The client is gone (PROTOCOL.md, section 1): the server exits 0 without waiting for a load that
+    model code holds up, which a join of the loading thread, or a non-daemon one, would wait for."""
+    env = {**os.environ, "HF_MODULES_CACHE": str(dirs["modules"]), "OMP_NUM_THREADS": "1"}
+    path = tmp_path / "waits"  # of its own: another test releases the module's
+    waits_for_a_file(dirs["default"], path, dirs["markers"])
+    with Peer(SERVER + ["--model-root", str(tmp_path), "--trust-remote-code"], env=env,
+              stderr=subprocess.DEVNULL) as peer:
+        assert peer.call("ping")["ok"]
+        peer.send({"id": 5, "op": "load_model", "name": "waiting", "path": str(path), "trust_remote_code": True})
+        time.sleep(1)  # into the load: the config's wait
+        assert peer.process.poll() is None and not (path / "released").exists()
+        assert peer.close(timeout=20) == 0
+        assert not (path / "released").exists()  # it never ended
+
+
 def test_a_directory_inside_the_root_loads(dirs, servers):
     plain = servers["plain"]
     loaded = load_model(plain, dirs["root"] / "good")
