@@ -64,6 +64,8 @@ defmodule Sidecar do
   alias Sidecar.{Connection, Error, Generation, Options, Processors}
 
   @hand_over_ms 30_000
+  # The longest a name stays unregistered while its supervisor restarts the connection (see whereis/2).
+  @restart_gap_ms 100
 
   @type conn :: GenServer.server()
   @typedoc """
@@ -148,7 +150,10 @@ defmodule Sidecar do
   """
   @spec info(conn()) :: {:ok, map()} | {:error, Error.t()}
   def info(conn) do
-    {:ok, GenServer.call(conn, :info)}
+    case whereis(conn, 5_000) do
+      nil -> lost(nil)
+      pid -> {:ok, GenServer.call(pid, :info)}
+    end
   catch
     :exit, _ -> lost(nil)
   end
@@ -159,7 +164,10 @@ defmodule Sidecar do
     limit = hand_over_limit(timeout)
 
     try do
-      {:ok, GenServer.call(conn, :info, limit)["incarnation"]}
+      case whereis(conn, limit) do
+        nil -> lost(nil)
+        pid -> {:ok, GenServer.call(pid, :info, limit)["incarnation"]}
+      end
     catch
       :exit, {:timeout, _} ->
         {:error, Error.new(:timeout, "the connection did not answer within #{limit} ms")}
@@ -604,7 +612,13 @@ defmodule Sidecar do
         reply
 
       {:DOWN, ^ref, :process, _, _} ->
-        {:error, Error.new(:sidecar_exited, "the sidecar connection went down")}
+        # the connection replies before it goes down (a sidecar that exited: `sidecar_exited` with its
+        # status), but a reply can stand behind the :DOWN here, put back there by `in_mailbox?/1`
+        receive do
+          {Sidecar, ^ref, {:reply, reply}} -> reply
+        after
+          0 -> {:error, Error.new(:sidecar_exited, "the sidecar connection went down")}
+        end
     after
       # a reply that came as the wait ended is the call's answer: dropped, it would be lost (a session
       # made for the call left open, its name known to nobody)
@@ -654,7 +668,7 @@ defmodule Sidecar do
     limit = hand_over_limit(timeout)
     handing = System.monotonic_time(:millisecond)
 
-    case whereis(conn) do
+    case whereis(conn, limit) do
       nil ->
         lost(incarnation)
 
@@ -695,10 +709,37 @@ defmodule Sidecar do
          "the session belongs to another connection, or to a sidecar that has since exited"
        )}
 
-  defp whereis(pid) when is_pid(pid) and node(pid) == node(), do: if(Process.alive?(pid), do: pid)
+  # The connection `conn` stands for, or nil. A name is looked up again for up to @restart_gap_ms (and
+  # `limit`): a supervisor that restarts a connection leaves its name unregistered from the old one's
+  # exit to the new one's start, which registers it at once (calls then wait for the start); 10 ms
+  # measured on a busy machine. A pid stands for itself alone.
+  defp whereis(pid, _limit) when is_pid(pid) and node(pid) == node(), do: if(Process.alive?(pid), do: pid)
   # another node's: the monitor and the call tell whether it is there
-  defp whereis(pid) when is_pid(pid), do: pid
-  defp whereis(name), do: GenServer.whereis(name)
+  defp whereis(pid, _limit) when is_pid(pid), do: pid
+
+  defp whereis(name, limit) when is_atom(name) or is_tuple(name) do
+    give_up = System.monotonic_time(:millisecond) + min(@restart_gap_ms, limit)
+    look_up(name, give_up)
+  end
+
+  defp whereis(other, _limit) do
+    raise ArgumentError,
+          "not a connection: #{inspect(other)} (a pid, or a name: an atom, {:global, term}, " <>
+            "{:via, module, term} or {atom, node})"
+  end
+
+  defp look_up(name, give_up) do
+    case GenServer.whereis(name) do
+      nil ->
+        if System.monotonic_time(:millisecond) < give_up do
+          Process.sleep(2)
+          look_up(name, give_up)
+        end
+
+      found ->
+        found
+    end
+  end
 
   defp generation_result(
          {:ok, %{"text" => text, "token_ids" => ids, "finish_reason" => finish, "stats" => stats} = result}

@@ -89,6 +89,28 @@ defmodule Sidecar.SupervisionTest do
     Supervisor.stop(supervisor)
   end
 
+  test "await after the connection went down returns the replies it sent before, and leaves none behind" do
+    Process.flag(:trap_exit, true)
+    {:ok, conn} = Sidecar.start_link(sidecar_opts())
+    {:ok, %{"os_pid" => os_pid}} = Sidecar.info(conn)
+    {:ok, session} = Sidecar.open_session(conn)
+    {:ok, other} = Sidecar.open_session(conn)
+    {:ok, done} = Sidecar.start_generate(conn, session, [5, 6], max_new_tokens: 3, eos_token_id: [])
+
+    {:ok, running} = Sidecar.start_generate(conn, other, [5, 6], max_new_tokens: 1_900, eos_token_id: [])
+
+    # the first one's reply is in this mailbox, the second one still generating
+    assert eventually(fn -> match?({:ok, %{"active_generations" => 1}}, Sidecar.stats(conn)) end)
+    System.cmd("kill", ["-9", Integer.to_string(os_pid)])
+    assert_receive {:EXIT, ^conn, {:shutdown, {:sidecar_exited, 137}}}, 10_000
+
+    assert {:error, %Error{reason: :sidecar_exited, details: %{status: 137}}} = Sidecar.await(running)
+    assert {:ok, %{token_ids: [_, _, _]}} = Sidecar.await(done)
+    {:messages, left} = Process.info(self(), :messages)
+    # (System.cmd's port, linked to this process, leaves its :EXIT)
+    assert [] == Enum.filter(left, &(match?({Sidecar, _, _}, &1) or match?({:DOWN, _, _, _, _}, &1)))
+  end
+
   test "when the owning process dies, the Python process exits" do
     test_pid = self()
 
@@ -198,6 +220,30 @@ defmodule Sidecar.SupervisionTest do
     assert {:error, %Error{reason: :not_running}} = Sidecar.info(remote)
     assert {:error, %Error{reason: :not_running}} = Sidecar.ping(remote)
     assert {:error, %Error{reason: :not_running}} = Sidecar.generate(remote, "s", "Hi")
+  end
+
+  test "a call to a name that a restart leaves unregistered for some milliseconds waits for it" do
+    {:ok, conn} = Sidecar.start_link(sidecar_opts())
+    {:ok, session} = Sidecar.open_session(conn)
+
+    # as a supervisor's restart does: the name is registered a moment after the calls look it up
+    calls = [
+      Task.async(fn -> Sidecar.ping(:registered_late) end),
+      Task.async(fn -> Sidecar.info(:registered_late) end),
+      Task.async(fn -> Sidecar.generate(:registered_late, session.name, [5, 6], max_new_tokens: 2) end)
+    ]
+
+    Process.sleep(30)
+    Process.register(conn, :registered_late)
+    assert [:ok, {:ok, %{"os_pid" => _}}, {:ok, %{token_ids: [_, _]}}] = Task.await_many(calls, 10_000)
+    Process.unregister(:registered_late)
+    GenServer.stop(conn)
+  end
+
+  test "a value that is no connection is an ArgumentError that says what a connection is" do
+    for call <- [&Sidecar.ping/1, &Sidecar.info/1, &Sidecar.open_session/1] do
+      assert_raise ArgumentError, ~r/not a connection: 123 \(a pid, or a name/, fn -> call.(123) end
+    end
   end
 
   describe "a sidecar that cannot start is an error from start_link and leaves no process behind" do
