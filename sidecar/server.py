@@ -19,6 +19,7 @@ import gc
 import logging
 import re
 import queue
+import secrets
 import sys
 import threading
 import time
@@ -171,6 +172,9 @@ class Server:
         self.active: list[Job] = []  # started generations, in the order they started
         self.loading: Request | None = None  # the load_model whose model loads on the loading thread
         self._names = 0
+        # in the names this server chooses: a name a client kept from an earlier server process (one its
+        # supervisor has since restarted) is no session here, rather than another client's
+        self._name_tag = secrets.token_hex(3)
         self.started = time.time()
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -842,7 +846,7 @@ class Server:
     def _fresh_session_name(self) -> str:
         while True:
             self._names += 1
-            name = f"s{self._names}"
+            name = f"s{self._names}-{self._name_tag}"
             if not self._taken(name):
                 return name
 

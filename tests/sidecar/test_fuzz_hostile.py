@@ -306,8 +306,7 @@ class Fuzz:
         self.canaries: list = []  # (id, request) of greedy generations on KEEP checked against a fresh session
         self.cancels: list = []  # (cancel id, target id)
         self.sessions: list[str] = []  # believed open, besides KEEP
-        self.session_names: set = set()  # every name open_session was given: closed at the end
-        self.unnamed_opens = 0
+        self.session_names: set = set()  # every name open_session or fork_session was given: closed at the end
         self.models: list[str] = []  # believed loaded, besides "default"
         self.model_names: set = set()
         self.last_id = ID_BASE
@@ -372,9 +371,6 @@ class Fuzz:
             name = message.get("session")
             if isinstance(name, str):
                 self.session_names.add(name)
-            elif name is None:  # the server's names are s1, s2, ...: at most one per request that asks for one
-                self.unnamed_opens += 1
-                self.session_names.update(f"s{i}" for i in range(1, self.unnamed_opens + 1))
             if (isinstance(name, str) and len(name.encode()) <= 4096 and set(message) <= {"id", "op", "session", "model"}
                     and message.get("model", "default") in ["default", *self.models] and name not in self.sessions):
                 self.sessions.append(name)  # believed open: it is a clean request (it may still meet max_sessions)
@@ -382,9 +378,6 @@ class Fuzz:
             name = message.get("new")
             if isinstance(name, str):
                 self.session_names.add(name)
-            elif name is None:
-                self.unnamed_opens += 1
-                self.session_names.update(f"s{i}" for i in range(1, self.unnamed_opens + 1))
         if op == "close_session" and message.get("session") in self.sessions:
             self.sessions.remove(message["session"])
         if op == "load_model" and isinstance(message.get("name"), str):
@@ -720,7 +713,7 @@ def test_hostile_values_in_well_formed_requests_leave_the_server_serving(engine,
         check_one_final_reply_per_request(fuzz, by_id)  # (2)
         check_known_outcomes(fuzz, by_id, arrival)
         check_canaries(fuzz, by_id, engine)  # (4), all along the fuzz
-        check_nothing_left_over(fuzz)  # (3)
+        check_nothing_left_over(fuzz, by_id)  # (3)
         check_sessions_match_a_fresh_one(fuzz, engine)  # (4), at the end
         assert fuzz.call("ping") == {"id": fuzz.last_id, "ok": True, "result": {}}  # (5)
         assert peer.close() == 0, f"exit status on EOF; server log:\n{log.read_text()[-4000:]}"
@@ -819,9 +812,12 @@ def check_canaries(fuzz, by_id, engine) -> None:
                 f"before it:\n" + "\n".join(before))
 
 
-def check_nothing_left_over(fuzz) -> None:
+def check_nothing_left_over(fuzz, by_id) -> None:
     """Nothing in flight; once the fuzz's own sessions and models are closed, only KEEP and the default model."""
-    for name in fuzz.session_names - {KEEP}:
+    # and every name the server chose (a reply naming a session: an id sent again may carry another op since)
+    chosen = {reply["result"]["session"] for messages in by_id.values() for reply in finals_of(messages)
+              if reply["ok"] and isinstance(reply["result"].get("session"), str)}
+    for name in (fuzz.session_names | chosen) - {KEEP}:
         fuzz.call("close_session", session=name)
     for name in fuzz.model_names - {"default"}:
         fuzz.call("unload_model", model=name)

@@ -556,3 +556,18 @@ def test_a_defect_while_a_loaded_model_is_put_in_service_is_an_error_on_its_load
     assert [reply["id"] for reply in got] == [1, 2, 3], got
     assert got[0]["error"]["code"] == "internal" and "ZeroDivisionError" in got[0]["error"]["message"], got[0]
     assert got[1]["ok"] and [model["name"] for model in got[2]["result"]["models"]] == ["default"], got
+
+
+def test_a_session_name_kept_across_a_restart_names_no_session_of_the_next_server():
+    """A client that kept a name the server chose (an Elixir app holding it across its supervisor's restart
+    of the sidecar) must not reach another client's session in the next server process: `continue` would
+    read that session's text."""
+    names = []
+    for _ in range(2):
+        with server_on_a_thread() as (send, replies, _):
+            send({"id": 1, "op": "open_session"})
+            names.append(replies.get(timeout=60)["result"]["session"])
+            send({"id": 2, "op": "generate", "session": names[0], "token_ids": [5, 6], "max_new_tokens": 1})
+            answered = replies.get(timeout=60)
+    assert names[0] != names[1], names
+    assert answered["error"]["code"] == "unknown_session", answered
