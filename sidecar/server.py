@@ -707,12 +707,16 @@ class Server:
 
     def op_open_session(self, params, rid):
         engine = self._engine(params["model"], rid)
-        name = self._claim_session_name(params["session"], rid)
+        name = self._claim_session_name(params["session"], rid, "session")
         self._add_session(name, params["model"], engine.session())
         return {"session": name, "model": model_info(params["model"], engine)}
 
-    def _claim_session_name(self, name: str | None, rid: int) -> str:
-        """A name for a new session: the one asked for if it is free, else a fresh one; within max_sessions."""
+    def _claim_session_name(self, name: str | None, rid: int, option: str) -> str:
+        """A name for a new session: the one asked for (`option`) if it is free, else a fresh one; within
+        max_sessions."""
+        if name == "":
+            raise InvalidArgument(f"{option} must be a name of at least one character, or left out for a name the "
+                                  f"server chooses", option=option)
         if name is not None and self._taken(name):
             raise ProtocolError(codes.SESSION_EXISTS, f"a session named {name!r} is already open", rid, session=name)
         count = len(self.sessions) + len(self.forking)  # a pending fork's name counts
@@ -727,7 +731,7 @@ class Server:
     def _reserve(self, name: str, fork: Job) -> None:
         """Claims a fork's new name when the fork arrives, so that requests pipelined behind it for that
         name wait for the fork in the new session's queue instead of being `unknown_session`."""
-        self._claim_session_name(name, fork.request.id)
+        self._claim_session_name(name, fork.request.id, "new")
         self.forking[name] = fork
         self.queues[name] = deque()
 
@@ -751,7 +755,7 @@ class Server:
 
     def op_fork_session(self, params, rid):
         model, session = self._session(params["session"], rid)
-        name = params["new"] if params["new"] is not None else self._claim_session_name(None, rid)
+        name = params["new"] if params["new"] is not None else self._claim_session_name(None, rid, "new")
         twin = session.fork()  # it runs at the head of the source's queue: the source is idle
         self.forking.pop(name, None)
         self._add_session(name, model, twin)
@@ -771,7 +775,7 @@ class Server:
     def op_restore_session(self, params, rid):
         engine = self._engine(params["model"], rid)
         path = self._saved_path(params["name"], rid)
-        name = self._claim_session_name(params["session"], rid)
+        name = self._claim_session_name(params["session"], rid, "session")
         if not path.exists():
             raise InvalidSessionFile(f"no session was saved as {params['name']!r}")
         session = engine.restore(path)

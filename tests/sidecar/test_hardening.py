@@ -571,3 +571,15 @@ def test_a_session_name_kept_across_a_restart_names_no_session_of_the_next_serve
             answered = replies.get(timeout=60)
     assert names[0] != names[1], names
     assert answered["error"]["code"] == "unknown_session", answered
+
+
+def test_an_empty_session_name_is_refused_and_opens_nothing():
+    with server_on_a_thread() as (send, replies, _):
+        send({"id": 1, "op": "open_session", "session": ""})
+        send({"id": 2, "op": "open_session", "session": "a"})
+        send({"id": 3, "op": "fork_session", "session": "a", "new": ""})
+        send({"id": 4, "op": "stats"})
+        got = {reply["id"]: reply for reply in (replies.get(timeout=60) for _ in range(4))}
+    assert [(got[rid]["error"]["code"], got[rid]["error"]["option"]) for rid in (1, 3)] == [
+        ("invalid_argument", "session"), ("invalid_argument", "new")], got
+    assert got[2]["ok"] and got[4]["result"]["sessions"] == 1, got
