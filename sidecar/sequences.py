@@ -104,10 +104,12 @@ class Tokens(Continuable):
         return Tokens(self.ids + tuple(self.tokenizer.encode(text, add_special_tokens=False)), self.tokenizer)
 
     def _append_ids(self, ids, option: str) -> "Tokens":
-        if isinstance(ids, (list, tuple)) and all(_is_int(t) for t in ids):
+        """Ids past the vocabulary are `TokenOutOfRange` where the sequence meets a model; a negative id is no
+        token id anywhere, refused here."""
+        if isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids):
             return Tokens(self.ids + tuple(int(t) for t in ids), self.tokenizer)
-        raise InvalidArgument(f"{option}: a sequence is extended by a string or a list of token ids, got {_show(ids)}",
-                              option=option)
+        raise InvalidArgument(f"{option}: a sequence is extended by a string or a list of token ids (integers >= 0), "
+                              f"got {_show(ids)}", option=option)
 
     def _cut(self, chars, option: str) -> "Tokens":
         text = self.text

@@ -189,6 +189,7 @@ def test_continuation_names_the_last_result_as_the_protocol_does(engine):
             (dict(chars=10**6), InvalidArgument, "continue.chars"),
             (dict(append=5), InvalidArgument, "continue.append"),
             (dict(append_token_ids=["a"]), InvalidArgument, "continue.append_token_ids"),
+            (dict(append_token_ids=[7, -1]), InvalidArgument, "continue.append_token_ids"),
         ]:
             with pytest.raises(error) as caught:
                 session.continuation(**options)
