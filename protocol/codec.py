@@ -36,11 +36,18 @@ def unpack(payload: bytes, max_depth: int | None = None):
     error carries that id (and says where the str is), so the client waiting on it gets its reply. So is
     one nested deeper than msgpack's decoder reads (`DECODER_DEPTH`): valid msgpack over the limit
     `max_depth`, whose error names that limit. So is a map that holds a key twice: valid msgpack, but
-    which of its values was meant cannot be told (msgpack would keep the last), so it is refused."""
+    which of its values was meant cannot be told (msgpack would keep the last), so it is refused once
+    nothing else is wrong with the payload."""
     try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_unique_keys)
+        return _decode(payload, max_depth, _unique_keys)
     except _RepeatedKey:
+        _decode(payload, max_depth, None)  # raises the error of any other fault, as for a payload without repeats
         raise _repeated_key(payload) from None
+
+
+def _decode(payload: bytes, max_depth: int | None, pairs_hook):
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=pairs_hook)
     except msgpack.exceptions.StackError as error:
         raise ProtocolError(LIMIT_EXCEEDED, f"the request nests maps and lists more than {DECODER_DEPTH} deep, deeper "
                             f"than the decoder reads (limit max_depth)", peek_request_id(payload), limit="max_depth",
@@ -69,37 +76,74 @@ class _Pairs(list):
 
 
 def _repeated_key(payload: bytes) -> ProtocolError:
-    """The `invalid_params` error of a payload with a map holding a key twice: it names the key and
-    where the map is, and carries the request's id when the request map holds "id" once."""
+    """The `invalid_params` error of a payload, valid but for a map holding a key twice: it names the key
+    and where the map is, and carries the request's id when the request map holds "id" once."""
     message = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True, object_pairs_hook=_Pairs)
     ids = [value for key, value in message if key == "id"] if isinstance(message, _Pairs) else []
     rid = request_id_of({"id": ids[0]}) if len(ids) == 1 else None
-    pending = [(message, "")]
+    path, (first, again) = _first_fault(message, lambda value: isinstance(value, _Pairs) and _first_repeated(value))
+    what = (f"the key {_key_text(again)} more than once" if _key_text(first) == _key_text(again) else
+            f"the keys {_key_text(first)} and {_key_text(again)}, one key to Python")
+    return ProtocolError(INVALID_PARAMS, f"the map at {path or 'the top'} holds {what}", rid,
+                         param=_path_text(path, again))
+
+
+def _first_repeated(pairs: _Pairs) -> tuple | None:
+    """(the key seen first, the key equal to it seen later) for the first key a map holds twice, else None.
+    Every key is hashable here: the payload decoded into dicts."""
+    seen = {}
+    for key, _ in pairs:
+        if key in seen:
+            return seen[key], key
+        seen[key] = key
+    return None
+
+
+def _first_fault(value, fault) -> tuple[tuple, object] | None:
+    """(the path, as nested (parent, key or index) pairs, to the first value in order for which `fault`
+    is true, and what it returned), or None. Paths are built as links, and rendered only for the value
+    found: rendering each as it was pushed took memory of the items times their depth."""
+    pending = [(value, ())]
     while pending:
         value, path = pending.pop()
-        if isinstance(value, _Pairs):
-            repeated = _first_repeated(key for key, _ in value)
-            if repeated is not None:
-                first, again = repeated
-                what = (f"the key {again!r} more than once" if repr(first) == repr(again) else
-                        f"the keys {first!r} and {again!r}, one key to Python")
-                return ProtocolError(INVALID_PARAMS, f"the map at {path or 'the top'} holds {what}", rid,
-                                     param=f"{path}.{again}" if path else str(again))
-            pending += [(item, f"{path}.{key}" if path else str(key)) for key, item in reversed(value)]
+        found = fault(value)
+        if found:
+            return path, found
+        if isinstance(value, (dict, _Pairs)):
+            pending += [(item, (path, key)) for key, item in reversed(list(value.items() if isinstance(value, dict) else value))]
         elif isinstance(value, list):
-            pending += [(item, f"{path}[{index}]") for index, item in reversed(list(enumerate(value)))]
-    raise AssertionError("no repeated key found in a payload whose decoding found one")
-
-
-def _first_repeated(keys) -> tuple | None:
-    """(the key seen first, the key equal to it seen later) for the first key a map holds twice, else None."""
-    seen = {}
-    for key in keys:
-        if isinstance(key, (str, int, float, bool, type(None), bytes)):  # a list key (no map holds it) repeats nothing
-            if key in seen:
-                return seen[key], key
-            seen[key] = key
+            pending += [(item, (path, [index])) for index, item in reversed(list(enumerate(value)))]
     return None
+
+
+MAX_PATH_CHARS = 512  # a path in an error, at most; a key of it, at most 64 characters
+
+
+_NO_KEY = object()
+
+
+def _path_text(path: tuple, last=_NO_KEY) -> str:
+    """`processors[0].options.pattern`, from `_first_fault`'s links (and a last key, if given)."""
+    parts = [] if last is _NO_KEY else [last]
+    while path:
+        path, part = path
+        parts.append(part)
+    text = ""
+    for part in reversed(parts):
+        text += f"[{part[0]}]" if isinstance(part, list) else f"{'.' if text else ''}{_key_text(part, quoted=False)}"
+    return text if len(text) <= MAX_PATH_CHARS else text[:200] + "..." + text[-(MAX_PATH_CHARS - 203):]
+
+
+def _key_text(key, quoted: bool = True) -> str:
+    """A map key as msgpack writes it: true, nil, 1.5, a str (quoted in prose), bin as hex."""
+    if isinstance(key, str):
+        key = key if len(key) <= 64 else key[:61] + "..."
+        return repr(key) if quoted else key
+    if key is None or isinstance(key, bool):
+        return {None: "nil", True: "true", False: "false"}[key]
+    if isinstance(key, bytes):
+        return f"bin {key[:32].hex()}{'...' if len(key) > 32 else ''}"
+    return str(key)
 
 
 def _not_utf8(payload: bytes, error: UnicodeDecodeError) -> ProtocolError:
@@ -117,20 +161,18 @@ def _not_utf8(payload: bytes, error: UnicodeDecodeError) -> ProtocolError:
 
 def _where_undecodable(value) -> str:
     """' at <path>' of the first str (value or map key) holding a byte read as a lone surrogate, or ''."""
-    pending = [(value, "")]
-    while pending:
-        value, path = pending.pop()
-        if isinstance(value, str) and _UNDECODABLE.search(value):
-            return f" at {path or 'the top'}"
-        if isinstance(value, dict):
-            for key, item in reversed(list(value.items())):
-                name = f"{path}.{key}" if path else str(key)
-                if isinstance(key, str) and _UNDECODABLE.search(key):
-                    return f" in a map key at {path or 'the top'}"
-                pending.append((item, name))
-        elif isinstance(value, list):
-            pending += [(item, f"{path}[{index}]") for index, item in reversed(list(enumerate(value)))]
-    return ""
+    def undecodable(item):
+        if isinstance(item, str):
+            return "value" if _UNDECODABLE.search(item) else None
+        if isinstance(item, dict) and any(isinstance(key, str) and _UNDECODABLE.search(key) for key in item):
+            return "key"
+        return None
+
+    found = _first_fault(value, undecodable)
+    if found is None:
+        return ""
+    path, where = found
+    return f" {'at' if where == 'value' else 'in a map key at'} {_path_text(path) or 'the top'}"
 
 
 _UNDECODABLE = re.compile("[\udc80-\udcff]")

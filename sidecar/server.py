@@ -174,7 +174,7 @@ class Server:
         self._names = 0
         # in the names this server chooses: a name a client kept from an earlier server process (one its
         # supervisor has since restarted) is no session here, rather than another client's
-        self._name_tag = secrets.token_hex(3)
+        self._name_tag = secrets.token_hex(4)
         self.started = time.time()
 
     # ---- the loop --------------------------------------------------------------------------------

@@ -717,16 +717,21 @@ defmodule Sidecar do
   # another node's: the monitor and the call tell whether it is there
   defp whereis(pid, _limit) when is_pid(pid), do: pid
 
-  defp whereis(name, limit) when is_atom(name) or is_tuple(name) do
-    give_up = System.monotonic_time(:millisecond) + min(@restart_gap_ms, limit)
-    look_up(name, give_up)
+  defp whereis(name, limit) do
+    unless name?(name) do
+      raise ArgumentError,
+            "not a connection: #{inspect(name)} (a pid, or a name: an atom, {:global, term}, " <>
+              "{:via, module, term} or {atom, node})"
+    end
+
+    look_up(name, System.monotonic_time(:millisecond) + min(@restart_gap_ms, limit))
   end
 
-  defp whereis(other, _limit) do
-    raise ArgumentError,
-          "not a connection: #{inspect(other)} (a pid, or a name: an atom, {:global, term}, " <>
-            "{:via, module, term} or {atom, node})"
-  end
+  defp name?(name) when is_atom(name), do: true
+  defp name?({:global, _}), do: true
+  defp name?({:via, module, _}) when is_atom(module), do: true
+  defp name?({name, node}) when is_atom(name) and is_atom(node), do: true
+  defp name?(_), do: false
 
   defp look_up(name, give_up) do
     case GenServer.whereis(name) do

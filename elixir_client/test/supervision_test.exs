@@ -241,8 +241,9 @@ defmodule Sidecar.SupervisionTest do
   end
 
   test "a value that is no connection is an ArgumentError that says what a connection is" do
-    for call <- [&Sidecar.ping/1, &Sidecar.info/1, &Sidecar.open_session/1] do
-      assert_raise ArgumentError, ~r/not a connection: 123 \(a pid, or a name/, fn -> call.(123) end
+    for call <- [&Sidecar.ping/1, &Sidecar.info/1, &Sidecar.open_session/1],
+        bad <- [123, {1, 2}, {:a, :b, :c}, "name"] do
+      assert_raise ArgumentError, ~r/not a connection: .* \(a pid, or a name/, fn -> call.(bad) end
     end
   end
 

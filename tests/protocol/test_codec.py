@@ -89,7 +89,7 @@ def _map(*pairs) -> bytes:
     (_map(("op", pack("generate")), ("id", pack(7)), ("processors", b"\x91" + _map(
         ("name", pack("regex")), ("options", _map(("pattern", pack("a")), ("pattern", pack("b"))))))),
      7, "processors[0].options.pattern"),
-    (_map(("id", pack(8)), ("x", _map((1, pack(1)), (True, pack(2))))), 8, "x.True"),
+    (_map(("id", pack(8)), ("x", _map((1, pack(1)), (True, pack(2))))), 8, "x.true"),
 ])
 def test_a_map_holding_a_key_twice_is_refused_with_the_key_and_the_request_id(payload, request_id, param):
     """msgpack allows a key twice and its decoder keeps the last value; a client meant one of them."""
@@ -99,9 +99,52 @@ def test_a_map_holding_a_key_twice_is_refused_with_the_key_and_the_request_id(pa
     assert (caught.value.code, caught.value.request_id, caught.value.details) == ("invalid_params", request_id, {"param": param})
 
 
-def test_a_repeated_key_next_to_a_list_key_is_still_named():
-    """The inner map's repeat is found first; the walk that names it must not trip on an outer list key."""
-    payload = _map(("id", pack(9)), ("a", _map(("k", pack(1)), ("k", pack(2)))), ([1], pack(0)))
+@pytest.mark.parametrize("fault, code, request_id", [
+    (("y", b"\xa1\xff"), "invalid_msgpack", 9),  # a str that is not UTF-8
+    (("y", b"\x91" * 1100 + b"\x01"), "limit_exceeded", 9),  # deeper than the decoder reads
+    (([1], pack(0)), "invalid_msgpack", None),  # a list as a map key
+])
+def test_a_repeated_key_beside_another_fault_gets_that_faults_error(fault, code, request_id):
+    """The other fault's error is what the payload gets without the repeat, whichever comes first."""
+    repeat = ("a", _map(("k", pack(1)), ("k", pack(2))))
+    for pairs in ([("id", pack(9)), repeat, fault], [("id", pack(9)), fault, repeat]):
+        with pytest.raises(ProtocolError) as caught:
+            unpack(_map(*pairs))
+        assert (caught.value.code, caught.value.request_id) == (code, request_id), pairs
+
+
+def test_trailing_bytes_after_a_map_with_a_repeated_key_are_invalid_msgpack():
     with pytest.raises(ProtocolError) as caught:
-        unpack(payload)
-    assert (caught.value.code, caught.value.details) == ("invalid_params", {"param": "a.k"})
+        unpack(_map(("id", pack(9)), ("k", pack(1)), ("k", pack(2))) + b"\x01")
+    assert caught.value.code == "invalid_msgpack"
+
+
+def test_keys_repeated_in_any_msgpack_type_are_named_as_msgpack_writes_them():
+    ext = msgpack.packb(msgpack.ExtType(5, b"z"))
+    for key, text in [(None, "nil"), (False, "false"), (1.5, "1.5"), (b"\x00\x01", "bin 0001")]:
+        with pytest.raises(ProtocolError) as caught:
+            unpack(_map(("id", pack(3)), ("m", _map((key, pack(1)), (key, pack(2))))))
+        assert (caught.value.code, caught.value.details) == ("invalid_params", {"param": f"m.{text}"})
+    with pytest.raises(ProtocolError) as caught:
+        unpack(b"\x82" + ext + pack(1) + ext + pack(2))
+    assert caught.value.code == "invalid_params"
+
+
+def test_the_path_of_a_fault_takes_memory_and_text_of_its_own_length_only():
+    """Paths rendered as each item was pushed took the items times their depth: 1 GB for 110 KB of payload."""
+    import tracemalloc
+
+    key = "k" * 1000
+    inner = _map(("d", pack(1)), ("d", pack(2)))
+    payload = inner
+    for _ in range(10):
+        payload = _map((key, pack(list(range(10_000)))), (key + "x", payload))
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError) as caught:
+            unpack(payload)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert caught.value.code == "invalid_params" and len(caught.value.details["param"]) <= 512
+    assert peak < 50 * len(payload) + 20_000_000, peak
