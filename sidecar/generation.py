@@ -353,6 +353,14 @@ class Run:
 
     def _settle(self, sequences: list[Sequence], reason: str) -> None:
         session = self.session
+        # admitted, then cancelled before a tick gave it a chunk of its prompt (the tick's budget went to
+        # others): it ran nothing, and leaves the session as admission found it
+        ran = self.admitted and self.stats.prefill_tokens > 0
+        if self.admitted and not ran:
+            self._leave_group()
+            if not session.closed:
+                self._put_back()
+            self.stats.reused_tokens = self.stats.shared_tokens = self.stats.shifted_tokens = 0
         best = sequences[0]
         for sequence in sequences:
             sequence.prompt_ids, sequence.tokenizer = self.request.input_ids, session.engine.tokenizer
@@ -365,10 +373,10 @@ class Run:
             except SidecarError as refused:
                 self.fail(refused)
                 return
-        if self.admitted and self.width > 1:
+        if ran and self.width > 1:
             session.history = list(self.request.input_ids) + best.token_ids
         self.result = result
-        if self.admitted:  # a run cancelled before it started left the session, and its last result, as they were
+        if ran:  # a run cancelled before it ran left the session, and its last result, as they were
             session.last = self.result
         self._release()
 
@@ -377,12 +385,7 @@ class Run:
         if self.done:
             return
         self._leave_group()
-        if self.saved is not None:
-            try:
-                self.session._restore(self.saved)
-            except Exception:  # no memory to put the tail back: the history stays, the cache is recomputed
-                self.session.history = self.saved.history
-                self.session.cache.clear()
+        self._put_back()
         if isinstance(error, StopIteration):  # re-raised from `Generation.__next__` it would end the stream as done
             stray = RuntimeError(f"a processor raised StopIteration ({error})" if str(error) else
                                  "a processor raised StopIteration")
@@ -390,6 +393,15 @@ class Run:
             error = stray
         self.error = error
         self._release()
+
+    def _put_back(self) -> None:
+        """The session's history and cache as they were before admission changed them (`Session._reuse`)."""
+        if self.saved is not None:
+            try:
+                self.session._restore(self.saved)
+            except Exception:  # no memory to put the tail back: the history stays, the cache is recomputed
+                self.session.history = self.saved.history
+                self.session.cache.clear()
 
     def _leave_group(self) -> None:
         """Its cache's own buffers catch up with the decode group before anything reads or changes them."""

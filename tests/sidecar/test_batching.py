@@ -655,3 +655,33 @@ def test_a_stream_dropped_while_another_thread_holds_the_engine_leaves_its_sessi
         assert released == [True]  # asking `busy` did not wait for the engine
         assert session.generate(token_ids=follow, max_new_tokens=8, eos_token_ids=[]).token_ids == expected
         assert session.last.finish_reason == "length" and not engine.scheduler.busy
+
+
+def test_a_generation_cancelled_between_its_admission_and_its_first_chunk_leaves_its_session_as_it_was(
+        engine, monkeypatch):
+    """Admitted in a tick whose prefill budget went to a prompt with less left to prefill, it has run nothing
+    when it is cancelled: its session keeps its history, cache and last result (PROTOCOL.md, generate), and
+    its stats count nothing but its prompt."""
+    monkeypatch.setattr(engine, "prefill_chunk", 8)
+    busy, idle = engine.session(), engine.session()
+    try:
+        before = idle.generate(token_ids=tokens(6, seed=1, high=engine.vocab_size), strategy="sample", seed=3,
+                               num_samples=2, max_new_tokens=2, eos_token_ids=[])
+        history, cached = list(idle.history), idle.cached
+        shorter = busy.stream(token_ids=tokens(40, seed=2, high=engine.vocab_size), max_new_tokens=2, eos_token_ids=[])
+        engine.scheduler.tick()  # its first chunk
+        longer = idle.stream(token_ids=tokens(100, seed=4, high=engine.vocab_size), max_new_tokens=2, eos_token_ids=[])
+        engine.scheduler.tick()  # admits `longer`; the whole budget goes to `shorter`, with less left to prefill
+        assert longer._run.admitted and longer._run.stats.prefill_tokens == 0
+        longer.cancel()
+        assert list(longer) == [] and longer.result.finish_reason == "cancelled"
+        stats = longer.result.stats
+        assert (stats.prompt_tokens, stats.reused_tokens, stats.prefill_tokens, stats.generated_tokens) == (100, 0, 0, 0)
+        assert (idle.history, idle.cached, idle.last) == (history, cached, before)
+        assert idle.continuation(sequence=1) == before.sequences[1].tokens
+        assert idle.generate(token_ids=history, max_new_tokens=3, eos_token_ids=[]).token_ids == reference_greedy(
+            engine, history, 3)
+        drain([shorter], engine)
+    finally:
+        busy.close()
+        idle.close()
