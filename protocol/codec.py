@@ -110,7 +110,8 @@ def _first_fault(value, fault) -> tuple[tuple, object] | None:
         if found:
             return path, found
         if isinstance(value, (dict, _Pairs)):
-            pending += [(item, (path, key)) for key, item in reversed(list(value.items() if isinstance(value, dict) else value))]
+            pairs = list(value.items()) if isinstance(value, dict) else value
+            pending += [(item, (path, key)) for key, item in reversed(pairs)]
         elif isinstance(value, list):
             pending += [(item, (path, [index])) for index, item in reversed(list(enumerate(value)))]
     return None

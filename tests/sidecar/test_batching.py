@@ -657,22 +657,28 @@ def test_a_stream_dropped_while_another_thread_holds_the_engine_leaves_its_sessi
         assert session.last.finish_reason == "length" and not engine.scheduler.busy
 
 
+def admitted_without_a_chunk(engine, busy, idle):
+    """A generation of `idle`'s admitted in a tick whose prefill budget (8 tokens) all went to one of `busy`'s,
+    with less left to prefill: it has run nothing yet. Returns (it, the one of `busy`'s)."""
+    shorter = busy.stream(token_ids=tokens(40, seed=2, high=engine.vocab_size), max_new_tokens=2, eos_token_ids=[])
+    engine.scheduler.tick()  # its first chunk
+    longer = idle.stream(token_ids=tokens(100, seed=4, high=engine.vocab_size), max_new_tokens=2, eos_token_ids=[])
+    engine.scheduler.tick()  # admits `longer`; the whole budget goes to `shorter`
+    assert longer._run.admitted and longer._run.stats.prefill_tokens == 0
+    return longer, shorter
+
+
 def test_a_generation_cancelled_between_its_admission_and_its_first_chunk_leaves_its_session_as_it_was(
         engine, monkeypatch):
-    """Admitted in a tick whose prefill budget went to a prompt with less left to prefill, it has run nothing
-    when it is cancelled: its session keeps its history, cache and last result (PROTOCOL.md, generate), and
-    its stats count nothing but its prompt."""
+    """Cancelled when it has run nothing, its session keeps its history, cache and last result (PROTOCOL.md,
+    generate), and its stats count nothing but its prompt."""
     monkeypatch.setattr(engine, "prefill_chunk", 8)
     busy, idle = engine.session(), engine.session()
     try:
         before = idle.generate(token_ids=tokens(6, seed=1, high=engine.vocab_size), strategy="sample", seed=3,
                                num_samples=2, max_new_tokens=2, eos_token_ids=[])
         history, cached = list(idle.history), idle.cached
-        shorter = busy.stream(token_ids=tokens(40, seed=2, high=engine.vocab_size), max_new_tokens=2, eos_token_ids=[])
-        engine.scheduler.tick()  # its first chunk
-        longer = idle.stream(token_ids=tokens(100, seed=4, high=engine.vocab_size), max_new_tokens=2, eos_token_ids=[])
-        engine.scheduler.tick()  # admits `longer`; the whole budget goes to `shorter`, with less left to prefill
-        assert longer._run.admitted and longer._run.stats.prefill_tokens == 0
+        longer, shorter = admitted_without_a_chunk(engine, busy, idle)
         longer.cancel()
         assert list(longer) == [] and longer.result.finish_reason == "cancelled"
         stats = longer.result.stats
@@ -685,3 +691,22 @@ def test_a_generation_cancelled_between_its_admission_and_its_first_chunk_leaves
     finally:
         busy.close()
         idle.close()
+
+
+def test_a_session_closed_between_its_generations_admission_and_first_chunk_frees_its_memory(engine, monkeypatch):
+    """The closed session's cache is gone, nothing to put back into: the generation ends cancelled, the
+    other one goes on to its solo result, and no memory is left held once both sessions are closed."""
+    monkeypatch.setattr(engine, "prefill_chunk", 8)
+    held = (engine.stats()["sessions"], engine.stats()["cache_bytes"])  # other tests' shared prefixes, if any
+    busy, idle = engine.session(), engine.session()
+    try:
+        idle.generate(token_ids=tokens(6, seed=1, high=engine.vocab_size), max_new_tokens=2, eos_token_ids=[])
+        longer, shorter = admitted_without_a_chunk(engine, busy, idle)
+        idle.close()
+        assert list(longer) == [] and longer.result.finish_reason == "cancelled"
+        (streamed,) = drain([shorter], engine)
+        assert streamed == reference_greedy(engine, tokens(40, seed=2, high=engine.vocab_size), 2)
+    finally:
+        busy.close()
+        idle.close()
+    assert (engine.stats()["sessions"], engine.stats()["cache_bytes"]) == held
