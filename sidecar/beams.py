@@ -75,6 +75,8 @@ class BeamSearch:
         self.finished_scores = torch.full((num_beams,), DEAD, dtype=torch.float32, device=device)
         self.finished_lengths = torch.zeros(num_beams, dtype=torch.long, device=device)
         self.is_finished = torch.zeros(num_beams, dtype=torch.bool, device=device)
+        self.all_finished = False  # `is_finished.all()`, read on the host once a step
+        self.in_order = torch.arange(num_beams, device=device)  # the finished set's slots, unchanged
         self.improvable = True
         self.done = False
 
@@ -92,7 +94,7 @@ class BeamSearch:
             ends = torch.ones_like(ends)
 
         # The best num_beams continuations that did not end keep running.
-        alive_scores = top_scores + ends.float() * DEAD
+        alive_scores = torch.where(ends, top_scores + DEAD, top_scores)
         keep = alive_scores.topk(self.num_beams).indices
         self.running = candidates.index_select(0, keep)
         self.running_scores = alive_scores.index_select(0, keep)
@@ -101,37 +103,42 @@ class BeamSearch:
         self._finish_hypotheses(candidates, top_scores, ends, step + 1)
         self.step_count = step + 1
         self._update_improvable()
-        self.done = not (self.improvable and not (bool(self.is_finished.all()) and self.early_stopping is True)
+        self.done = not (self.improvable and not (self.all_finished and self.early_stopping is True)
                          and not bool(ends.all()))
         return beam_index, beam_tokens
 
     def _finish_hypotheses(self, candidates, top_scores, ends, length: int) -> None:
         just_finished = ends & self.top_beams
         scores = top_scores / length_power(length, self.length_penalty)
-        if bool(self.is_finished.all()) and self.early_stopping is True:
+        if self.all_finished and self.early_stopping is True:
             scores = scores + DEAD
         if not self.improvable:
             scores = scores + DEAD
-        scores = scores + (~just_finished).float() * DEAD
+        scores = torch.where(just_finished, scores, scores + DEAD)
         merged_scores = torch.cat([self.finished_scores, scores])
         best = merged_scores.topk(self.num_beams).indices
+        if torch.equal(best, self.in_order):  # no candidate entered: the finished set stays as it is
+            return
         lengths = torch.full((len(scores),), length, dtype=torch.long, device=scores.device)
         self.finished = torch.cat([self.finished, candidates]).index_select(0, best)
         self.finished_scores = merged_scores.index_select(0, best)
         self.finished_lengths = torch.cat([self.finished_lengths, lengths]).index_select(0, best)
         self.is_finished = torch.cat([self.is_finished, just_finished]).index_select(0, best)
+        self.all_finished = bool(self.is_finished.all())
 
     def _update_improvable(self) -> None:
+        """Whether the best running beam can still beat a finished slot: an open slot (counted as DEAD)
+        or the worst finished hypothesis. Compared on the host, as float32 values, once a step."""
         if not self.improvable:
             return
         if self.early_stopping == "never" and self.length_penalty > 0.0:
             best_length = self.max_new_tokens
         else:
             best_length = self.step_count
-        best_running = self.running_scores[0] / length_power(best_length, self.length_penalty)
-        # Slots not yet finished count as DEAD, so any open slot keeps the search going.
-        worst = torch.where(self.is_finished, self.finished_scores.min(), torch.tensor(DEAD, dtype=torch.float32, device=best_running.device))
-        self.improvable = bool((best_running > worst).any())
+        best_running = float(self.running_scores[0] / length_power(best_length, self.length_penalty))
+        finished = self.is_finished.tolist()
+        self.improvable = ((not all(finished) and best_running > DEAD)
+                           or (any(finished) and best_running > float(self.finished_scores.min())))
 
     def results(self, count: int) -> list[tuple[list[int], float]]:
         """The best `count` finished hypotheses, best first: (generated tokens, score)."""
