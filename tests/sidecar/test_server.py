@@ -519,6 +519,8 @@ def test_fork_save_and_restore_sessions_by_name(default_dir, tmp_path):
         assert in_fork["stats"]["reused_tokens"] == fork["cached_tokens"]
         assert peer.call("restore_session", name="chat-1", session="a")["error"]["code"] == "session_exists"
         assert peer.call("restore_session", name="nope")["error"]["code"] == "invalid_session_file"
+        empty = peer.call("restore_session", name="chat-1", session="")["error"]  # a saved name, no session name
+        assert (empty["code"], empty.get("option")) == ("invalid_argument", "session"), empty
         # a name is 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit: a str of another
         # value is invalid_argument (the shape is right, the value is not), as PROTOCOL.md's guide to codes says
         for bad in ("../a", "a/b", "", ".hidden", "-a", "a b", "é", "x" * 129, "x" * 4096):
