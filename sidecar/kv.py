@@ -18,8 +18,9 @@ a chain: each link is a cache and how many of its tokens are read, then its own 
 The store accounts the bytes of every cache's capacity. A reservation that would pass the budget first
 evicts the least recently used caches that nothing holds (a running generation `pinned` a cache, and
 with it the chain it reads); if that is not enough it fails, and the scheduler decides whether to wait
-for running generations or to refuse. A shared entry is evicted once no cache continues it, and at
-most `MAX_IDLE_SHARED` of them are kept (the least recently used beyond go first).
+for running generations or to refuse. A shared entry stays until the budget needs its memory, and
+at most `MAX_IDLE_SHARED` entries that no session continues, directly or through other entries, are
+kept (the least recently used beyond go first).
 
 Why not transformers' paged cache: docs/design/kv-store-and-attention.md (its API is internal, it
 scores every query against every row's keys on CPU, and it shares prefixes by whole pages only).
@@ -39,8 +40,9 @@ import torch
 # (a comparison of what it shares with the input past its chain). Why 256: a scan of that many takes
 # 0.03-0.04 ms (1,000: 0.1-0.5 ms), noise next to a forward pass of milliseconds even when many pass
 # the probe, while it is more distinct system prompts and forked conversations than an application
-# reuses at once (and the entries beyond are what the budget would evict first anyway). Referenced
-# entries are not counted: a session continues them, and they go when it does.
+# reuses at once (and the entries beyond are what the budget would evict first anyway). Entries a
+# session's cache or a running call continues, directly or through other entries, are not counted: they
+# go when it does.
 MAX_IDLE_SHARED = 256
 
 
@@ -60,6 +62,7 @@ class KVStore:
         self.peak_bytes = 0
         self.evictions = 0
         self._caches: OrderedDict[int, KVCache] = OrderedDict()  # least recently used first
+        self._entries = 0  # of them shared entries: while no more than the cap, none need counting (`trim`)
         self._trimming = False  # `trim` under way, or put off until `make_room` knows what to keep
         self.group = DecodeGroup(self)  # the copy of decoding caches, the first memory given back
 
@@ -89,7 +92,8 @@ class KVStore:
 
     def release(self, cache: "KVCache") -> None:
         """Frees a cache's memory and forgets it (forgotten first: the entry it unlinks may be trimmed)."""
-        self._caches.pop(id(cache), None)
+        if self._caches.pop(id(cache), None) is not None and cache.tokens is not None:
+            self._entries -= 1
         cache.clear()
 
     @property
@@ -115,31 +119,36 @@ class KVStore:
             self.unref(prefix)
 
     def unref(self, cache: "KVCache") -> None:
-        """Drops a reference to `cache` (a cache continuing it, or a call holding it). A shared entry left
-        unreferenced may be one too many (`trim`).
+        """Drops a reference to `cache` (a cache continuing it, or a call holding it). A shared entry that
+        loses one may be left unused, with the chain it reads, and one too many (`trim`).
 
-        The cap is enforced here, when an entry's last reference goes, rather than when `share` makes it:
-        a new entry is continued (it is not idle), entries become idle only here, so checking here keeps
+        The cap is enforced here, when an entry loses a reference, rather than when `share` makes it: a
+        new entry is continued (it is not unused), entries become unused only here, so checking here keeps
         the count at the cap at every moment; checked at `share`, the sessions closed since the last share
-        could leave any number of idle entries for every admission to scan."""
+        could leave any number of unused entries for every admission to scan. Any reference, not only the
+        last: an entry continued by a session and by another entry is unused once the session lets go."""
         cache.refs -= 1
-        if not cache.refs and cache.tokens is not None:
+        if cache.tokens is not None:  # one reference less: it, and the chain it reads, may now be unused
             self.trim()
 
     def trim(self, keep: tuple["KVCache", ...] = ()) -> None:
         """Evicts the least recently used shared entries that nothing continues, as `make_room` does, until
-        at most `MAX_IDLE_SHARED` are left; never `keep`, or what a pinned cache reads."""
-        if self._trimming:
-            return  # the trim under way counts again (evicting an entry may leave its own prefix idle)
+        at most `MAX_IDLE_SHARED` unused ones (`unused_entries`) are left; never `keep`, or what a pinned
+        cache reads. Only an entry nothing continues can go: an unused entry that other unused entries
+        continue goes after them."""
+        if self._trimming or self._entries <= MAX_IDLE_SHARED:
+            # the trim under way counts again (evicting an entry may leave its own prefix idle); and as
+            # many entries as the cap are within it, used or not (counted, they took 0.3 ms for 500 caches)
+            return
         self._trimming = True
         try:
             held = None
             while True:
-                idle = [c for c in self._caches.values() if c.tokens is not None and not c.refs]
-                if len(idle) <= MAX_IDLE_SHARED:
+                unused = self.unused_entries()
+                if len(unused) <= MAX_IDLE_SHARED:
                     return
                 held = self._held(keep) if held is None else held
-                victim = next((c for c in idle if id(c) not in held), None)
+                victim = next((c for c in unused if not c.refs and id(c) not in held), None)
                 if victim is None:
                     return
                 self._evict(victim)
@@ -157,6 +166,7 @@ class KVStore:
         cache.keys, cache.values, cache.capacity, cache.length = [], [], 0, 0
         cache.prefix, cache.prefix_length = None, 0
         self._caches[id(entry)] = entry
+        self._entries += 1
         self.link(cache, entry, entry.end)
         return entry
 
@@ -214,6 +224,17 @@ class KVStore:
         """The bytes still held once every cache but `keep` is evicted, running generations' too: what
         stays however long a generation waits for the others."""
         return sum(c.nbytes for key, c in _chains(keep).items() if key in self._caches)
+
+    def unused_entries(self) -> list["KVCache"]:
+        """The shared entries no session's cache continues and no call holds, directly or through other
+        entries (a chain of forks outlives the sessions that made it), least recently used first: those
+        `MAX_IDLE_SHARED` counts. A call holds an entry by a reference no cache's link accounts for."""
+        links: dict[int, int] = {}
+        for cache in self._caches.values():
+            if cache.prefix is not None:
+                links[id(cache.prefix)] = links.get(id(cache.prefix), 0) + 1
+        used = _chains(c for c in self._caches.values() if c.tokens is None or c.refs > links.get(id(c), 0))
+        return [c for c in self._caches.values() if c.tokens is not None and id(c) not in used]
 
     def _held(self, keep) -> set[int]:
         """The ids of caches that cannot be evicted: pinned or kept ones, and every cache their chains read

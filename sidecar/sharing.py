@@ -13,9 +13,10 @@ are never shared, only what comes before them (`KVCache.exact`).
 Every admission scans every entry and idle session, so that scan is kept cheap: a candidate must agree
 with the input at the one token that would make it beat the best so far, which most fail at one
 comparison; prefixes are compared a slice at a time, in C; a cache's chain is counted once for all the
-caches continuing it. And an entry nobody continues stays only while it is among the `MAX_IDLE_SHARED`
-(256) most recently used such entries (`sidecar.kv`), or until the budget needs its memory: a client
-closing thousands of sessions of distinct prompts does not leave thousands of entries to scan.
+caches continuing it. And an entry no session continues (directly or through other entries) stays only
+while it is among the `MAX_IDLE_SHARED` (256) most recently used such entries (`sidecar.kv`), or until
+the budget needs its memory: a client closing thousands of sessions of distinct prompts (or of forks
+of forks) does not leave thousands of entries to scan.
 """
 
 from __future__ import annotations

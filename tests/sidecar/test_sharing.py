@@ -15,7 +15,7 @@ from sidecar.errors import CacheBudgetExceeded
 from sidecar.kv import KVStore
 from sidecar.sharing import MAX_DEPTH, MIN_SHARED_TOKENS, common_prefix, find
 
-from .conftest import assert_books_balance, picked, reference_common_prefix, reference_find, tokens, unshared
+from .conftest import assert_books_balance, picked, reference_common_prefix, reference_find, tokens, unshared, unused_entries
 
 SYSTEM = tokens(150, seed=41)  # GPT-2's context here is 256
 
@@ -417,8 +417,6 @@ def test_find_picks_what_a_full_scan_token_by_token_picks(seed):
         assert picked(find(probe, input_ids, own)) == reference_find(probe, input_ids, own)
 
 
-def idle_entries(engine) -> list:
-    return [entry for entry in engine.store.shared if not entry.refs]
 
 
 def shared_pair(engine, system, close=True):
@@ -449,6 +447,31 @@ def test_idle_prefixes_beyond_the_cap_are_evicted_least_recently_used_first(shar
     assert stats["shared_bytes"] == sum(entry.nbytes for entry in sharing.store.shared)
 
 
+def test_the_cap_counts_a_chain_of_forks_that_no_session_continues(any_engine, monkeypatch):
+    """Forking a fork makes a chain of entries, each continuing the one before. Once its sessions close, no
+    session continues any link: the cap counts them all (it counted only the last, so 256 chains of 4 kept
+    1,024), evicting from the end of a chain, which nothing continues, and what is left still serves."""
+    monkeypatch.setattr(kv, "MAX_IDLE_SHARED", 3)
+    engine, cold = Engine(any_engine.model, any_engine.tokenizer), unshared(any_engine)
+    for chain in range(4):
+        prompt, sessions = tokens(40, seed=800 + chain), [engine.session()]
+        sessions[0].generate(token_ids=prompt, max_new_tokens=0)
+        for link in range(3):
+            sessions.append(sessions[-1].fork())  # the source's cache becomes an entry both continue
+            prompt = prompt + tokens(20, seed=900 + 10 * chain + link)
+            sessions[-1].generate(token_ids=prompt, max_new_tokens=0)
+        assert len(engine.store.shared) - len(unused_entries(engine)) == 3  # the three links, continued
+        for session in sessions:
+            session.close()
+        assert len(unused_entries(engine)) <= 3
+        assert_books_balance(engine.store)
+    assert len(engine.store.shared) == 3 and engine.stats()["evictions"] == 9
+    last = engine.store.shared[-1]  # the most recently used: the last chain's first link
+    follow = last.tokens + question(3)
+    result = run(engine, follow, n=6)
+    assert result.stats.shared_tokens == len(last.tokens) and result.token_ids == run(cold, follow, n=6).token_ids
+
+
 def test_the_cap_never_evicts_a_prefix_a_session_continues(any_engine, monkeypatch):
     monkeypatch.setattr(kv, "MAX_IDLE_SHARED", 1)
     engine, cold = Engine(any_engine.model, any_engine.tokenizer), unshared(any_engine)
@@ -457,7 +480,7 @@ def test_the_cap_never_evicts_a_prefix_a_session_continues(any_engine, monkeypat
     for i in range(3):
         shared_pair(engine, tokens(40, seed=450 + i))
     assert entry.refs == 2 and any(e is entry for e in engine.store.shared)
-    assert len(idle_entries(engine)) == 1 and engine.stats()["evictions"] == 2
+    assert len(unused_entries(engine)) == 1 and engine.stats()["evictions"] == 2
     assert_books_balance(engine.store)
     follow, cached = second.history + question(9), second.cached
     result = second.generate(token_ids=follow, max_new_tokens=8, eos_token_ids=[])
@@ -500,7 +523,7 @@ def test_under_the_cap_results_equal_an_engine_that_shares_nothing(any_engine, m
         if previous is not None:
             previous.close()
         previous = session
-        assert len(idle_entries(engine)) <= 2
+        assert len(unused_entries(engine)) <= 2
         assert_books_balance(engine.store)
     # the entries of prompts 0 and 1 went when those of 2 and 3 became idle; that of 2 is still there
     assert shared == [0, 40, 0, 50, 0, 60, 0, 70, 0, 0, 60]

@@ -16,7 +16,7 @@ import processors as proc
 from sidecar import Engine, kv, sharing
 from sidecar.errors import CacheBudgetExceeded
 
-from .conftest import assert_books_balance, picked, reference_find, tokens, unshared
+from .conftest import assert_books_balance, picked, reference_find, tokens, unshared, unused_entries
 
 PREFIXES = [tokens(n, seed=300 + n) for n in (40, 55, 70)]  # longer than MIN_SHARED_TOKENS: shared
 STRICT = [proc.configure(proc.NoRepeatNGram, ngram_size=1)]  # every step depends on the logits' order
@@ -121,7 +121,7 @@ def test_sharing_under_random_steps(engines, cap, monkeypatch):
         def books_balance(self):
             store = self.engine.store
             assert_books_balance(store)
-            assert sum(not entry.refs for entry in store.shared) <= cap
+            assert len(unused_entries(self.engine)) <= cap
             for session, _ in self.sessions:
                 assert session.cached <= len(session.history)
 
