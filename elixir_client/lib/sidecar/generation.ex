@@ -18,8 +18,9 @@ defmodule Sidecar.Generation do
     * `:append` - then append the tokens of this text (tokenized alone, without special tokens), or
     * `:append_token_ids` - these token ids
 
-  The session's cache holds the last input and first sequence, so continuing reuses it
-  (`stats.reused_tokens` says how much). A `:sequence` the last result does not have is
+  After one sequence the session's cache holds the last input and that sequence, so continuing reuses
+  it; after several samples or beams it holds the input only (`stats.reused_tokens` says how much is
+  reused). A `:sequence` the last result does not have is
   `reason: :sample_mismatch`; no result yet, `:tokens` or `:chars` past the sequence's end, or both of
   two exclusive keys are `reason: :invalid_argument` with `details["option"]` naming the key
   (`"continue.tokens"`, ...). An unknown key or a value of the wrong type raises `ArgumentError`.
