@@ -15,7 +15,8 @@ from sidecar.errors import CacheBudgetExceeded
 from sidecar.kv import KVStore
 from sidecar.sharing import MAX_DEPTH, MIN_SHARED_TOKENS, common_prefix, find
 
-from .conftest import assert_books_balance, picked, reference_common_prefix, reference_find, tokens, unshared, unused_entries
+from .conftest import (assert_books_balance, picked, reference_common_prefix, reference_find, tokens, unshared,
+                       unused_entries)
 
 SYSTEM = tokens(150, seed=41)  # GPT-2's context here is 256
 
