@@ -20,6 +20,7 @@ import fcntl  # noqa: E402
 import logging  # noqa: E402
 import stat  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from protocol import PROTOCOL_VERSION, Limits  # noqa: E402
 
@@ -51,9 +52,18 @@ def _milliseconds(text: str) -> float:
 _milliseconds.__name__ = "number of milliseconds from 0 to 60000"
 
 
+def _path(text: str) -> str:
+    """An argparse type: a path the server can resolve later (a loop of symbolic links cannot be)."""
+    try:
+        Path(text).resolve()
+    except (OSError, RuntimeError, ValueError) as problem:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a usable path: {problem}") from problem
+    return text
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m sidecar", description="Serve the sidecar's port protocol.")
-    parser.add_argument("--model", help='a local model directory loaded at startup as "default"; "default" for the embedded tiny model')
+    parser.add_argument("--model", type=_path, help='a local model directory loaded at startup as "default"; "default" for the embedded tiny model')
     parser.add_argument("--dtype", help="dtype of the startup model: f32 | f16 | bf16")
     parser.add_argument("--device", default="cpu",
                         help="where models run unless load_model names a device: cpu, cuda, cuda:N, mps (default cpu)")
@@ -61,9 +71,9 @@ def parse_args(argv=None):
                         help="a Jinja chat template for the startup model, used by generate's messages (replaces its own, also "
                              "when load_model loads its directory again)")
     parser.add_argument("--fds", help="IN,OUT file descriptors to serve on instead of stdin/stdout (Erlang's :nouse_stdio uses 3,4)")
-    parser.add_argument("--model-root", action="append", default=[], metavar="DIR",
+    parser.add_argument("--model-root", type=_path, action="append", default=[], metavar="DIR",
                         help="load_model may load directories under DIR (repeatable); --model is always allowed")
-    parser.add_argument("--session-dir", metavar="DIR",
+    parser.add_argument("--session-dir", type=_path, metavar="DIR",
                         help="where save_session writes and restore_session reads saved sessions (created if missing; "
                              "without it both are refused)")
     parser.add_argument("--trust-remote-code", action="store_true",

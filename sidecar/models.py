@@ -68,7 +68,11 @@ def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remo
     torch_dtype = resolve_dtype(dtype)
     device = resolve_device(device)
     path = Path(path) if path is not None else default_model.materialise()
-    if not path.is_dir() or not (path / "config.json").is_file():
+    try:
+        found = path.is_dir() and (path / "config.json").is_file()
+    except OSError as error:  # a name longer than the system takes (pathlib answers False for loops, NUL, ...)
+        raise ModelNotFound(f"{error.strerror}: no model directory at {str(path)!r}", path=str(path)) from error
+    if not found:
         raise ModelNotFound(f"no model directory with a config.json at {str(path)!r}", path=str(path))
     _check_remote_code(path, trust_remote_code)
     try:

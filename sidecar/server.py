@@ -620,6 +620,12 @@ class Server:
     def _load_arguments(self, params: dict, rid) -> dict:
         """`Engine.load`'s arguments for a load_model, once checked against the models loaded and the limits."""
         name = params["name"]
+        if name == "":
+            raise InvalidArgument('name must be a name of at least one character, or left out for "default"',
+                                  option="name")
+        if params["path"] == "":  # Path("") is the working directory: a client's unset variable, not a choice
+            raise InvalidArgument("path must be a path of at least one character, or nil for the embedded model",
+                                  option="path")
         if name in self.engines:
             raise ProtocolError(codes.MODEL_EXISTS, f"a model named {name!r} is already loaded", rid, model=name)
         if len(self.engines) >= self.limits.max_models:
@@ -671,7 +677,7 @@ class Server:
             return
         try:
             path = Path(params["path"]).resolve()
-        except (ValueError, OSError) as problem:
+        except (ValueError, OSError, RuntimeError) as problem:  # a NUL byte; a loop of symbolic links (RuntimeError)
             raise InvalidArgument(f"path is not a usable file system path: {problem}", option="path") from problem
         if path in self.allowed_paths or any(path.is_relative_to(root) for root in self.model_roots):
             return

@@ -79,6 +79,21 @@ def test_bad_options_are_one_clear_line(default_dir, args, says):
     assert says in done.stderr
 
 
+@pytest.mark.parametrize("option", ["--model", "--model-root", "--session-dir"])
+def test_a_loop_of_symbolic_links_is_one_clear_line(tmp_path, option):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    done = run(option, str(tmp_path / "a" / "x"), *([] if option == "--model" else ["--model", "default"]))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"argument {option}: '{tmp_path}/a/x' is not a usable path: " in done.stderr
+
+
+def test_a_model_path_longer_than_the_system_takes_is_one_clear_line(tmp_path):
+    done = run("--model", str(tmp_path / ("a" * 300)))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "File name too long: no model directory at" in done.stderr and "(model_not_found)" in done.stderr
+
+
 def test_a_chat_template_that_is_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path):
     fifo = tmp_path / "template.jinja"
     os.mkfifo(fifo)

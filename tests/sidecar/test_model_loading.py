@@ -335,15 +335,48 @@ def test_the_startup_model_and_the_embedded_one_are_always_allowed(dirs, servers
     assert load_model(servers["trusted"], dirs["outside"])["error"]["code"] == "forbidden"
 
 
-def test_a_path_with_a_nul_byte_is_a_typed_error(dirs, servers):
-    for path in (f"{dirs['root']}/good\0", f"{dirs['default']}\0"):
+@pytest.mark.parametrize("kind", ["NUL byte", "loop of symbolic links", "name longer than the system takes"])
+def test_an_unusable_path_is_a_typed_error(dirs, servers, kind):
+    """The server answers `invalid_argument` for a path it cannot even resolve, `model_not_found` for one that
+    names nothing; the Python API `model_not_found` for all. Never `internal` (a loop made Path.resolve raise
+    RuntimeError, and a name over 255 bytes made is_dir raise OSError)."""
+    root = dirs["root"]
+    if not (root / "loop_a").is_symlink():
+        (root / "loop_a").symlink_to(root / "loop_b")
+        (root / "loop_b").symlink_to(root / "loop_a")
+    paths, server_code = {
+        "NUL byte": ([f"{root}/good\0", f"{dirs['default']}\0"], "invalid_argument"),
+        "loop of symbolic links": ([root / "loop_a", root / "loop_a" / "model"], "invalid_argument"),
+        "name longer than the system takes": ([root / ("a" * 300), root / "good" / ("b" * 256)], "model_not_found"),
+    }[kind]
+    for path in paths:
         with pytest.raises(SidecarError) as caught:
             Engine.load(path)
         assert caught.value.code == "model_not_found"
         reply = load_model(servers["plain"], path)
-        assert (reply["error"]["code"], reply["error"]["option"]) == ("invalid_argument", "path"), reply
+        assert reply["error"]["code"] == server_code, reply
+        if server_code == "invalid_argument":
+            assert reply["error"]["option"] == "path", reply
+        else:
+            assert reply["error"]["message"].startswith("File name too long: no model directory"), reply
     for peer in servers.values():
         assert peer.call("stats")["result"]["in_flight"] == 0
+
+
+def test_an_empty_name_or_path_is_invalid_argument(dirs, servers, tmp_path):
+    """Sessions refuse an empty name, and so do models; an empty path would be the working directory (Path("")),
+    which a client's unset variable should not load, even when that directory is a model inside the roots."""
+    plain = servers["plain"]
+    for params, option in (({"name": "", "path": None}, "name"), ({"name": "empty", "path": ""}, "path")):
+        reply = plain.call("load_model", **params)
+        assert (reply["error"]["code"], reply["error"]["option"]) == ("invalid_argument", option), reply
+    names = [info["name"] for info in plain.call("models")["result"]["models"]]
+    assert "" not in names and "empty" not in names, names
+    cwd_server = SERVER + ["--model-root", str(dirs["root"] / "good")]
+    with Peer(cwd_server, cwd=dirs["root"] / "good", stderr=subprocess.DEVNULL) as inside:
+        reply = inside.call("load_model", name="here", path="")
+        assert (reply["error"]["code"], reply["error"]["option"]) == ("invalid_argument", "path"), reply
+        assert inside.call("load_model", name="here", path=".")["ok"]  # what "" would have loaded
 
 
 def without_offline_settings():
