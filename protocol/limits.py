@@ -30,7 +30,7 @@ class Limits:
     max_in_flight: int = _limit(
         1024, "requests queued or running at once (generate, session_info, close_session, fork_session, save_session)")
     max_queued_bytes: int = _limit(
-        64 * 1024 * 1024, "frame bytes of the requests in flight together (their decoded form takes several times that)")
+        64 * 1024 * 1024, "frame bytes of the requests in flight together (one that waits is held as its frame)")
     max_depth: int = _limit(32, "nesting depth of maps and lists in one request")
     max_prompt_bytes: int = _limit(
         1024 * 1024, "UTF-8 bytes of a generate prompt, messages or continue (all their strings, map keys included), "

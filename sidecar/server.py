@@ -78,8 +78,13 @@ SWITCH_INTERVAL_S = 0.0001
 
 @dataclass
 class Job:
-    request: Request
+    request: Request  # while `shelved` or once its generation started, only SLIM_PARAMS of its parameters
     size: int  # bytes of its frame: what it holds in memory is bounded through them (max_queued_bytes)
+    # Its frame, until it starts. A request that waits is `shelved`: its decoded form would take up to 20 times
+    # the frame's bytes (a token id of 3 bytes on the wire is a Python int of 32 and a list slot of 8), so it
+    # is decoded again when it starts (the same bytes and limits give the same request).
+    frame: bytes | None = None
+    shelved: bool = False
     generation: Generation | None = None
     streamed: bool = False
     processors: list | None = None  # a generate's, configured once it reaches the head of its queue
@@ -88,6 +93,9 @@ class Job:
     compiles: list = field(default_factory=list)  # (processor index, Compile) it waits for, in processor order
     compiled: bool = False  # its constraints are ready (or `problem` says why not)
     problem: SidecarError | None = None
+
+
+SLIM_PARAMS = ("session", "new", "stream")  # what is read of a request that waits or runs
 
 
 @dataclass(eq=False)
@@ -274,7 +282,7 @@ class Server:
             rid = request_id_of(message)
             if rid in self.in_flight:  # before anything else: any other error would settle the request in flight
                 raise duplicate_id(rid)
-            self.dispatch(parse_request(message, self.limits), len(payload))
+            self.dispatch(parse_request(message, self.limits), payload)
         except ProtocolError as problem:
             rid = problem.request_id
             if rid in self.in_flight and problem.code != codes.DUPLICATE_ID:  # read from a payload that did not decode
@@ -289,7 +297,8 @@ class Server:
 
     # ---- dispatch --------------------------------------------------------------------------------
 
-    def dispatch(self, request: Request, size: int) -> None:
+    def dispatch(self, request: Request, payload: bytes) -> None:
+        size = len(payload)
         if request.op in SESSION_OPS:
             if len(self.in_flight) >= self.limits.max_in_flight:
                 raise ProtocolError(codes.TOO_MANY_REQUESTS, f"{self.limits.max_in_flight} requests in flight (max_in_flight)",
@@ -300,13 +309,15 @@ class Server:
             name = request.params["session"]
             if not self._taken(name):
                 raise ProtocolError(codes.UNKNOWN_SESSION, f"no open session {name!r}", request.id, session=name)
-            job = Job(request, size)
+            job = Job(request, size, frame=payload)
             if request.op == "fork_session" and request.params["new"] is not None:
                 self._reserve(request.params["new"], job)
             self.in_flight[request.id] = job
             self.queued_bytes += size
             self.queues[name].append(job)
             self._advance(name)
+            if job.generation is None and self.in_flight.get(request.id) is job:  # it waits: keep its frame only
+                job.request, job.shelved = slim(request), True
             return
         if request.op == "load_model":
             self._start_load(request)
@@ -333,8 +344,11 @@ class Server:
                     if job.request.op == "generate":
                         if not job.compiled and self._compile_first(name, job):
                             break  # the session waits for its constraints; the other sessions go on
+                        self._decode(job)
                         self._start_generation(job)
+                        job.request = slim(job.request)  # the generation holds what it needs of it
                         break
+                    self._decode(job)
                     reply = ok(job.request.id, getattr(self, f"op_{job.request.op}")(job.request.params, job.request.id))
                 except (ProtocolError, SidecarError) as problem:
                     reply = problem_reply(job.request.id, problem)
@@ -346,6 +360,17 @@ class Server:
                 if job.request.op == "fork_session" and job.request.params["new"] in self.queues:
                     names.append(job.request.params["new"])  # what was sent to the fork while it waited
                 jobs = self.queues.get(name)  # close_session removes the queue
+
+    def _full_request(self, job: Job) -> Request:
+        """A job's request as it arrived: decoded again from its frame if it is shelved."""
+        return self._decoded_frame(job) if job.shelved else job.request
+
+    def _decoded_frame(self, job: Job) -> Request:
+        return parse_request(unpack(job.frame, self.limits.max_depth), self.limits)
+
+    def _decode(self, job: Job) -> None:
+        """The job starts: from now on it holds its request decoded, and no longer its frame."""
+        job.request, job.frame, job.shelved = self._full_request(job), None, False
 
     def _compile_first(self, name: str, job: Job) -> bool:
         """Configures a generation's processors (on the configuring thread when they are large), then starts
@@ -360,7 +385,7 @@ class Server:
         if job.configure_failure is not None:
             raise job.configure_failure
         if job.processors is None:
-            specs = job.request.params["processors"]
+            specs = self._full_request(job).params["processors"]
             if specs and len(pack(specs)) > CONFIGURE_INLINE_BYTES:
                 job.configuring = True
                 self.configures.put(job)
@@ -401,18 +426,22 @@ class Server:
             self.inbox.notify(Compiled(task))
 
     def _configurer(self) -> None:
-        """The configuring thread. A daemon, like the compiling ones; it reads a job's request, which nothing
-        changes, and writes its `processors` or `configure_failure`, which the main thread reads once the
-        job is in the inbox."""
+        """The configuring thread. A daemon, like the compiling ones; it reads a job's frame, which nothing
+        changes (the main thread lets go of it only once the job starts, after this thread is done with it),
+        and writes its `processors` or `configure_failure`, which the main thread reads once the job is in
+        the inbox."""
         while True:
             self._configure(self.configures.get())
 
     def _configure(self, job: Job) -> None:
         """A method of its own, so that the configuring thread does not keep the last job (its generation,
-        its session, an unloaded model) while it waits for the next."""
+        its session, an unloaded model) while it waits for the next. The job's processors are decoded here,
+        from its frame (its request may be shelved meanwhile), so that jobs waiting to be configured hold
+        their frames only."""
         try:
+            request = self._decoded_frame(job)
             with DEFAULTS.using():  # processors make tensors
-                job.processors = configured(job.request.params["processors"], job.request.id)
+                job.processors = configured(request.params["processors"], request.id)
         except Exception as failure:  # ProtocolError, SidecarError, or a defect of ours, answered as such
             job.configure_failure = failure
         finally:
@@ -910,6 +939,12 @@ def oversized_frame_reply(item: OversizedFrame, limit: int, in_flight) -> dict:
     return error(rid, codes.FRAME_TOO_LARGE,
                  f"the frame declares {item.declared} bytes, over the limit max_frame_bytes = {limit}; it was discarded",
                  limit="max_frame_bytes", max=limit, value=item.declared)
+
+
+def slim(request: Request) -> Request:
+    """A request with only the parameters read while it waits or runs (its input or processors may take
+    megabytes decoded)."""
+    return Request(request.id, request.op, {k: request.params[k] for k in SLIM_PARAMS if k in request.params})
 
 
 def cancelled_reply(job: Job) -> dict:

@@ -451,6 +451,47 @@ def test_the_bytes_of_queued_requests_are_bounded(default_dir):
         assert peer.call("generate", session="m", token_ids=big, max_new_tokens=0)["ok"], "the bytes were not released"
 
 
+def test_a_waiting_request_holds_about_its_frame_not_its_decoded_form():
+    """max_queued_bytes bounds memory only if a request that waits holds about its frame's bytes: decoded, a
+    list of token ids takes 12-14 times them (64 MiB of queued frames held 1.26 GB), a dfa's transitions 20
+    times. Python's allocations are counted (tracemalloc) while requests queue behind a long generation; then
+    every queued request is answered as the same request sent again when nothing waits."""
+    import tracemalloc
+
+    ids = list(range(300, 1000)) * 40  # 28,000 ids, 84 KB on the wire: over the context, refused when it starts
+    dfa = {"name": "dfa", "options": {"initial_state": 0, "transitions": [[s, 3 + s % 1000, s + 1] for s in range(6000)]}}
+    queued = [{"op": "generate", "session": "m", "token_ids": ids[i:], "max_new_tokens": 1} for i in range(6)]
+    queued += [{"op": "generate", "session": "m", "token_ids": ids[i:i + 1900], "max_new_tokens": 2} for i in range(6)]
+    queued += [{"op": "generate", "session": "m", "token_ids": [5], "max_new_tokens": 3, "processors": [dfa]}] * 6
+    with server_on_a_thread() as (send, replies, _):
+        send({"id": 1, "op": "open_session", "session": "m"})
+        send({"id": 2, "op": "generate", "session": "m", "token_ids": [5], "max_new_tokens": 400, "eos_token_ids": []})
+        assert replies.get(timeout=60)["ok"]
+        tracemalloc.start()
+        try:
+            for rid, request in enumerate(queued, 10):
+                send({"id": rid, **request})
+            send({"id": 3, "op": "stats"})  # answered at once, so every request before it has been dispatched
+            stats = replies.get(timeout=60)
+            held = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        frames = sum(len(pack({"id": rid, **request})) for rid, request in enumerate(queued, 10))
+        assert stats["id"] == 3 and stats["result"]["in_flight"] == 1 + len(queued), stats
+        assert held < 2 * frames, f"{held} bytes held for {frames} bytes of frames"
+        got = {reply["id"]: reply for reply in (replies.get(timeout=120) for _ in range(1 + len(queued)))}
+        assert sum(reply["ok"] for reply in got.values()) == 1 + 12, got
+        for rid, request in enumerate(queued, 10):
+            send({"id": 100 + rid, **request})
+            again = replies.get(timeout=60)
+            assert again["id"] == 100 + rid, again
+            if again["ok"]:
+                assert got[rid]["result"]["token_ids"] == again["result"]["token_ids"], rid
+            else:
+                assert got[rid]["error"] == again["error"], rid
+                assert again["error"]["message"].startswith(f"{len(request['token_ids'])} input tokens"), again
+
+
 # ---- a long prefill does not hold up the rest -----------------------------------------------------------
 
 LONG = [10 + i % 1000 for i in range(1980)]
