@@ -314,6 +314,19 @@ defmodule Sidecar.HostileValuesTest do
 
     assert {:error, %Error{reason: reason}} = Sidecar.generate(conn, session, "Hi", processors: [bias])
     assert reason in [:invalid_processor, :invalid_params]
+
+    # a bias or transitions that are not lists at all go to the sidecar too (a bias of 5 raised
+    # Protocol.UndefinedError in the caller, naming neither the processor nor the option)
+    for processor <- [
+          Sidecar.Processors.configure(SequenceBias, sequence_bias: 5),
+          Sidecar.Processors.configure(SequenceBias, sequence_bias: %{"a" => 1}),
+          Sidecar.Processors.configure(Sidecar.Processors.DFA, initial_state: 0, transitions: 5)
+        ] do
+      assert {:error, %Error{reason: :invalid_processor, message: message}} =
+               Sidecar.generate(conn, session, "Hi", processors: [processor])
+
+      assert message =~ ~r/sequence_bias|transitions/
+    end
   end
 
   test "start options the OS would refuse raise before anything starts" do

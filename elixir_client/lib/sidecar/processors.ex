@@ -172,7 +172,7 @@ defmodule Sidecar.Processors do
             inspect(other, limit: 5)
   end
 
-  defp wire_value(:sequence_bias, pairs),
+  defp wire_value(:sequence_bias, pairs) when is_list(pairs),
     do:
       Enum.map(pairs, fn
         {ids, bias} -> [ids, bias]
