@@ -363,7 +363,7 @@ def test_an_unusable_path_is_a_typed_error(dirs, servers, kind):
         assert peer.call("stats")["result"]["in_flight"] == 0
 
 
-def test_an_empty_name_or_path_is_invalid_argument(dirs, servers, tmp_path):
+def test_an_empty_name_or_path_is_invalid_argument(dirs, servers):
     """Sessions refuse an empty name, and so do models; an empty path would be the working directory (Path("")),
     which a client's unset variable should not load, even when that directory is a model inside the roots."""
     plain = servers["plain"]
