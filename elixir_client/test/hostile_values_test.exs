@@ -329,6 +329,40 @@ defmodule Sidecar.HostileValuesTest do
     end
   end
 
+  test "false for an option read when given, or a stop that is not a string, raises ArgumentError",
+       %{conn: conn, session: session} do
+    # each was sent as if left out (or, for stop, as the atom's name)
+    for key <- [
+          :temperature,
+          :forced_bos_token_id,
+          :eos_token_id,
+          :min_new_tokens,
+          :no_repeat_ngram_length,
+          :suppressed_token_ids
+        ] do
+      assert_raise ArgumentError, ~r/option #{inspect(key)} cannot be false/, fn ->
+        Sidecar.generate(conn, session, "Hi", [{key, false}, max_new_tokens: 1])
+      end
+    end
+
+    for stop <- [:foo, ["a", :b], [1]] do
+      assert_raise ArgumentError, ~r/:stop must be a string/, fn ->
+        Sidecar.generate(conn, session, "Hi", stop: stop, max_new_tokens: 1)
+      end
+    end
+
+    # nothing reached the session, and a string stop (or a list of them) still goes through, on a session of
+    # its own: the module's session stays empty for the tests that read its history
+    assert {:ok, %{"history_tokens" => 0}} = Sidecar.session_info(conn, session)
+    {:ok, own} = Sidecar.open_session(conn)
+
+    for stop <- ["x", ["x", "y"]] do
+      assert {:ok, _} = Sidecar.generate(conn, own, "Hi", stop: stop, max_new_tokens: 1)
+    end
+
+    :ok = Sidecar.close_session(conn, own)
+  end
+
   test "start options the OS would refuse raise before anything starts" do
     assert_raise ArgumentError, ~r/:env/, fn ->
       Sidecar.start_link(sidecar_opts(env: [{"A", "x" <> <<0>> <> "y"}]))

@@ -110,6 +110,16 @@ defmodule Sidecar.Generation do
     | for({key, _, _} <- @chat_options, do: key)
   ]
 
+  # options read as "given" only when truthy
+  @no_false [
+    :min_new_tokens,
+    :temperature,
+    :no_repeat_ngram_length,
+    :suppressed_token_ids,
+    :forced_bos_token_id,
+    :eos_token_id
+  ]
+
   @typedoc "A chat message: `role` and `content` (and any other key the template reads), atom or string keys."
   @type message :: %{
           required(:role | String.t()) => atom() | String.t(),
@@ -151,6 +161,20 @@ defmodule Sidecar.Generation do
           ":processors must be a list of processor structs, got #{inspect(opts[:processors], limit: 5)}"
         )
 
+    # false would read as "not given" below: an option given must be used or refused
+    for key <- @no_false, Keyword.get(opts, key) == false do
+      raise ArgumentError, "option #{inspect(key)} cannot be false (leave it out, or nil, for its default)"
+    end
+
+    stop = List.wrap(Keyword.get(opts, :stop, []))
+
+    unless Enum.all?(stop, &is_binary/1),
+      do:
+        raise(
+          ArgumentError,
+          ":stop must be a string or a list of strings, got #{inspect(opts[:stop], limit: 5)}"
+        )
+
     # nil, given or not, is the model's own end tokens, which a session given by name does not carry
     eos_ids = Keyword.get(opts, :eos_token_id) || model_eos_ids
 
@@ -185,7 +209,7 @@ defmodule Sidecar.Generation do
       "max_new_tokens" => Keyword.get(opts, :max_new_tokens, 16),
       "strategy" => strategy,
       "processors" => for(p <- processors, p, do: Processors.to_wire(p)),
-      "stop" => List.wrap(Keyword.get(opts, :stop, []))
+      "stop" => stop
     })
     |> Map.merge(sequence_params)
     |> put_present("eos_token_ids", eos_ids && List.wrap(eos_ids))
