@@ -372,6 +372,7 @@ defmodule Sidecar do
   add up to the result's `text`. The generation starts when the stream is run; halting it early
   (`Enum.take/2`, a `:halt` in `Stream.transform/3` ...) cancels the generation. `:timeout` (default:
   the connection's `:call_timeout`) bounds the wait for each chunk. An error raises `Sidecar.Error`.
+  Events of kinds other than the protocol's `token` are skipped, as the protocol asks of clients.
 
   With several sequences each chunk also carries `sequence:`, the index of the sequence it extends
   (`%{text: "a", token_ids: [64], sequence: 2}`); the chunks of one sequence add up to its text.
@@ -398,8 +399,12 @@ defmodule Sidecar do
           timeout = opts[:timeout] || request.timeout
 
           receive do
-            {Sidecar, ^ref, {:event, %{"token_ids" => ids, "text" => text} = event}} ->
+            {Sidecar, ^ref, {:event, %{"event" => "token", "token_ids" => ids, "text" => text} = event}} ->
               {[put_sequence(%{text: text, token_ids: ids}, event["sequence"])], {request, false}}
+
+            # an event of a kind this client does not know (a later protocol version's): nothing to yield
+            {Sidecar, ^ref, {:event, _}} ->
+              {[], {request, false}}
 
             {Sidecar, ^ref, {:reply, {:ok, result}}} when unstreamed? ->
               Process.demonitor(ref, [:flush])

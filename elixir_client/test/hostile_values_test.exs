@@ -38,6 +38,31 @@ defmodule Sidecar.HostileValuesTest.FussyCodec do
   end
 end
 
+defmodule Sidecar.HostileValuesTest.LaterVersionCodec do
+  @moduledoc false
+  # Sidecar.Msgpack, except that it reads token events as a later protocol version might send them: the
+  # event of a token id divisible by 3 as another kind of event that also has "token_ids" and "text", that
+  # of an id leaving 1 as a kind with neither. The others stay token events.
+  @behaviour Sidecar.Codec
+
+  @impl true
+  def encode(term), do: Sidecar.Msgpack.encode(term)
+
+  @impl true
+  def decode(binary) do
+    case Sidecar.Msgpack.decode(binary) do
+      {:ok, %{"event" => "token", "token_ids" => [id]} = event} when rem(id, 3) == 0 ->
+        {:ok, %{event | "event" => "draft"}}
+
+      {:ok, %{"event" => "token", "token_ids" => [id], "id" => request}} when rem(id, 3) == 1 ->
+        {:ok, %{"id" => request, "event" => "progress", "done" => 1}}
+
+      decoded ->
+        decoded
+    end
+  end
+end
+
 defmodule Sidecar.HostileValuesTest do
   # Values an Elixir caller can write but the wire cannot carry, found by an outside test of the client:
   # each is refused before anything is sent, with a typed error naming it, and the connection goes on.
@@ -46,7 +71,7 @@ defmodule Sidecar.HostileValuesTest do
   import Bitwise
   import Sidecar.Test.Helpers
   alias Sidecar.Error
-  alias Sidecar.HostileValuesTest.{FussyCodec, GatedCodec}
+  alias Sidecar.HostileValuesTest.{FussyCodec, GatedCodec, LaterVersionCodec}
 
   @moduletag timeout: 120_000
 
@@ -361,6 +386,22 @@ defmodule Sidecar.HostileValuesTest do
     end
 
     :ok = Sidecar.close_session(conn, own)
+  end
+
+  test "a stream skips events of kinds it does not know, and leaves none of them behind" do
+    # they were yielded as tokens when they had "token_ids" and "text", and left in the caller's mailbox
+    # when they had not
+    conn = start_supervised!({Sidecar, sidecar_opts(codec: LaterVersionCodec)}, id: :later_version)
+    {:ok, session} = Sidecar.open_session(conn)
+    opts = [max_new_tokens: 24, eos_token_id: [], strategy: %{type: :multinomial_sampling}, seed: 7]
+    chunks = Sidecar.stream(conn, session, "The sidecar", opts) |> Enum.to_list()
+    {:ok, result} = Sidecar.generate(conn, session, "The sidecar", opts)
+    kept = Enum.filter(result.token_ids, &(rem(&1, 3) == 2))
+
+    assert Enum.flat_map(chunks, & &1.token_ids) == kept
+    assert Enum.any?(result.token_ids, &(rem(&1, 3) == 0)) and Enum.any?(result.token_ids, &(rem(&1, 3) == 1))
+    {:messages, messages} = Process.info(self(), :messages)
+    assert [] == for({Sidecar, _, _} = message <- messages, do: message)
   end
 
   test "start options the OS would refuse raise before anything starts" do
