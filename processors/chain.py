@@ -59,7 +59,8 @@ class Chain:
             try:
                 bound.append(processor.bind(vocabulary, eos_token_ids, device, after_others=position > 0))
             except ProcessorError as error:
-                raise type(error)(f"processors[{index}] ({processor.name}): {error}", index=index) from error
+                bound.clear()  # the error's traceback holds this frame: what was bound goes now, not with it
+                raise error.at(index, processor.name) from error
         return Chain(bound)
 
     def init(self, context: Context) -> tuple:

@@ -4,6 +4,8 @@ Both are `ValueError`s, so callers that only know the builtin still catch them; 
 `code` that the protocol reuses in its error replies.
 """
 
+import copy
+
 
 class ProcessorError(ValueError):
     code = "invalid_processor"
@@ -11,6 +13,14 @@ class ProcessorError(ValueError):
     def __init__(self, message: str, index: int | None = None):
         super().__init__(message)
         self.index = index  # the processor's place in the chain as given, when a chain raised it
+
+    def at(self, index: int, name: str) -> "ProcessorError":
+        """This error raised by the chain's processor `index`, named `name`: its message says which, and
+        whatever else it carries stays."""
+        located = copy.copy(self)
+        located.args = (f"processors[{index}] ({name}): {self}",)
+        located.index = index
+        return located
 
 
 class InvalidOption(ProcessorError):

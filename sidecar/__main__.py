@@ -79,6 +79,9 @@ def parse_args(argv=None):
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let load_model run code shipped inside a model directory (off by default)")
     parser.add_argument("--cache-budget-bytes", type=_whole(1), help="KV cache budget per model (default 2 GiB)")
+    parser.add_argument("--constraint-budget-bytes", type=_whole(1),
+                        help="memory of the compiled constraints (tables and masks) that running generations hold "
+                             "together; a generate whose constraints would pass it is refused (default 2 GiB)")
     parser.add_argument("--prefill-chunk", type=_whole(1), help="tokens per prefill forward pass (default 512)")
     parser.add_argument("--no-share-prefixes", dest="share_prefixes", action="store_false",
                         help="each session reuses only its own cache (by default a session continues a prefix, "
@@ -198,6 +201,10 @@ def main(argv=None) -> int:
     from .server import Server
     from .transport import FrameReader, FrameWriter, InputClosed
 
+    if args.constraint_budget_bytes is not None:
+        from processors.structured import budget
+
+        budget.set_budget_bytes(args.constraint_budget_bytes)
     engine_options = {k: v for k, v in (("cache_budget_bytes", args.cache_budget_bytes), ("prefill_chunk", args.prefill_chunk)) if v is not None}
     engine_options["share_prefixes"] = args.share_prefixes
     try:

@@ -17,6 +17,7 @@ import torch
 
 import processors as proc
 from processors.structured import Vocabulary
+from processors.structured.budget import ConstraintBudgetExceeded
 from processors.structured.constraints import Compiled, Constraint
 from protocol.schema import DEFAULT_NUM_BEAMS
 
@@ -27,6 +28,7 @@ from .errors import (
     InvalidArgument,
     InvalidModel,
     InvalidProcessor,
+    LimitExceeded,
     TokenOutOfRange,
     UnknownStrategy,
 )
@@ -360,9 +362,12 @@ def generate_options() -> tuple[str, ...]:
                  if p.kind in kinds and name != "self")
 
 
-def _invalid_processor(error: "proc.ProcessorError") -> InvalidProcessor:
+def _invalid_processor(error: "proc.ProcessorError") -> InvalidProcessor | LimitExceeded:
     """A chain's refusal as the engine's error, with the processor's index when the chain knew it."""
-    return InvalidProcessor(str(error), **({"index": error.index} if error.index is not None else {}))
+    index = {"index": error.index} if error.index is not None else {}
+    if isinstance(error, ConstraintBudgetExceeded):
+        return LimitExceeded(str(error), limit=error.limit, max=error.maximum, value=error.value, **index)
+    return InvalidProcessor(str(error), **index)
 
 
 def _finite(number: Real) -> bool:

@@ -93,6 +93,13 @@ class ReplyTooLarge(SidecarError):
     code = "limit_exceeded"
 
 
+class LimitExceeded(SidecarError):
+    """A request would take a resource past its limit (`limit`, with `max` and `value`), as a generation
+    binding constraints whose tables pass `constraint_budget_bytes`."""
+
+    code = "limit_exceeded"
+
+
 class CacheBudgetExceeded(SidecarError):
     """A generation needs more KV memory than the cache budget holds, even with every idle cache evicted."""
 

@@ -23,6 +23,7 @@ import torch
 from .. import checks
 from ..contract import Context, LogitsProcessor, option
 from ..errors import InvalidOption, ProcessorError
+from . import budget
 from .anchors import unanchored
 from .automaton import BoundMasks, TokenAutomaton
 from .compile import compile_regex, is_compiled
@@ -113,8 +114,11 @@ class Constraint(LogitsProcessor):
         eos = self.end_tokens(eos_token_ids, vocabulary)
         automaton = compiled if compiled is not None else self.automaton(vocabulary)
         masks = automaton.masks(eos, device)
-        return AutomatonProcessor(self, automaton.to(device), masks, torch.tensor(eos, dtype=torch.long, device=device),
-                                  after_others)
+        automaton = automaton.to(device)
+        processor = AutomatonProcessor(self, automaton, masks, torch.tensor(eos, dtype=torch.long, device=device),
+                                       after_others)
+        budget.hold(processor, automaton)
+        return processor
 
     def end_tokens(self, eos_token_ids, vocabulary: Vocabulary) -> tuple[int, ...]:
         """The end-of-sequence tokens, sorted: a constrained text cannot end without one, nor with an id

@@ -492,6 +492,38 @@ def test_a_waiting_request_holds_about_its_frame_not_its_decoded_form():
                 assert again["error"]["message"].startswith(f"{len(request['token_ids'])} input tokens"), again
 
 
+def cyclic_dfa(offset: int, states: int = 339) -> dict:
+    """A dfa that never lets the text end (no accepting state), one mask row per state: 1.76 MB bound."""
+    return {"name": "dfa", "options": {"initial_state": 0, "transitions": [
+        [i, (i * 7 + offset) % 1000 + 3, (i + 1) % states] for i in range(states)]}}
+
+
+def test_the_constraints_running_generations_hold_are_bounded(default_dir):
+    """A dfa of 339 transitions is 2.5 KB on the wire and 1.76 MB of masks over 1,024 tokens: 40 generates of
+    64 of them running together took the server from 0.4 to 4.7 GB. Past the budget a generate is refused,
+    changing nothing, and the same request goes through once the generation holding the budget is over."""
+    with Peer(SERVER + ["--constraint-budget-bytes", "3000000"], stderr=subprocess.DEVNULL) as peer:
+        for name in ("a", "b"):
+            peer.call("open_session", session=name)
+        peer.send({"id": 1, "op": "generate", "session": "a", "token_ids": [5], "max_new_tokens": 400,
+                   "processors": [cyclic_dfa(0)]})
+        second = {"op": "generate", "session": "b", "token_ids": [5], "max_new_tokens": 3, "processors": [cyclic_dfa(1)]}
+        peer.send({"id": 2, **second})
+        got = finals(peer, [1, 2])
+        assert got[1]["ok"] and len(got[1]["result"]["token_ids"]) == 400
+        error = got[2]["error"]
+        assert (error["code"], error["limit"], error["max"], error["index"]) == (
+            "limit_exceeded", "constraint_budget_bytes", 3_000_000, 0), error
+        assert error["value"] > 3_000_000 and "may fit once generations finish" in error["message"]
+        assert peer.call("session_info", session="b")["result"]["history_tokens"] == 0
+        again = peer.call("generate", session="b", token_ids=[5], max_new_tokens=3, processors=[cyclic_dfa(1)])
+        assert again["ok"] and len(again["result"]["token_ids"]) == 3, again
+        alone = peer.call("generate", session="b", token_ids=[5], max_new_tokens=3,
+                          processors=[cyclic_dfa(1), cyclic_dfa(2)])
+        assert alone["error"]["limit"] == "constraint_budget_bytes" and alone["error"]["index"] == 1, alone
+        assert "on its own" not in alone["error"]["message"]  # its first dfa is bound: it counts
+
+
 # ---- a long prefill does not hold up the rest -----------------------------------------------------------
 
 LONG = [10 + i % 1000 for i in range(1980)]
