@@ -292,7 +292,7 @@ defmodule Sidecar do
   Starts a generation from `input` (as in `generate/4`) without waiting. The caller receives
   `{Sidecar, ref, {:event, map}}` for each token (the protocol's `token` event: `"text"`,
   `"token_ids"`, and `"sequence"`, the sequence's index, when `num_samples:` is above 1; beam search
-  sends none) and one `{Sidecar, ref, {:reply, result}}`. Pass the request to `await/2` or `cancel/1`.
+  of more than one beam sends none, and one beam is greedy search) and one `{Sidecar, ref, {:reply, result}}`. Pass the request to `await/2` or `cancel/1`.
   """
   @spec start_generate(conn(), session(), Generation.input(), keyword()) ::
           {:ok, Request.t()} | {:error, Error.t()}
@@ -376,7 +376,8 @@ defmodule Sidecar do
 
   With several sequences each chunk also carries `sequence:`, the index of the sequence it extends
   (`%{text: "a", token_ids: [64], sequence: 2}`); the chunks of one sequence add up to its text.
-  Samples (`num_samples:`) are streamed token by token, interleaved. Beam search streams no tokens:
+  Samples (`num_samples:`) are streamed token by token, interleaved. Beam search of more than one beam
+  (one beam is greedy search, streamed as such) streams no tokens:
   its stream yields, once the search is over, one chunk per returned sequence with all of its text
   and tokens (tagged with `sequence:` when `num_return_sequences:` is above 1), best first.
   """

@@ -59,7 +59,9 @@ defmodule Sidecar.GenerationTest do
           {[1 | 2], ~r/input must be a proper list of token ids or messages, got \[1 \| 2\]/},
           {[%{role: "user", content: "a"} | :x], ~r/input must be a proper list/},
           {[%{role: "user", content: "a", extra: [1 | 2]}], ~r/the input holds an improper list: \[1 \| 2\]/},
-          {{:continue, append_token_ids: [1 | 2]}, ~r/the input holds an improper list/}
+          {{:continue, append_token_ids: [1 | 2]}, ~r/the input holds an improper list/},
+          # the last of the two was sent
+          {{:continue, tokens: 1, tokens: 2}, ~r/:continue key :tokens is given twice/}
         ] do
       assert_raise ArgumentError, pattern, fn -> Generation.params(bad, [], nil) end
     end
@@ -218,7 +220,10 @@ defmodule Sidecar.GenerationTest do
           {%{type: :multinomial_sampling, num_samples: 2.0}, ~r/:num_samples must be a non-negative integer/},
           {%{type: :beam_search, top_k: 5},
            ~r/:top_k and :top_p apply only to %{type: :multinomial_sampling}/},
-          {%{type: :contrastive_search}, ~r/unsupported strategy.*:beam_search/}
+          {%{type: :contrastive_search}, ~r/unsupported strategy.*:beam_search/},
+          # sent as if left out
+          {%{type: :multinomial_sampling, top_k: false}, ~r/strategy option :top_k cannot be false/},
+          {%{type: :multinomial_sampling, top_p: false}, ~r/strategy option :top_p cannot be false/}
         ] do
       assert_raise ArgumentError, pattern, fn -> Generation.params("Hi", [strategy: strategy], nil) end
     end

@@ -105,6 +105,25 @@ defmodule Sidecar.HostileValuesTest do
     assert error.message =~ "an improper list"
   end
 
+  test "a list or map as a map key is refused at encoding, not sent unanswerable", %{
+    conn: conn,
+    session: session
+  } do
+    # the sidecar cannot read such a frame, its id included: the caller waited out its whole timeout
+    bias = Sidecar.configure(Sidecar.Processors.SequenceBias, sequence_bias: %{[65] => 100.0})
+
+    assert {:error, %Error{reason: :invalid_argument, details: %{"param" => "processors"}} = error} =
+             Sidecar.generate(conn, session, "x", max_new_tokens: 2, processors: [bias], timeout: 30_000)
+
+    assert error.message =~ "a list or map as a map key"
+    message = %{role: "user", content: "hi", meta: %{%{a: 1} => 1}}
+
+    assert {:error, %Error{reason: :invalid_argument, details: %{"param" => "messages"}}} =
+             Sidecar.generate(conn, session, [message], max_new_tokens: 2, timeout: 30_000)
+
+    assert {:ok, %{"history_tokens" => 0}} = Sidecar.session_info(conn, session)
+  end
+
   test "text that is not UTF-8 is refused at once, naming where it is", %{conn: conn, session: session} do
     latin1 = "caf" <> <<0xE9>>
 
@@ -159,12 +178,22 @@ defmodule Sidecar.HostileValuesTest do
 
   test "nesting deeper than max_depth is refused unsent", %{conn: conn} do
     # past ~1,000 levels the sidecar's reader fails before the id: the caller once waited in vain
+    # with the details the sidecar's own refusal has: the parameter and its deepest level (the request
+    # map is level 1)
     for depth <- [40, 1_030] do
       deep = Enum.reduce(1..depth, 1, fn _, inner -> [inner] end)
+      details = %{"limit" => "max_depth", "max" => 32, "value" => depth + 1, "param" => "token_ids"}
 
-      assert {:error, %Error{reason: :limit_exceeded, details: %{"limit" => "max_depth", "max" => 32}}} =
+      assert {:error, %Error{reason: :limit_exceeded, details: ^details}} =
                Sidecar.detokenize(conn, deep, timeout: 10_000)
     end
+
+    {:ok, session} = Sidecar.open_session(conn)
+    deep = Enum.reduce(1..30, 1, fn _, inner -> [inner] end)
+    messages = [%{role: "user", content: "x", deep: deep}]
+    details = %{"limit" => "max_depth", "max" => 32, "value" => 33, "param" => "messages"}
+    assert {:error, %Error{details: ^details}} = Sidecar.generate(conn, session, messages)
+    :ok = Sidecar.close_session(conn, session)
   end
 
   test "an application codec that fails never takes the connection down" do

@@ -21,6 +21,11 @@ defmodule Sidecar.ProcessorsTest do
     end
 
     assert_raise ArgumentError, ~r/is not a Sidecar processor/, fn -> Sidecar.configure(String, []) end
+
+    # updating a struct checks too: a required option set to nil went out missing
+    assert_raise ArgumentError, ~r/requires option\(s\) :k/, fn ->
+      TopK |> Sidecar.configure(k: 3) |> Sidecar.configure(k: nil)
+    end
   end
 
   test "wire form omits unset options" do

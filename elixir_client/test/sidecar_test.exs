@@ -544,6 +544,14 @@ defmodule SidecarTest do
 
       refute Map.has_key?(chunk, :sequence)
       assert {:ok, %{text: ^text}} = Sidecar.generate(conn, session, [9, 10, 11], one)
+
+      # one beam is greedy search, which streams its tokens: each once (they were yielded, then the whole
+      # sequence again)
+      single = [strategy: %{type: :beam_search, num_beams: 1}] ++ @opts
+      {:ok, greedy} = Sidecar.generate(conn, session, [9, 10, 11], single)
+      chunks = conn |> Sidecar.stream(session, [9, 10, 11], single) |> Enum.to_list()
+      assert length(chunks) == 6 and Enum.flat_map(chunks, & &1.token_ids) == greedy.token_ids
+      assert Enum.map_join(chunks, & &1.text) == greedy.text
       :ok = Sidecar.close_session(conn, session)
     end
 

@@ -606,11 +606,18 @@ defmodule Sidecar.Connection do
   def encode_params(%{codec: codec, max_depth: max_depth}, params) do
     cond do
       max_depth != nil and nests_deeper?(params, 1, max_depth) ->
+        # as the sidecar's error: the first parameter nested too deep, and its deepest level
+        {param, deepest} =
+          params
+          |> Enum.sort_by(fn {key, _} -> to_string(key) end)
+          |> Enum.map(fn {key, value} -> {to_string(key), deepest(value, 2)} end)
+          |> Enum.find(fn {_, deepest} -> deepest > max_depth end)
+
         {:error,
          Error.new(
            :limit_exceeded,
-           "the request nests maps and lists deeper than max_depth = #{max_depth}",
-           %{"limit" => "max_depth", "max" => max_depth}
+           "the request nests maps and lists #{deepest} deep, deeper than max_depth = #{max_depth}",
+           %{"limit" => "max_depth", "max" => max_depth, "value" => deepest, "param" => param}
          )}
 
       true ->
@@ -630,6 +637,19 @@ defmodule Sidecar.Connection do
     do: level > max or cells_nest_deeper?(list, level + 1, max)
 
   defp nests_deeper?(_, _, _), do: false
+
+  # The deepest level of a map or list in `term`, itself at `level` (0 when it holds none); walked only
+  # once `nests_deeper?` found it too deep.
+  defp deepest(map, level) when is_map(map) and not is_struct(map),
+    do: Enum.reduce(map, level, fn {_, v}, acc -> max(acc, deepest(v, level + 1)) end)
+
+  defp deepest(list, level) when is_list(list), do: cells_deepest(list, level + 1, level)
+  defp deepest(_, _), do: 0
+
+  defp cells_deepest([head | tail], level, acc),
+    do: cells_deepest(tail, level, max(acc, deepest(head, level)))
+
+  defp cells_deepest(_, _, acc), do: acc
 
   # An improper tail is left to the encoder, which refuses it naming where it is.
   defp cells_nest_deeper?([head | tail], level, max),

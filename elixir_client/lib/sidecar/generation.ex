@@ -219,9 +219,15 @@ defmodule Sidecar.Generation do
   end
 
   @doc false
-  # Whether a generation streams no tokens, its reply alone carrying the result.
+  # Whether a generation streams no tokens, its reply alone carrying the result: a beam search of more
+  # than one beam (the sidecar's default is 4; one beam is greedy search, which streams).
   @spec unstreamed?(keyword()) :: boolean()
-  def unstreamed?(opts), do: match?(%{type: :beam_search}, opts[:strategy])
+  def unstreamed?(opts) do
+    case opts[:strategy] do
+      %{type: :beam_search} = strategy -> Map.get(strategy, :num_beams) != 1
+      _ -> false
+    end
+  end
 
   defp input_param(prompt, opts) when is_binary(prompt), do: no_chat_options!(opts, %{"prompt" => prompt})
 
@@ -357,6 +363,10 @@ defmodule Sidecar.Generation do
       raise ArgumentError, ":top_k and :top_p apply only to %{type: :multinomial_sampling}, got #{inspect(s)}"
     end
 
+    for key <- [:top_k, :top_p], Map.get(s, key) == false do
+      raise ArgumentError, "strategy option #{inspect(key)} cannot be false (leave it out, or nil, for none)"
+    end
+
     params = typed!(s, @sequence_options, "strategy option")
 
     sampling = [
@@ -390,6 +400,14 @@ defmodule Sidecar.Generation do
   # The keys of `given` (a keyword list or a map) that `table` ({key, type, what it must be}) declares,
   # each checked, as the protocol's string-keyed map; `label` names a key in the error.
   defp typed!(given, table, label) do
+    # a keyword list may name a key twice, where the last would silently win
+    if is_list(given) do
+      keys = Keyword.keys(given)
+
+      for key <- Enum.uniq(keys -- Enum.uniq(keys)),
+          do: raise(ArgumentError, "#{label} #{inspect(key)} is given twice, in #{inspect(given)}")
+    end
+
     for {key, type, expected} <- table, {^key, value} <- given, into: %{} do
       unless valid?(type, value),
         do: raise(ArgumentError, "#{label} #{inspect(key)} must be #{expected}, got #{inspect(value)}")

@@ -9,8 +9,9 @@ defmodule Sidecar.Msgpack do
 
   What msgpack cannot carry is refused, never sent as something else: an integer outside
   [-2^63, 2^64), a binary that is not UTF-8 (a str must be; send bytes as `%Sidecar.Msgpack.Bin{}`),
-  a tuple, a pid... `encode/1` then returns `{:error, {:unsupported, value, why, path}}`, `path` the
-  keys and list indexes from the top of the term down to the value.
+  a tuple, a pid..., and a list or map as a map key, which the sidecar cannot read. `encode/1` then
+  returns `{:error, {:unsupported, value, why, path}}`, `path` the keys and list indexes from the top
+  of the term down to the value.
   """
 
   @behaviour Sidecar.Codec
@@ -93,10 +94,17 @@ defmodule Sidecar.Msgpack do
 
   defp enc(map) when is_map(map) and not is_struct(map) do
     entries = Enum.sort_by(map, fn {k, _} -> sort_key(k) end)
-    [map_header(map_size(map)) | Enum.map(entries, fn {k, v} -> [enc(k), enc(v)] end)]
+    [map_header(map_size(map)) | Enum.map(entries, fn {k, v} -> [key(k), enc(v)] end)]
   end
 
   defp enc(other), do: throw({:unsupported, other, "a value msgpack has no type for"})
+
+  # msgpack carries a list or a map as a map key, but the sidecar cannot read one (a Python dict key must
+  # be hashable): the whole frame would be unreadable, its id too, and the caller would wait in vain.
+  defp key(key) when is_list(key) or (is_map(key) and not is_struct(key, Bin)),
+    do: throw({:unsupported, key, "a list or map as a map key (keys are strings, numbers, booleans or nil)"})
+
+  defp key(key), do: enc(key)
 
   # Where `value` sits in `term` (the first place, depth first), found only once encoding failed.
   defp path_to(term, value) when term === value, do: []

@@ -103,7 +103,8 @@ defmodule Sidecar.Processors do
   `ArgumentError` listing the valid ones; so do missing required options.
   """
   @spec configure(module() | struct(), keyword()) :: struct()
-  def configure(%module{} = config, options) when is_list(options), do: apply_options(module, config, options)
+  def configure(%module{} = config, options) when is_list(options),
+    do: module |> apply_options(config, options) |> required!(module)
 
   def configure(module, options) when is_atom(module) and is_list(options) do
     unless Code.ensure_loaded?(module) and function_exported?(module, :__processor__, 0) do
@@ -111,7 +112,16 @@ defmodule Sidecar.Processors do
             "#{inspect(module)} is not a Sidecar processor; known: #{inspect(Map.values(all()))}"
     end
 
-    config = apply_options(module, struct(module), options)
+    module |> apply_options(struct(module), options) |> required!(module)
+  end
+
+  def configure(module, options) do
+    raise ArgumentError,
+          "configure takes a processor module (or struct) and a keyword list, got #{inspect(module)} and " <>
+            inspect(options, limit: 5)
+  end
+
+  defp required!(config, module) do
     missing = for key <- module.__processor__().required, is_nil(Map.fetch!(config, key)), do: key
 
     if missing != [] do
@@ -119,12 +129,6 @@ defmodule Sidecar.Processors do
     end
 
     config
-  end
-
-  def configure(module, options) do
-    raise ArgumentError,
-          "configure takes a processor module (or struct) and a keyword list, got #{inspect(module)} and " <>
-            inspect(options, limit: 5)
   end
 
   defp apply_options(module, config, options) do
