@@ -213,7 +213,8 @@ defmodule Sidecar do
   independent from then on. The fork runs in the session's queue, so it sees the session as the
   generations sent before it left it. `name:` chooses the fork's name (default: chosen by the
   sidecar), `timeout:` overrides the connection's `:call_timeout`. The fork comes back as the session
-  was given: a `%Sidecar.Session{}` for a `%Sidecar.Session{}`, a name for a name.
+  was given: a `%Sidecar.Session{}` for a `%Sidecar.Session{}`, a name for a name; its token counts
+  (the protocol reply's `history_tokens` and `cached_tokens`) are `session_info/3`'s.
   """
   @spec fork_session(conn(), session(), keyword()) :: {:ok, session()} | {:error, Error.t()}
   def fork_session(conn, session, opts \\ []) do
@@ -243,7 +244,7 @@ defmodule Sidecar do
   (the new session's name; default: chosen by the sidecar), `:timeout` (default: the connection's
   `:call_timeout`). No session saved under `name`, or a file saved from another model or dtype,
   truncated or corrupted, is `:invalid_session_file`; a sidecar without `:session_dir` answers
-  `:forbidden`.
+  `:forbidden`. The restored session's token counts are `session_info/3`'s.
   """
   @spec restore_session(conn(), String.t(), keyword()) :: {:ok, Session.t()} | {:error, Error.t()}
   def restore_session(conn, name, opts \\ []) do
