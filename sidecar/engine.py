@@ -199,7 +199,7 @@ class Engine:
             if not isinstance(prompt, str):
                 raise InvalidArgument(f"prompt must be a string, got {type(prompt).__name__}", option="prompt")
             check_unicode(prompt, "prompt")
-            input_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            input_ids = self.tokenizer.encode(prompt, add_special_tokens=True, verbose=False)
         else:
             if not isinstance(token_ids, (list, tuple)) or not all(_is_int(t) for t in token_ids):
                 raise InvalidArgument("token_ids must be a list of integers", option="token_ids")

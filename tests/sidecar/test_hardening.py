@@ -524,6 +524,33 @@ def test_the_constraints_running_generations_hold_are_bounded(default_dir):
         assert "on its own" not in alone["error"]["message"]  # its first dfa is bound: it counts
 
 
+LONG_TEXT = "hello world " * 1200  # 2,400 tokens, over the default model's 2,048
+
+
+@pytest.mark.parametrize("request_", [{"op": "tokenize", "text": LONG_TEXT},
+                                      {"op": "generate", "prompt": LONG_TEXT},
+                                      {"op": "generate", "messages": [{"role": "user", "content": LONG_TEXT}]},
+                                      {"op": "generate", "continue": {"append": LONG_TEXT}}],
+                         ids=["tokenize", "prompt", "messages", "continue"])
+def test_a_text_longer_than_the_context_leaves_stderr_quiet(default_dir, tmp_path, request_):
+    """transformers warns once per tokenizer, at WARNING, of a text tokenized past the model's context:
+    "Running this sequence through the model will result in indexing errors". The sidecar runs no such
+    sequence (tokenize only counts it, a generate is refused with context_overflow first), and an operator
+    reading stderr took it for a fault. Once per tokenizer: a server for each way in."""
+    log = tmp_path / "stderr"
+    with open(log, "wb") as stderr, Peer([sys.executable, "-m", "sidecar", "--model", "default", "--log-level",
+                                          "WARNING"], stderr=stderr) as peer:
+        peer.call("open_session", session="s")
+        assert peer.call("generate", session="s", token_ids=[5], max_new_tokens=1)["ok"]
+        params = {k: v for k, v in request_.items() if k != "op"}
+        if request_["op"] == "tokenize":
+            assert len(peer.call("tokenize", **params)["result"]["token_ids"]) > 2048
+        else:
+            refused = peer.call("generate", session="s", max_new_tokens=1, **params)
+            assert refused["error"]["code"] == "context_overflow", refused
+    assert "indexing errors" not in log.read_text(), log.read_text()
+
+
 # ---- a long prefill does not hold up the rest -----------------------------------------------------------
 
 LONG = [10 + i % 1000 for i in range(1980)]
