@@ -45,7 +45,8 @@ def model_fingerprint(model, vocabulary_fingerprint: str) -> str:
     """What identifies a model for its caches: its config (but the path it was loaded from: a copy or a
     link to the same directory is the same model), its vocabulary, and a sample of every weight (names,
     shapes and 64 values spread over it: a different checkpoint differs there, and reading it all would
-    take as long as loading it)."""
+    take as long as loading it). A copy edited only off the sample (crafted, or sparsely edited) passes for
+    the same model; PROTOCOL.md says so."""
     config = {key: value for key, value in model.config.to_dict().items() if key != "_name_or_path"}
     digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
     digest.update(vocabulary_fingerprint.encode())
