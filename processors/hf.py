@@ -3,11 +3,23 @@
 transformers calls a processor with the whole `input_ids` at every step and never says when beam search
 reorders or replaces rows. The adapter therefore finds each row's parent among the previous step's rows
 by content (the row minus its last token) and reorders the chain's states to match before processing.
+
+Nor does it say when a new `generate` call begins, and content cannot tell: a call whose prompt is the
+last call's output (a text continued) looks like that call's next step, and its states would carry the
+last call's tokens as generated ones (a frequency penalty on them, `input_length` the old prompt's). So
+the adapter also reads which call it is in: `generate` deep-copies its `GenerationConfig` once per call
+and hands the copy to its decoding loop, which calls the processors; a step under another copy than the
+last step's starts a new generation. Called outside `generate` (no such copy up the stack), content
+alone decides.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
+
 import torch
+from transformers import GenerationConfig
 from transformers import LogitsProcessor as HFLogitsProcessor
 
 from .chain import Chain
@@ -20,10 +32,14 @@ class ChainLogitsProcessor(HFLogitsProcessor):
         self._previous: torch.Tensor | None = None
         self._states = None
         self._input_length = 0
+        self._call = None  # a weak reference to the GenerationConfig of the generate call of the last step
 
     def _parents(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Row index of each row's parent in the previous call, or None when this is a new generation."""
-        previous = self._previous
+        previous, call = self._previous, _generate_call()
+        last_call, self._call = self._call, None if call is None else weakref.ref(call)
+        if call is not None and (last_call is None or last_call() is not call):
+            return None
         if previous is None or previous.shape[1] + 1 != input_ids.shape[1]:
             return None
         same = (input_ids[:, None, :-1] == previous[None, :, :]).all(dim=-1)
@@ -44,6 +60,19 @@ class ChainLogitsProcessor(HFLogitsProcessor):
         self._states, scores = self.chain.process(states, scores, context)
         self._previous = input_ids
         return scores
+
+
+def _generate_call(depth: int = 12) -> GenerationConfig | None:
+    """The `GenerationConfig` copy of the `generate` call this step runs in, found up the stack (its decoding
+    loop holds it as `generation_config`), or None outside one."""
+    frame = sys._getframe(2)
+    while frame is not None and depth:
+        if "generation_config" in frame.f_code.co_varnames:
+            config = frame.f_locals.get("generation_config")
+            if isinstance(config, GenerationConfig):
+                return config
+        frame, depth = frame.f_back, depth - 1
+    return None
 
 
 def as_hf_logits_processor(chain) -> ChainLogitsProcessor:

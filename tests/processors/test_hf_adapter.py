@@ -53,3 +53,24 @@ def test_adapter_restarts_for_a_new_generation(model):
     first = generate(model, [adapter], do_sample=False, num_beams=4)
     second = generate(model, [adapter], do_sample=False, num_beams=4)
     assert torch.equal(first, second)
+
+
+def test_a_call_that_continues_the_last_ones_output_starts_a_new_generation(model):
+    """Its first step's rows extend the last step's by one token: by content alone it was taken for the
+    last call's next step, its prompt counted as generated (penalised as such, input_length the old one)."""
+    penalised = [P.FrequencyPenalty(2.0), P.MinNewTokens(5, 2)]
+    adapter = as_hf_logits_processor(penalised)
+    first = generate(model, [adapter], do_sample=False)
+    config = GenerationConfig(max_new_tokens=20, pad_token_id=0, eos_token_id=2, do_sample=False)
+
+    def continued(processors):
+        with torch.no_grad():
+            return model.generate(first, attention_mask=torch.ones_like(first), generation_config=config,
+                                  logits_processor=hf.LogitsProcessorList(processors))
+
+    assert torch.equal(continued([adapter]), continued([as_hf_logits_processor(penalised)]))
+    reused = as_hf_logits_processor(OURS)
+    generate(model, [reused], do_sample=False, num_beams=4)
+    theirs_continued = [hf.RepetitionPenaltyLogitsProcessor(2.5), hf.NoRepeatNGramLogitsProcessor(2),
+                        hf.MinNewTokensLengthLogitsProcessor(first.shape[1], 5, 2), hf.SuppressTokensLogitsProcessor([0, 3])]
+    assert torch.equal(continued([reused]), continued(theirs_continued))
