@@ -29,7 +29,9 @@ hf_logging.disable_progress_bar()
 
 
 def resolve_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
+    """A dtype a model can compute in: one of `DTYPES`, by name or as the torch.dtype itself (another one,
+    int64 or float8 say, failed only once the weights were read, blamed on the model's directory)."""
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
         return dtype
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise InvalidArgument(f"unknown dtype {dtype!r}; valid: {', '.join(sorted(DTYPES))}", option="dtype")

@@ -254,6 +254,9 @@ API_ROWS = [
     ("from_name with a non-str name", lambda s: P.from_name(42), "invalid_option"),
     ("from_name with options not a map", lambda s: P.from_name("top_k", "k"), "invalid_option"),
     ("dtype not a str", lambda s: Engine.load(dtype=["f8"]), "invalid_argument"),
+    # a torch.dtype no model computes in: invalid_model, blaming the directory, once the weights were read
+    ("dtype torch.int64", lambda s: Engine.load(dtype=torch.int64), "invalid_argument"),
+    ("dtype torch.float8_e4m3fn", lambda s: Engine.load(dtype=torch.float8_e4m3fn), "invalid_argument"),
     ("path not a str", lambda s: Engine.load(42), "invalid_argument"),
     ("unknown device", lambda s: Engine.load(device="nope"), "unknown_device"),
     ("a device this machine lacks", lambda s: Engine.load(device="cuda:7"), "unknown_device"),
