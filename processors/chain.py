@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Iterable, Union
 
 import torch
@@ -10,6 +11,22 @@ from .contract import Context, FunctionProcessor, LogitsProcessor
 from .errors import InvalidInput, InvalidOption, ProcessorError
 
 Item = Union[LogitsProcessor, Callable[[torch.Tensor, Context], torch.Tensor]]
+
+
+def _check_arguments(function, index: int) -> None:
+    """A plain callable is called as f(logits, context) at every step: one that cannot take those two
+    arguments is refused here, rather than with a raw TypeError in the middle of a generation. A callable
+    whose signature Python cannot read (some builtins) is left to its call."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise InvalidOption(f"processors[{index}] is called as f(logits, context), and "
+                            f"{getattr(function, '__name__', type(function).__name__)}{signature} cannot take those "
+                            f"two arguments", index=index) from None
 
 
 class Chain:
@@ -26,6 +43,7 @@ class Chain:
                 raise InvalidOption(f"processors[{index}] is the class {p.__name__}, not a processor: configure it, "
                                     f"configure({p.__name__}, option=value, ...)", index=index)
             elif callable(p):
+                _check_arguments(p, index)
                 items.append(FunctionProcessor(p))
             else:
                 raise InvalidOption(f"a chain holds processors or callables f(logits, context), got {p!r}")

@@ -50,6 +50,22 @@ def test_invalid_options_fail_at_configure_time(cls, options, message):
         P.configure(cls, **options)
 
 
+@pytest.mark.parametrize("function", [lambda logits: logits, lambda logits, context, extra: logits, lambda: None])
+def test_a_callable_that_cannot_take_logits_and_context_is_refused_in_the_chain(function):
+    # it raised a raw TypeError at the first step of a generation
+    with pytest.raises(P.InvalidOption, match=r"processors\[1\] is called as f\(logits, context\)") as refused:
+        P.Chain([P.TopK(3), function])
+    assert refused.value.index == 1
+
+
+def test_callables_that_take_logits_and_context_are_kept():
+    def with_default(logits, context, scale=1.0):
+        return logits * scale
+
+    chain = P.Chain([lambda logits, context: logits, lambda *args: args[0], with_default, max])
+    assert len(chain) == 4
+
+
 def test_configure_updates_a_config_without_touching_the_original():
     top_k = P.configure(P.TopK, k=50)
     smaller = P.configure(top_k, k=5)
