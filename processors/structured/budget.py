@@ -65,30 +65,33 @@ def held_bytes() -> int:
         return _total()
 
 
-def hold(processor, automaton) -> None:
-    """Counts `automaton` while `processor` lives, or raises `ConstraintBudgetExceeded` when it is not held
-    yet and its bytes would take the total past the budget. Processors dropped but not yet collected (in a
-    reference cycle) are collected once before refusing."""
+def hold(processor, automaton, new_bytes: int) -> None:
+    """Counts `automaton` while `processor` lives, or raises `ConstraintBudgetExceeded` when binding it made
+    `new_bytes` (its tables and masks, or only masks when the compile cache kept it already) and the
+    automata held would then pass the budget. Binding that made nothing (a cached automaton, whatever it
+    has grown to) is never refused: refusing would free nothing. Processors dropped but not yet collected
+    (in a reference cycle) are collected once before refusing."""
     for collected in (False, True):
         if collected:
             gc.collect()
         with _lock:
             _drain()
             entry = _held.get(id(automaton))
-            if entry is not None:
-                entry[1] += 1
-                break
-            held, extra = _total(), automaton.nbytes
-            if held + extra <= _budget_bytes:
-                _held[id(automaton)] = [weakref.ref(automaton), 1]
+            after = _total() + (0 if entry is not None else automaton.nbytes)
+            if new_bytes <= 0 or after <= _budget_bytes:
+                if entry is not None:
+                    entry[1] += 1
+                else:
+                    _held[id(automaton)] = [weakref.ref(automaton), 1]
                 break
     else:
+        held = after - new_bytes
         others = (f", and the constraints bound now (running generations', and this chain's before it) hold "
                   f"{held:,}: together more than the budget of {_budget_bytes:,} bytes (constraint_budget_bytes); it "
                   f"may fit once generations finish" if held else
                   f", more than the budget of {_budget_bytes:,} bytes (constraint_budget_bytes) on its own")
-        raise ConstraintBudgetExceeded(f"binding this constraint needs {extra:,} bytes of tables and masks{others}",
-                                       value=held + extra, maximum=_budget_bytes)
+        raise ConstraintBudgetExceeded(f"binding this constraint needs {new_bytes:,} bytes of tables and masks{others}",
+                                       value=after, maximum=_budget_bytes)
     weakref.finalize(processor, _released.append, id(automaton))
 
 

@@ -92,6 +92,12 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
     return automaton
 
 
+def is_cached(automaton) -> bool:
+    """Whether the cache keeps `automaton` (so that it stays in memory whether or not a generation uses it)."""
+    with _cache_lock:
+        return any(kept is automaton for kept in _cache.values())
+
+
 def forget(fingerprint: str) -> None:
     """Drops what was compiled, or found impossible to compile, over the vocabulary of `fingerprint`."""
     with _cache_lock:

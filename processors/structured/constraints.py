@@ -26,7 +26,7 @@ from ..errors import InvalidOption, ProcessorError
 from . import budget
 from .anchors import unanchored
 from .automaton import BoundMasks, TokenAutomaton
-from .compile import compile_regex, is_compiled
+from .compile import compile_regex, is_cached, is_compiled
 from .vocabulary import Vocabulary
 
 MAX_PATTERN_CHARS = 100_000  # a regex, a schema's JSON or the options of a choice, in characters
@@ -113,11 +113,20 @@ class Constraint(LogitsProcessor):
         """Bound to `vocabulary`: `compiled`, what `compile` made for it, or compiled now."""
         eos = self.end_tokens(eos_token_ids, vocabulary)
         automaton = compiled if compiled is not None else self.automaton(vocabulary)
+        # what binding adds to memory: all of an automaton made for it, only the masks of one the compile
+        # cache keeps (it grew as generations reached its states: refusing it would free nothing)
+        key, cached = (eos, torch.device(device)), is_cached(automaton)
+        made_masks, before = key not in automaton.bound, automaton.nbytes if cached else 0
         masks = automaton.masks(eos, device)
-        automaton = automaton.to(device)
-        processor = AutomatonProcessor(self, automaton, masks, torch.tensor(eos, dtype=torch.long, device=device),
-                                       after_others)
-        budget.hold(processor, automaton)
+        new_bytes = automaton.nbytes - before
+        processor = AutomatonProcessor(self, automaton.to(device), masks,
+                                       torch.tensor(eos, dtype=torch.long, device=device), after_others)
+        try:
+            budget.hold(processor, automaton, new_bytes)
+        except budget.ConstraintBudgetExceeded:
+            if made_masks:
+                automaton.bound.pop(key, None)  # what this binding made goes with it
+            raise
         return processor
 
     def end_tokens(self, eos_token_ids, vocabulary: Vocabulary) -> tuple[int, ...]:

@@ -106,3 +106,26 @@ def test_the_budget_is_a_number_of_bytes():
         with pytest.raises(ValueError, match="number of bytes"):
             budget.set_budget_bytes(wrong)
     assert budget.budget_bytes() == budget.DEFAULT_BUDGET_BYTES
+
+
+def test_a_cached_automaton_grown_past_the_budget_still_binds(vocab, budget_of):
+    """A lazily compiled automaton grows a mask row for each new state a generation reaches, and the compile
+    cache keeps it grown: counted whole, it was refused on its own ever after, though binding it again
+    makes nothing (refusing it frees nothing). Masks for other end tokens are new, and go with a refusal."""
+    pattern = "[a-z]{0,400}"
+    first = Chain([configure(Regex, pattern=pattern)]).bind(vocab, [EOS])
+    automaton = first.processors[0].automaton
+    masks = first.processors[0].masks
+    for state in range(300):  # as a generation reaching 300 states
+        masks.row(state)
+    del first, masks
+    grown = automaton.nbytes
+    assert budget.held_bytes() == 0
+    budget_of(grown // 2)
+    again = Chain([configure(Regex, pattern=pattern)]).bind(vocab, [EOS])
+    assert again.processors[0].automaton is automaton and budget.held_bytes() == grown
+    with pytest.raises(budget.ConstraintBudgetExceeded):
+        Chain([configure(Regex, pattern=pattern)]).bind(vocab, [EOS, 3])
+    assert automaton.nbytes == grown, "the refused binding's masks were kept"
+    del again
+    assert budget.held_bytes() == 0
