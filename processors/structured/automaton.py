@@ -94,6 +94,11 @@ class TokenAutomaton(Stepping):
         return self.mask_of.shape[0] - 1
 
     @property
+    def reserved_bytes(self) -> int:
+        """Its bytes as the constraint budget counts them: its masks are made whole when bound."""
+        return self.nbytes
+
+    @property
     def nbytes(self) -> int:
         """Its tables, the masks bound from them and the steps it remembers (what the compile cache holds on to)."""
         tensors = [self.keys, self.targets, self.mask_of, self.forbidden, self.accepting]

@@ -5,14 +5,15 @@ wire) binds 339 mask rows of the vocabulary, 1.8 MB over 1,024 tokens and 55 MB 
 may carry 64 of them, and a client may keep hundreds of generates running. Each compile is bounded
 (`build.MAX_MASK_BYTES`, `build.MAX_TABLE_BYTES`), and so are the automata the compile cache keeps, but
 not the automata that running generations hold. So binding a constraint counts its automaton (tables and
-bound masks, `nbytes`) while the processor bound to it lives, each automaton once however many processors
+bound masks, `reserved_bytes`) while the processor bound to it lives, each automaton once however many processors
 share it (every generation with the same schema shares one), and refuses the binding that would take the
 total past the budget: the caller gets `ConstraintBudgetExceeded` before its generation starts.
 
 The check comes after the automaton is compiled and its masks are bound, since only then are its bytes
 known: a refused binding has allocated one automaton (at most the compile's own bounds) and drops it. The
-masks of a lazily compiled automaton grow by one row for each new state a generation reaches; what they
-have grown to counts at the next binding.
+masks of a lazily compiled automaton grow by one row for each new state a generation reaches: they are
+counted at what they may grow to, a row for every state (`reserved_bytes`), as the KV budget reserves a
+generation's tokens to its end.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def hold(processor, automaton, new_bytes: int) -> None:
         with _lock:
             _drain()
             entry = _held.get(id(automaton))
-            after = _total() + (0 if entry is not None else automaton.nbytes)
+            after = _total() + (0 if entry is not None else automaton.reserved_bytes)
             if new_bytes <= 0 or after <= _budget_bytes:
                 if entry is not None:
                     entry[1] += 1
@@ -108,4 +109,4 @@ def _drain() -> None:
 
 
 def _total() -> int:
-    return sum(automaton.nbytes for automaton in (ref() for ref, _ in _held.values()) if automaton is not None)
+    return sum(automaton.reserved_bytes for automaton in (ref() for ref, _ in _held.values()) if automaton is not None)

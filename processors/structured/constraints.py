@@ -116,9 +116,9 @@ class Constraint(LogitsProcessor):
         # what binding adds to memory: all of an automaton made for it, only the masks of one the compile
         # cache keeps (it grew as generations reached its states: refusing it would free nothing)
         key, cached = (eos, torch.device(device)), is_cached(automaton)
-        made_masks, before = key not in automaton.bound, automaton.nbytes if cached else 0
+        made_masks, before = key not in automaton.bound, automaton.reserved_bytes if cached else 0
         masks = automaton.masks(eos, device)
-        new_bytes = automaton.nbytes - before
+        new_bytes = automaton.reserved_bytes - before
         processor = AutomatonProcessor(self, automaton.to(device), masks,
                                        torch.tensor(eos, dtype=torch.long, device=device), after_others)
         try:

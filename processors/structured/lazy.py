@@ -116,6 +116,13 @@ class LazyAutomaton(token_automaton.Stepping):
         own = self.moves.nbytes + self.accepting.nbytes + self.mask_of.nbytes + self.text_bytes
         return own + sum(m.nbytes for m in list(self.bound.values())) + len(self.memo) * token_automaton.MEMO_STEP_BYTES
 
+    @property
+    def reserved_bytes(self) -> int:
+        """`nbytes` with each set of masks counted at what it may grow to while generations run: what the
+        constraint budget reserves, as the KV budget reserves a generation's tokens to its end."""
+        grown = sum(m.nbytes for m in list(self.bound.values()))
+        return self.nbytes - grown + sum(m.reserved_bytes for m in list(self.bound.values()))
+
     def to(self, device) -> "LazyAutomaton":
         """Itself: rows advance in numpy whatever their device (`advance`); masks are bound per device."""
         return self
@@ -204,6 +211,11 @@ class LazyMasks:
     @property
     def nbytes(self) -> int:
         return self.bias.numel() * self.bias.element_size() + self.mask_of.nbytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What it may grow to: a row for every state (`_append` grows the table no further)."""
+        return len(self.mask_of) * self.automaton.vocab_size * 4 + self.mask_of.nbytes
 
     def row(self, state: int) -> torch.Tensor:
         """float32 [vocab]: one state's bias row on the CPU, a view kept per row (see `BoundMasks.row`)."""
