@@ -72,8 +72,7 @@ def render(tokenizer, messages, *, chat_template=None, add_generation_prompt=Non
     try:
         ids = tokenizer.apply_chat_template(
             messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=True, return_dict=False,
-            tokenizer_kwargs={"verbose": False})  # no warning that a text past the context cannot run: it is checked
+            continue_final_message=continue_final_message, tokenize=True, return_dict=False)
     except TemplateSyntaxError as error:  # the template itself, whatever the messages
         raise InvalidArgument(f"chat_template is not a valid template: {str(error)[:300]}", option="chat_template") from error
     except Exception as error:  # jinja2's TemplateError (raise_exception in a template), ValueError, ...

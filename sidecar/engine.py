@@ -80,6 +80,10 @@ class Engine:
                                "id or a list of them")
         self.model = model
         self.tokenizer = tokenizer
+        # transformers warns once per tokenizer of a text tokenized past the model's context, "Running this
+        # sequence through the model will result in indexing errors": the engine runs none (context_overflow
+        # refuses it first) and tokenize only counts, so it is marked as given, by transformers' own switch
+        getattr(tokenizer, "deprecation_warnings", {})["sequence-length-is-longer-than-the-specified-maximum"] = True
         self.path = path
         self.cache_budget_bytes = int(cache_budget_bytes)
         self.prefill_chunk = int(prefill_chunk)
@@ -199,7 +203,7 @@ class Engine:
             if not isinstance(prompt, str):
                 raise InvalidArgument(f"prompt must be a string, got {type(prompt).__name__}", option="prompt")
             check_unicode(prompt, "prompt")
-            input_ids = self.tokenizer.encode(prompt, add_special_tokens=True, verbose=False)
+            input_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             if not isinstance(token_ids, (list, tuple)) or not all(_is_int(t) for t in token_ids):
                 raise InvalidArgument("token_ids must be a list of integers", option="token_ids")

@@ -101,7 +101,7 @@ class Tokens(Continuable):
         if not isinstance(text, str):
             raise InvalidArgument(f"{option} must be a string, got {_show(text)}", option=option)
         check_unicode(text, option)
-        return Tokens(self.ids + tuple(self.tokenizer.encode(text, add_special_tokens=False, verbose=False)), self.tokenizer)
+        return Tokens(self.ids + tuple(self.tokenizer.encode(text, add_special_tokens=False)), self.tokenizer)
 
     def _append_ids(self, ids, option: str) -> "Tokens":
         """Ids past the vocabulary are `TokenOutOfRange` where the sequence meets a model; a negative id is no

@@ -847,10 +847,7 @@ class Server:
 
     def op_tokenize(self, params, rid):
         engine = self._engine(params["model"], rid)
-        # verbose=False: transformers warns on stderr of a text longer than the model's context, "Running this
-        # sequence through the model will result in indexing errors", which nothing here does
-        return {"token_ids": engine.tokenizer.encode(params["text"], add_special_tokens=params["add_special_tokens"],
-                                                     verbose=False)}
+        return {"token_ids": engine.tokenizer.encode(params["text"], add_special_tokens=params["add_special_tokens"])}
 
     def op_detokenize(self, params, rid):
         engine = self._engine(params["model"], rid)

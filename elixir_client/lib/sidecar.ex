@@ -293,7 +293,8 @@ defmodule Sidecar do
   Starts a generation from `input` (as in `generate/4`) without waiting. The caller receives
   `{Sidecar, ref, {:event, map}}` for each token (the protocol's `token` event: `"text"`,
   `"token_ids"`, and `"sequence"`, the sequence's index, when `num_samples:` is above 1; beam search
-  of more than one beam sends none, and one beam is greedy search) and one `{Sidecar, ref, {:reply, result}}`. Pass the request to `await/2` or `cancel/1`.
+  of more than one beam sends none, and one beam is greedy search) and one
+  `{Sidecar, ref, {:reply, result}}`. Pass the request to `await/2` or `cancel/1`.
   """
   @spec start_generate(conn(), session(), Generation.input(), keyword()) ::
           {:ok, Request.t()} | {:error, Error.t()}

@@ -113,15 +113,18 @@ class LazyAutomaton(token_automaton.Stepping):
     def nbytes(self) -> int:
         """Its tables, the masks made so far and the steps it remembers (what the compile cache holds on to);
         the vocabulary's trie is shared by every constraint over it."""
-        own = self.moves.nbytes + self.accepting.nbytes + self.mask_of.nbytes + self.text_bytes
-        return own + sum(m.nbytes for m in list(self.bound.values())) + len(self.memo) * token_automaton.MEMO_STEP_BYTES
+        return self._own_bytes + sum(m.nbytes for m in list(self.bound.values()))
 
     @property
     def reserved_bytes(self) -> int:
         """`nbytes` with each set of masks counted at what it may grow to while generations run: what the
         constraint budget reserves, as the KV budget reserves a generation's tokens to its end."""
-        grown = sum(m.nbytes for m in list(self.bound.values()))
-        return self.nbytes - grown + sum(m.reserved_bytes for m in list(self.bound.values()))
+        return self._own_bytes + sum(m.reserved_bytes for m in list(self.bound.values()))
+
+    @property
+    def _own_bytes(self) -> int:
+        own = self.moves.nbytes + self.accepting.nbytes + self.mask_of.nbytes + self.text_bytes
+        return own + len(self.memo) * token_automaton.MEMO_STEP_BYTES
 
     def to(self, device) -> "LazyAutomaton":
         """Itself: rows advance in numpy whatever their device (`advance`); masks are bound per device."""
