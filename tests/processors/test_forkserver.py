@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from processors import ProcessorError, configure
+from processors import Chain, ProcessorError, Temperature, configure
 from processors.structured import Regex, Vocabulary
 from processors.structured import compile as structured_compile
 from processors.structured import forkserver
@@ -257,19 +257,26 @@ def test_a_server_whose_warm_up_fails_says_why(nothing_compiled, monkeypatch, tm
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_the_run_again_after_the_server_ended_has_what_is_left_of_the_timeout(server, monkeypatch):
-    """A compile is bounded by its timeout, however often its server ends: what the second run did not
-    end in says nothing about the constraint either, so it is not remembered."""
+def kill_server_during_first_compile(server, monkeypatch, after_s: float) -> list[int]:
+    """Has `server` killed `after_s` into the next compile it forks a child for (only that one: the compile
+    run again goes to the server started after it). Returns the list its pid goes into once that child is forked."""
     fork, killed = server.fork, []
 
     def killing(*args):
         child = fork(*args)
         if not killed:
             killed.append(child.server.pid)
-            threading.Timer(2.0, os.kill, (child.server.pid, signal.SIGKILL)).start()
+            threading.Timer(after_s, os.kill, (child.server.pid, signal.SIGKILL)).start()
         return child
 
     monkeypatch.setattr(server, "fork", killing)
+    return killed
+
+
+def test_the_run_again_after_the_server_ended_has_what_is_left_of_the_timeout(server, monkeypatch):
+    """A compile is bounded by its timeout, however often its server ends: what the second run did not
+    end in says nothing about the constraint either, so it is not remembered."""
+    killed = kill_server_during_first_compile(server, monkeypatch, after_s=2.0)
     started = time.monotonic()
     with pytest.raises(structured_compile.ServerEnded, match="what was left of compile_timeout_s = 4 s"):
         structured_compile.compile_regex(("regex", "(a|b)*a(a|b){40}"), VOCAB, 4)
@@ -319,3 +326,20 @@ def test_a_server_whose_interpreter_cannot_be_started_is_an_error_of_its_own(not
     assert own.pid is None and own._socket is None
     assert not structured_compile._failures and not structured_compile._cache
     assert len(os.listdir("/proc/self/fd")) == descriptors
+
+
+def test_a_server_ended_through_a_chain_keeps_its_kind_and_deadline(server, monkeypatch):
+    """A chain names the processor that raised (`ProcessorError.at`) without re-creating the error: a
+    `ServerEnded`, whose constructor takes a deadline and no index, comes out as itself, with what it carries."""
+    killed = kill_server_during_first_compile(server, monkeypatch, after_s=1.0)
+    chain = Chain([configure(Temperature, temperature=0.7),
+                   configure(Regex, pattern="(a|b)*a(a|b){40}", compile_timeout_s=2)])
+    started = time.monotonic()
+    with pytest.raises(structured_compile.ServerEnded) as raised:
+        chain.bind(VOCAB, [EOS])
+    error = raised.value
+    assert error.index == 1 and str(error).startswith("processors[1] (regex): the compile server ended")
+    original = error.__cause__  # what the compile raised, chained by the chain's raise
+    assert type(original) is structured_compile.ServerEnded and error.deadline == original.deadline
+    assert 2 <= time.monotonic() - started < 3.5  # bounded by the timeout, as without a chain
+    assert not structured_compile._failures and gone(killed[0])
