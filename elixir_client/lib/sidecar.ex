@@ -137,6 +137,15 @@ defmodule Sidecar do
   @spec start_link(keyword()) :: GenServer.on_start()
   def start_link(opts \\ []), do: opts |> Options.validate!() |> Connection.start_link()
 
+  @doc """
+  As `start_link/1`, without a link. A start that fails returns `{:error, error}` either way, but
+  `start_link/1`, like `GenServer.start_link/3`, also sends its linked caller the exit signal, which
+  ends a caller that does not trap exits (a supervisor does, and expects it): start one from a process
+  that must outlive a failed start with `start/1`, and monitor it.
+  """
+  @spec start(keyword()) :: GenServer.on_start()
+  def start(opts \\ []), do: opts |> Options.validate!() |> Connection.start()
+
   @doc "Round trip to the sidecar."
   @spec ping(conn(), timeout()) :: :ok | {:error, Error.t()}
   def ping(conn, timeout \\ 5_000) do

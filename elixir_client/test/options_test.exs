@@ -21,6 +21,17 @@ defmodule Sidecar.OptionsTest do
       Sidecar.start_link(python: "no-such-python")
     end
 
+    # a file that is there but not executable: Port.open raised :eacces inside the connection's init
+    script = Path.join(System.tmp_dir!(), "not-executable-#{System.unique_integer([:positive])}")
+    File.write!(script, "#!/bin/sh\n")
+    File.chmod!(script, 0o644)
+
+    assert_raise ArgumentError, ~r/option :python: ".*not-executable-\d+" is not executable/, fn ->
+      Sidecar.start_link(python: script, log_stderr: false)
+    end
+
+    File.rm!(script)
+
     assert_raise ArgumentError, ~r/does not implement Sidecar.Codec/, fn ->
       Sidecar.start_link(codec: String)
     end

@@ -323,6 +323,50 @@ defmodule SidecarTest do
     Sidecar.close_session(conn, source)
   end
 
+  test "a session made for a caller that died while its reply waited in the connection's mailbox is closed",
+       %{
+         conn: conn
+       } do
+    {:ok, source} = Sidecar.open_session(conn)
+    {:ok, %{"sessions" => before}} = Sidecar.stats(conn)
+    {:ok, request} = Sidecar.start_generate(conn, source, [5, 6], max_new_tokens: 10, eos_token_id: [])
+    forker = spawn(fn -> Sidecar.fork_session(conn, source) end)
+
+    fork_id =
+      eventually(fn ->
+        Enum.find_value(:sys.get_state(conn).pending, fn {id, entry} -> entry.op == "fork_session" && id end)
+      end)
+
+    # the connection reads nothing while the fork's reply arrives; its caller then dies, so the :DOWN
+    # comes behind the reply (under load, 10 of 200 killed openers left sessions open this way)
+    :sys.suspend(conn)
+    assert eventually(fn -> reply_waiting?(conn, fork_id) end, 30_000)
+    Process.exit(forker, :kill)
+    :sys.resume(conn)
+
+    assert {:ok, _} = Sidecar.await(request)
+
+    assert eventually(fn -> match?({:ok, %{"sessions" => ^before}}, Sidecar.stats(conn)) end),
+           "sessions left open: #{inspect(Sidecar.stats(conn))}, #{before} before"
+
+    Sidecar.close_session(conn, source)
+  end
+
+  defp reply_waiting?(conn, id) do
+    {:messages, messages} = Process.info(conn, :messages)
+
+    Enum.any?(messages, fn
+      {_port, {:data, frame}} ->
+        match?(
+          {:ok, %{"id" => ^id} = reply} when not is_map_key(reply, "event"),
+          Sidecar.Msgpack.decode(frame)
+        )
+
+      _ ->
+        false
+    end)
+  end
+
   test "a stray message, cast or call to the connection is logged and dropped; the connection and its sessions go on",
        %{
          conn: conn

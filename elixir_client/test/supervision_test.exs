@@ -317,6 +317,26 @@ defmodule Sidecar.SupervisionTest do
       assert eventually(fn -> ours() -- before == [] end, 1_000)
     end
 
+    test "start/1 returns the error without a link: a caller that does not trap exits lives on", %{
+      before: before
+    } do
+      parent = self()
+
+      caller =
+        spawn(fn ->
+          Process.flag(:trap_exit, false)
+          send(parent, {:started, Sidecar.start(sidecar_opts(python: System.find_executable("false")))})
+          Process.sleep(:infinity)
+        end)
+
+      assert_receive {:started, {:error, %Error{reason: :sidecar_exited}}}, 10_000
+      # start_link/1 would have sent the failure as an exit signal, which ends such a caller
+      Process.sleep(100)
+      assert Process.alive?(caller)
+      Process.exit(caller, :kill)
+      assert eventually(fn -> ours() -- before == [] end, 1_000)
+    end
+
     test "no hello within startup_timeout", %{before: before} do
       assert {:error, %Error{reason: :timeout}} = Sidecar.start_link(sidecar_opts(startup_timeout: 200))
       assert eventually(fn -> ours() -- before == [] end, 1_000)

@@ -67,6 +67,11 @@ defmodule Sidecar.Connection do
     GenServer.start_link(__MODULE__, opts, if(name, do: [name: name], else: []))
   end
 
+  def start(opts) do
+    {name, opts} = Keyword.pop(opts, :name)
+    GenServer.start(__MODULE__, opts, if(name, do: [name: name], else: []))
+  end
+
   # ---- startup ----------------------------------------------------------------------------------
 
   @impl true
@@ -580,9 +585,14 @@ defmodule Sidecar.Connection do
         close_unclaimed(%{state | pending: pending}, op, result)
 
       {%{ref: ref, monitor: monitor, op: op}, pending} ->
-        Process.demonitor(monitor, [:flush])
-        send(ref, {Sidecar, ref, {:reply, reply_value(result)}})
-        %{state | pending: pending, made: remember_made(state.made, ref, op, result)}
+        # A caller that died while its reply waited in our mailbox (its :DOWN behind the reply): the
+        # monitor is gone, and a session made for it is closed, as for a caller that died before.
+        if Process.demonitor(monitor, [:flush, :info]) do
+          send(ref, {Sidecar, ref, {:reply, reply_value(result)}})
+          %{state | pending: pending, made: remember_made(state.made, ref, op, result)}
+        else
+          close_unclaimed(%{state | pending: pending}, op, result)
+        end
     end
   end
 

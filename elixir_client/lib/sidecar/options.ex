@@ -6,7 +6,7 @@ defmodule Sidecar.Options do
   @definitions [
     python: [
       doc:
-        "the Python executable that has the sidecar installed, such as the venv's `/path/to/.venv/bin/python`; the default rarely has it",
+        "the Python executable that has the sidecar installed, such as the venv's `/path/to/.venv/bin/python`; the default rarely has it. A wrapper script must `exec` Python: the connection stops the process it started, not that process's children",
       default: "python3"
     ],
     model: [
@@ -236,6 +236,11 @@ defmodule Sidecar.Options do
 
     unless found && File.regular?(found) do
       raise ArgumentError, "Sidecar option :python: executable #{inspect(python)} not found"
+    end
+
+    # Port.open would raise :eacces from inside the connection's init, not a Sidecar.Error
+    unless match?({:ok, %File.Stat{mode: mode}} when Bitwise.band(mode, 0o111) != 0, File.stat(found)) do
+      raise ArgumentError, "Sidecar option :python: #{inspect(python)} is not executable"
     end
 
     Path.expand(found)
