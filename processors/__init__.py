@@ -8,7 +8,7 @@
 from .arrays import ArrayProcessor
 from .chain import Chain
 from .contract import Context, FunctionProcessor, LogitsProcessor, StatelessProcessor, configure, describe, option
-from .errors import InvalidInput, InvalidOption, ProcessorError
+from .errors import InvalidInput, InvalidOption, OverLimit, ProcessorError
 from .penalties import FrequencyPenalty, NoRepeatNGram, PresencePenalty, RepetitionPenalty
 from .registry import BUILTINS, catalogue, from_name
 from .sampling import MinP, Temperature, TopK, TopP, TypicalP
@@ -27,7 +27,7 @@ from .tokens import (
 __all__ = [
     "ArrayProcessor", "BUILTINS", "Chain", "Choice", "Context", "Dfa", "ForcedBOS", "ForcedEOS",
     "FrequencyPenalty", "FunctionProcessor", "Grammar", "InvalidInput", "InvalidOption", "JsonSchema",
-    "LogitsProcessor", "MinLength", "MinNewTokens", "MinP", "NoBadWords", "NoRepeatNGram", "PresencePenalty",
+    "LogitsProcessor", "MinLength", "MinNewTokens", "MinP", "NoBadWords", "NoRepeatNGram", "OverLimit", "PresencePenalty",
     "ProcessorError", "Regex", "RepetitionPenalty", "SequenceBias", "StatelessProcessor", "SuppressTokens",
     "SuppressTokensAtBegin", "Temperature", "TopK", "TopP", "TypicalP", "Vocabulary", "catalogue", "configure",
     "describe", "from_name", "option",

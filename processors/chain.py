@@ -32,7 +32,7 @@ def _check_arguments(function, index: int) -> None:
 class Chain:
     """An ordered list of processors; plain callables `f(logits, context) -> logits` become stateless ones."""
 
-    __slots__ = ("processors", "max_token_id")
+    __slots__ = ("processors", "max_token_id", "indices")
 
     def __init__(self, processors: Iterable[Item] = ()):
         items = []
@@ -55,6 +55,8 @@ class Chain:
                                     f"got {type(top).__name__}", index=index)
         # the largest token id any processor names (-1 for none): checked against the vocabulary
         self.max_token_id = max(named, default=-1)
+        # each processor's place in the chain as given, which errors name (`bind` moves constraints first)
+        self.indices: tuple[int, ...] = tuple(range(len(items)))
 
     def __len__(self) -> int:
         return len(self.processors)
@@ -79,14 +81,16 @@ class Chain:
             except ProcessorError as error:
                 bound.clear()  # the error's traceback holds this frame: what was bound goes now, not with it
                 raise error.at(index, processor.name) from error
-        return Chain(bound)
+        chain = Chain(bound)
+        chain.indices = tuple(self.indices[index] for index, _ in ordered)
+        return chain
 
     def init(self, context: Context) -> tuple:
         check_context(context)
         check_token_ids(context)
         states = tuple(p.init(context) for p in self.processors)
         rows = context.sequence.shape[0]
-        for index, (processor, state) in enumerate(zip(self.processors, states)):
+        for index, processor, state in zip(self.indices, self.processors, states):
             check_state(state, rows, f"processors[{index}] ({processor.name})")
         return states
 
@@ -100,11 +104,12 @@ class Chain:
                 returned = processor.process(state, logits, context)
             except ProcessorError as error:  # say which processor, if it did not
                 if error.index is None:
-                    error.index = position
+                    error.index = self.indices[position]
                 raise
             if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
-                raise InvalidInput(f"processors[{position}] ({processor.name}): process must return a pair (state, "
-                                   f"logits), got {_kind(returned)}", index=position)
+                index = self.indices[position]
+                raise InvalidInput(f"processors[{index}] ({processor.name}): process must return a pair (state, "
+                                   f"logits), got {_kind(returned)}", index=index)
             state, logits = returned
             new_states.append(state)
         return tuple(new_states), logits
@@ -120,9 +125,10 @@ class Chain:
             try:
                 reordered.append(processor.reorder(state, index))
             except (TypeError, IndexError) as error:  # a state that changed shape or kind since `init`
-                raise InvalidInput(f"processors[{position}] ({processor.name}): its state cannot follow the rows "
+                at = self.indices[position]
+                raise InvalidInput(f"processors[{at}] ({processor.name}): its state cannot follow the rows "
                                    f"({str(error)[:200]}); a state keeps the shape `init` gave it, per-row tensors "
-                                   f"leading with the rows", index=position) from error
+                                   f"leading with the rows", index=at) from error
         return tuple(reordered)
 
     def _check_states(self, states) -> None:

@@ -33,3 +33,15 @@ class InvalidInput(ProcessorError):
     """A step-time problem with the logits or the context handed to a processor."""
 
     code = "invalid_input"
+
+
+class OverLimit(ProcessorError):
+    """Binding or running a processor would take a resource past a limit: `limit` names it, `maximum` is
+    its value and `value` what the processor came to."""
+
+    code = "limit_exceeded"
+    limit = ""
+
+    def __init__(self, message: str, index: int | None = None, value: float = 0, maximum: float = 0):
+        super().__init__(message, index)
+        self.value, self.maximum = value, maximum

@@ -82,6 +82,9 @@ def parse_args(argv=None):
     parser.add_argument("--constraint-budget-bytes", type=_whole(1),
                         help="memory of the compiled constraints (tables and masks) that running generations hold "
                              "together; a generate whose constraints would pass it is refused (default 2 GiB)")
+    parser.add_argument("--grammar-step-ms", type=_whole(1),
+                        help="most CPU time one step of a grammar constraint's parser may take (every row's token and mask); "
+                             "a generation whose grammar takes longer stops with limit_exceeded (default 100)")
     parser.add_argument("--prefill-chunk", type=_whole(1), help="tokens per prefill forward pass (default 512)")
     parser.add_argument("--no-share-prefixes", dest="share_prefixes", action="store_false",
                         help="each session reuses only its own cache (by default a session continues a prefix, "
@@ -205,6 +208,10 @@ def main(argv=None) -> int:
         from processors.structured import budget
 
         budget.set_budget_bytes(args.constraint_budget_bytes)
+    if args.grammar_step_ms is not None:
+        from processors.structured import grammar
+
+        grammar.set_step_limit_s(args.grammar_step_ms / 1000)
     engine_options = {k: v for k, v in (("cache_budget_bytes", args.cache_budget_bytes), ("prefill_chunk", args.prefill_chunk)) if v is not None}
     engine_options["share_prefixes"] = args.share_prefixes
     try:

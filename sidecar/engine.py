@@ -17,7 +17,6 @@ import torch
 
 import processors as proc
 from processors.structured import Vocabulary
-from processors.structured.budget import ConstraintBudgetExceeded
 from processors.structured.constraints import Compiled, Constraint
 from protocol.schema import DEFAULT_NUM_BEAMS
 
@@ -28,9 +27,9 @@ from .errors import (
     InvalidArgument,
     InvalidModel,
     InvalidProcessor,
-    LimitExceeded,
     TokenOutOfRange,
     UnknownStrategy,
+    refusal_of,
 )
 from .kv import KVStore
 from .scheduler import Scheduler
@@ -243,7 +242,7 @@ class Engine:
         try:
             chain = processors if isinstance(processors, proc.Chain) else proc.Chain(processors)
         except proc.ProcessorError as error:
-            raise _invalid_processor(error) from error
+            raise refusal_of(error) from error
         if chain.max_token_id >= self.vocab_size:
             index = next(i for i, p in enumerate(chain.processors) if p.max_token_id() >= self.vocab_size)
             processor = chain.processors[index]
@@ -259,7 +258,7 @@ class Engine:
         try:  # constraints compile against the vocabulary (cached per constraint) and move to the front
             chain = chain.bind(self.vocabulary, eos, self.model.device)
         except proc.ProcessorError as error:
-            raise _invalid_processor(error) from error
+            raise refusal_of(error) from error
         rows = self._check_rows(strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty, early_stopping)
         if rows.get("num_beams") == 1:  # one beam is greedy search, as in transformers
             strategy, rows = "greedy", {}
@@ -364,14 +363,6 @@ def generate_options() -> tuple[str, ...]:
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return tuple(name for name, p in inspect.signature(Engine.validate).parameters.items()
                  if p.kind in kinds and name != "self")
-
-
-def _invalid_processor(error: "proc.ProcessorError") -> InvalidProcessor | LimitExceeded:
-    """A chain's refusal as the engine's error, with the processor's index when the chain knew it."""
-    index = {"index": error.index} if error.index is not None else {}
-    if isinstance(error, ConstraintBudgetExceeded):
-        return LimitExceeded(str(error), limit=error.limit, max=error.maximum, value=error.value, **index)
-    return InvalidProcessor(str(error), **index)
 
 
 def _finite(number: Real) -> bool:

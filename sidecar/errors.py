@@ -135,3 +135,14 @@ class TokenizerMismatch(SidecarError):
     """A sequence to continue made by another engine: its token ids may spell other text in this one."""
 
     code = "tokenizer_mismatch"
+
+
+def refusal_of(error) -> InvalidProcessor | LimitExceeded:
+    """A processor's typed error (`processors.ProcessorError`, from a chain as it binds or steps) as the
+    engine's: a limit it names stays a limit (`limit_exceeded`, with `limit`, `max` and `value`), anything
+    else is `invalid_processor`; with the processor's index when the chain knew it."""
+    index = {"index": error.index} if error.index is not None else {}
+    limit = getattr(error, "limit", "")
+    if limit:
+        return LimitExceeded(str(error), limit=limit, max=error.maximum, value=error.value, **index)
+    return InvalidProcessor(str(error), **index)

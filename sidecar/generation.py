@@ -29,7 +29,7 @@ from . import sharing
 from .attention import Segment
 from .beams import BeamSearch
 from .decode import check_logits, pick
-from .errors import InvalidProcessor, SidecarError
+from .errors import SidecarError, refusal_of
 from .session import Result, Sequence, Stats, TokenEvent
 from .text import Detokenizer, StopMatcher
 
@@ -195,15 +195,15 @@ class Run:
 
     def accept(self, fed: list[Feed], logits: torch.Tensor | None) -> None:
         """Takes the rows of logits for what was fed (None when nothing asked for logits). A processor's
-        typed failure (a contract broken, a grammar's parser giving up) is raised as `InvalidProcessor`.
-        Nothing is taken once its session was closed during the step (by another generation's processor):
+        typed failure (a contract broken, a grammar's parser giving up or taking too long) is raised as the
+        engine's error (`refusal_of`). Nothing is taken once its session was closed during the step (by another generation's processor):
         its cache is gone, and the step's end finishes it as cancelled."""
         if self.session.closed:
             return
         try:
             self._accept(fed, logits)
         except proc.ProcessorError as error:
-            raise InvalidProcessor(str(error), index=error.index) from error
+            raise refusal_of(error) from error
 
     def _accept(self, fed: list[Feed], logits: torch.Tensor | None) -> None:
         if self.fresh:

@@ -22,7 +22,7 @@ import gc
 import weakref
 from collections import deque
 
-from ..errors import ProcessorError
+from ..errors import OverLimit
 from .locks import ForkSafeLock
 
 DEFAULT_BUDGET_BYTES = 2 * 2**30
@@ -36,15 +36,10 @@ _released: deque[int] = deque()
 _lock = ForkSafeLock()
 
 
-class ConstraintBudgetExceeded(ProcessorError):
+class ConstraintBudgetExceeded(OverLimit):
     """Binding a constraint would take the memory of the constraints bound at once past the budget."""
 
-    code = "limit_exceeded"
     limit = "constraint_budget_bytes"
-
-    def __init__(self, message: str, index: int | None = None, value: int = 0, maximum: int = 0):
-        super().__init__(message, index)
-        self.value, self.maximum = value, maximum
 
 
 def set_budget_bytes(budget_bytes: int) -> None:
@@ -78,7 +73,8 @@ def hold(processor, automaton, new_bytes: int) -> None:
         with _lock:
             _drain()
             entry = _held.get(id(automaton))
-            after = _total() + (0 if entry is not None else automaton.reserved_bytes)
+            held = _total()
+            after = held + (0 if entry is not None else automaton.reserved_bytes)
             if new_bytes <= 0 or after <= _budget_bytes:
                 if entry is not None:
                     entry[1] += 1
@@ -86,12 +82,11 @@ def hold(processor, automaton, new_bytes: int) -> None:
                     _held[id(automaton)] = [weakref.ref(automaton), 1]
                 break
     else:
-        held = after - new_bytes
         others = (f", and the constraints bound now (running generations', and this chain's before it) hold "
                   f"{held:,}: together more than the budget of {_budget_bytes:,} bytes (constraint_budget_bytes); it "
                   f"may fit once generations finish" if held else
                   f", more than the budget of {_budget_bytes:,} bytes (constraint_budget_bytes) on its own")
-        raise ConstraintBudgetExceeded(f"binding this constraint needs {new_bytes:,} bytes of tables and masks{others}",
+        raise ConstraintBudgetExceeded(f"binding this constraint needs {after - held:,} bytes of tables and masks{others}",
                                        value=after, maximum=_budget_bytes)
     weakref.finalize(processor, _released.append, id(automaton))
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -20,7 +22,7 @@ import numpy as np
 import torch
 
 from ..contract import LogitsProcessor, option
-from ..errors import InvalidInput, InvalidOption
+from ..errors import InvalidInput, InvalidOption, OverLimit
 from .constraints import NEG_INF, Constraint, _pattern, _validate_grammar, rust_panics_as
 from .locks import ForkSafeLock
 
@@ -38,6 +40,28 @@ STARTED = 8
 _started: OrderedDict = OrderedDict()  # (constraint name, grammar, vocabulary fingerprint) -> matcher or refusal
 _started_lock = ForkSafeLock()  # the server's compile threads make them, its main thread binds them
 PROBE_TOKENS = 8  # tokens of one text a new start matcher is stepped through, to find where its parser gives up
+
+# The CPU time one step of a grammar's parsers may take, every row's token consumed and mask made: it runs in
+# the step of every generation batched with it, and llguidance's own limits bound its memory, not its time. An
+# ambiguous grammar (`s: s s | /[a-z]/`, 30 bytes) takes longer at every token, 0.2 s a step at token 130
+# and 2 s at 290 (the default model's 1,024 tokens), where a grammar that parses one way takes well under a
+# millisecond a row; 64 rows of it held every other session for 10 s a step. Ours: --grammar-step-ms.
+DEFAULT_STEP_LIMIT_S = 0.1
+_step_limit_s = DEFAULT_STEP_LIMIT_S
+
+
+def set_step_limit_s(seconds: float) -> None:
+    """The most CPU time one step of a grammar's parsers may take, for the generations that bind one from now on."""
+    global _step_limit_s
+    if not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 < seconds < float("inf")):
+        raise ValueError(f"a grammar's step limit is a positive number of seconds, got {seconds!r}")
+    _step_limit_s = float(seconds)
+
+
+class GrammarStepTooSlow(OverLimit):
+    """One step of a grammar's parsers took more CPU time than `grammar_step_ms`: the generation stops."""
+
+    limit = "grammar_step_ms"
 
 
 # The biases of the 8 tokens of each byte of a bitmask, bit j of the byte for its j-th token: 0 if set, else -inf.
@@ -127,7 +151,7 @@ def bind_llguidance(constraint: Constraint, grammar: str, vocabulary, eos_token_
     if start is None:
         start = start_matcher(constraint, grammar, vocabulary)
     return GrammarProcessor(constraint, vocabulary.llguidance_tokenizer(),
-                            torch.tensor(eos, dtype=torch.long, device=device), start)
+                            torch.tensor(eos, dtype=torch.long, device=device), start, _step_limit_s)
 
 
 def start_matcher(constraint: Constraint, grammar: str, vocabulary):
@@ -219,6 +243,8 @@ class GrammarProcessor(LogitsProcessor):
     tokenizer: Any = option("llguidance's view of the model's tokenizer")
     eos_token_ids: torch.Tensor = option("the end-of-sequence tokens")
     start: Any = option("a matcher at the grammar's start, parsed once at bind: each row begins as a copy")
+    step_limit_s: float = option("the most CPU time one step of its parsers may take, in seconds (`set_step_limit_s`)",
+                                 default=DEFAULT_STEP_LIMIT_S)
 
     def init(self, context):
         rows = context.sequence.shape[0]
@@ -245,6 +271,7 @@ class GrammarProcessor(LogitsProcessor):
     def _process(self, state, logits, context):
         import llguidance.numpy as llg
 
+        started = time.process_time()  # work, not waiting: a step the OS kept waiting on a busy machine passes
         pool = state["pool"]
         matchers = pool.matchers
         slots = state["slot"].tolist()
@@ -268,6 +295,7 @@ class GrammarProcessor(LogitsProcessor):
         else:  # one row, or rows sharing a matcher (no consume since a reorder): never one matcher on two threads
             for row, matcher in enumerate(matchers):
                 llg.fill_next_token_bitmask(matcher, bitmask, row)
+        self._check_time(time.process_time() - started, len(matchers), context)
         ends = np.empty(len(matchers), dtype=bool)  # rows that may end here
         for row, matcher in enumerate(matchers):
             ends[row] = matcher.is_accepting() or matcher.is_stopped()
@@ -288,6 +316,17 @@ class GrammarProcessor(LogitsProcessor):
         if bool(stuck.any()):
             logits[stuck.nonzero()[:, :1], self.eos_token_ids] = 0.0
         return state, logits
+
+    def _check_time(self, spent_s: float, rows: int, context) -> None:
+        if spent_s > self.step_limit_s:
+            # in tenths of a millisecond, rounded up: what it took is over the limit as said
+            limit_ms, spent_ms = self.step_limit_s * 1e3, math.ceil(spent_s * 1e4) / 10
+            raise GrammarStepTooSlow(
+                f"{self.constraint.name}: the step of its parser after {context.length - context.input_length} tokens "
+                f"took {spent_ms:g} ms of CPU time for {rows} row{'s' if rows > 1 else ''}, more than the limit of "
+                f"{limit_ms:g} ms (limit grammar_step_ms), which other generations would wait for: a grammar that "
+                f"reads a text in many ways (as `s: s s`) takes longer at every token; write it so that it reads "
+                f"each text one way", value=spent_ms, maximum=limit_ms)
 
     def _check_end_tokens_as_text(self, matchers, bitmask: np.ndarray, ends: np.ndarray, context) -> None:
         """A grammar may write an end-of-sequence token as text (`<[2]>`, a token class that holds it). Where

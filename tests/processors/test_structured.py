@@ -1339,3 +1339,29 @@ def test_state_shared_by_every_row_is_a_0_dim_tensor():
     assert moved[0]["count"].item() == 1
     # with one row, tensor([x]) is a per-row state and stays accepted
     Chain([SharedCounter(leading=True)]).init(Context(torch.zeros(1, 3, dtype=torch.long), 1, 1, 10))
+
+
+AMBIGUOUS = "start: s\ns: s s | /[a-z]/"  # a text of n letters reads in Catalan(n) ways
+
+
+def test_a_grammar_step_longer_than_its_limit_stops_the_generation_naming_the_limit(vocab, tokenizer, monkeypatch):
+    """An ambiguous grammar's steps take longer at every token: without a limit, 0.2 s a step at token 130
+    and 2 s at 290 on the default model's vocabulary, until llguidance's own limit (2,000 items in a row) stopped
+    it at 296. A step past `grammar_step_ms` raises, naming the limit, what the step took, and the processor's
+    place in the chain as given (binding moves constraints first)."""
+    monkeypatch.setattr(grammar_module, "_step_limit_s", 0.005)
+    chain = Chain([configure(P.Temperature, temperature=0.7), configure(Grammar, grammar=AMBIGUOUS)]).bind(vocab, [EOS])
+    letters = tokenizer.convert_tokens_to_ids(list("abcdefghij"))
+    rows, steps = 2, 300
+    sequence = torch.zeros(rows, steps + 1, dtype=torch.long)
+    states = chain.init(Context(sequence, 1, 1, 1024))
+    with pytest.raises(grammar_module.GrammarStepTooSlow) as raised:
+        for step in range(steps):
+            states, logits = chain.process(states, torch.zeros(rows, 1024), Context(sequence, step + 1, 1, 1024))
+            assert (logits[:, letters] == 0).all()  # a letter is always allowed: the text goes on
+            sequence[:, step + 1] = letters[step % len(letters)]
+    error = raised.value
+    assert (error.code, error.limit, error.maximum, error.index) == ("limit_exceeded", "grammar_step_ms", 5.0, 1)
+    assert error.value > 5.0 and "for 2 rows, more than the limit of 5 ms (limit grammar_step_ms)" in str(error)
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        grammar_module.set_step_limit_s(0)

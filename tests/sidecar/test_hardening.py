@@ -683,3 +683,24 @@ def test_an_empty_session_name_is_refused_and_opens_nothing():
     assert [(got[rid]["error"]["code"], got[rid]["error"]["option"]) for rid in (1, 3)] == [
         ("invalid_argument", "session"), ("invalid_argument", "new")], got
     assert got[2]["ok"] and got[4]["result"]["sessions"] == 1, got
+
+
+def test_a_grammar_whose_steps_pass_the_limit_stops_its_generation_and_not_the_server(default_dir):
+    """A 30-byte ambiguous grammar took 2 s a step by token 290, and one generate of 64 samples of it held
+    every other session and ping for 10 s at a time (an outside-in helper). Past `--grammar-step-ms` the
+    generation ends with `limit_exceeded` naming the limit and the processor as sent, its session as before."""
+    grammar = {"name": "grammar", "options": {"grammar": "start: s\ns: s s | /[a-z]/"}}
+    keep_going = {"name": "min_new_tokens", "options": {"min_new_tokens": 300, "eos_token_ids": [2]}}
+    with Peer(SERVER + ["--grammar-step-ms", "5"], stderr=subprocess.DEVNULL) as peer:
+        peer.call("open_session", session="s")
+        refused = peer.call("generate", session="s", prompt="x", max_new_tokens=300, strategy="sample", seed=0,
+                            num_samples=4, processors=[keep_going, grammar])
+        error = refused["error"]
+        assert (error["code"], error["limit"], error["max"], error["index"]) == (
+            "limit_exceeded", "grammar_step_ms", 5, 1), error
+        assert error["value"] > 5 and "reads a text in many ways" in error["message"]
+        assert peer.call("session_info", session="s")["result"]["history_tokens"] == 0
+        assert peer.call("ping")["ok"]
+        fine = peer.call("generate", session="s", prompt="x", max_new_tokens=4,
+                         processors=[{"name": "grammar", "options": {"grammar": 'start: "ab" | "cd"'}}])
+        assert fine["ok"] and fine["result"]["text"] in ("ab", "cd"), fine
