@@ -27,8 +27,8 @@ from .tokens import (
 __all__ = [
     "ArrayProcessor", "BUILTINS", "Chain", "Choice", "Context", "Dfa", "ForcedBOS", "ForcedEOS",
     "FrequencyPenalty", "FunctionProcessor", "Grammar", "InvalidInput", "InvalidOption", "JsonSchema",
-    "LogitsProcessor", "MinLength", "MinNewTokens", "MinP", "NoBadWords", "NoRepeatNGram", "OverLimit", "PresencePenalty",
-    "ProcessorError", "Regex", "RepetitionPenalty", "SequenceBias", "StatelessProcessor", "SuppressTokens",
-    "SuppressTokensAtBegin", "Temperature", "TopK", "TopP", "TypicalP", "Vocabulary", "catalogue", "configure",
-    "describe", "from_name", "option",
+    "LogitsProcessor", "MinLength", "MinNewTokens", "MinP", "NoBadWords", "NoRepeatNGram", "OverLimit",
+    "PresencePenalty", "ProcessorError", "Regex", "RepetitionPenalty", "SequenceBias", "StatelessProcessor",
+    "SuppressTokens", "SuppressTokensAtBegin", "Temperature", "TopK", "TopP", "TypicalP", "Vocabulary", "catalogue",
+    "configure", "describe", "from_name", "option",
 ]

@@ -86,8 +86,9 @@ def hold(processor, automaton, new_bytes: int) -> None:
                   f"{held:,}: together more than the budget of {_budget_bytes:,} bytes (constraint_budget_bytes); it "
                   f"may fit once generations finish" if held else
                   f", more than the budget of {_budget_bytes:,} bytes (constraint_budget_bytes) on its own")
-        raise ConstraintBudgetExceeded(f"binding this constraint needs {after - held:,} bytes of tables and masks{others}",
-                                       value=after, maximum=_budget_bytes)
+        raise ConstraintBudgetExceeded(
+            f"binding this constraint needs {after - held:,} bytes of tables and masks{others}", value=after,
+            maximum=_budget_bytes)
     weakref.finalize(processor, _released.append, id(automaton))
 
 
