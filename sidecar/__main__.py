@@ -83,8 +83,9 @@ def parse_args(argv=None):
                         help="memory of the compiled constraints (tables and masks) that running generations hold "
                              "together; a generate whose constraints would pass it is refused (default 2 GiB)")
     parser.add_argument("--grammar-step-ms", type=_whole(1),
-                        help="most CPU time one step of a grammar constraint's parser may take (every row's token "
-                             "and mask); a generation whose grammar takes longer stops with limit_exceeded (default 100)")
+                        help="most time the grammar constraints of one generation may take in one step (every "
+                             "row's token and mask); a generation whose grammars take longer stops with "
+                             "limit_exceeded (default 100)")
     parser.add_argument("--prefill-chunk", type=_whole(1), help="tokens per prefill forward pass (default 512)")
     parser.add_argument("--no-share-prefixes", dest="share_prefixes", action="store_false",
                         help="each session reuses only its own cache (by default a session continues a prefix, "

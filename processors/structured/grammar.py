@@ -14,6 +14,7 @@ import functools
 import math
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -41,17 +42,25 @@ _started: OrderedDict = OrderedDict()  # (constraint name, grammar, vocabulary f
 _started_lock = ForkSafeLock()  # the server's compile threads make them, its main thread binds them
 PROBE_TOKENS = 8  # tokens of one text a new start matcher is stepped through, to find where its parser gives up
 
-# The CPU time one step of a grammar's parsers may take, every row's token consumed and mask made: it runs in
-# the step of every generation batched with it, and llguidance's own limits bound its memory, not its time. An
-# ambiguous grammar (`s: s s | /[a-z]/`, 30 bytes) takes longer at every token, 0.2 s a step at token 130
-# and 2 s at 290 (the default model's 1,024 tokens), where a grammar that parses one way takes well under a
+# The time the grammars of one generation may take in one step, every row's token consumed and mask made: they
+# run in the step of every generation batched with it, and llguidance's own limits bound their memory, not their
+# time. An ambiguous grammar (`s: s s | /[a-z]/`, 30 bytes) takes longer at every token, 0.2 s a step at token
+# 130 and 2 s at 290 (the default model's 1,024 tokens), where a grammar that parses one way takes well under a
 # millisecond a row; 64 rows of it held every other session for 10 s a step. Ours: --grammar-step-ms.
 DEFAULT_STEP_LIMIT_S = 0.1
 _step_limit_s = DEFAULT_STEP_LIMIT_S
+# What the grammars of the chain step under way on this thread took so far: the step's `Context` (one object for
+# every processor of a chain's step) and the seconds, so that a generation's many grammars count together.
+_step = threading.local()
+
+
+def _gone():
+    return None
 
 
 def set_step_limit_s(seconds: float) -> None:
-    """The most CPU time one step of a grammar's parsers may take, for the generations that bind one from now on."""
+    """The most time the grammars of one generation may take in one step, for the generations that bind them from
+    now on."""
     global _step_limit_s
     if not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 < seconds < float("inf")):
         raise ValueError(f"a grammar's step limit is a positive number of seconds, got {seconds!r}")
@@ -59,7 +68,7 @@ def set_step_limit_s(seconds: float) -> None:
 
 
 class GrammarStepTooSlow(OverLimit):
-    """One step of a grammar's parsers took more CPU time than `grammar_step_ms`: the generation stops."""
+    """The grammars of a generation took longer than `grammar_step_ms` in one step: the generation stops."""
 
     limit = "grammar_step_ms"
 
@@ -243,7 +252,8 @@ class GrammarProcessor(LogitsProcessor):
     tokenizer: Any = option("llguidance's view of the model's tokenizer")
     eos_token_ids: torch.Tensor = option("the end-of-sequence tokens")
     start: Any = option("a matcher at the grammar's start, parsed once at bind: each row begins as a copy")
-    step_limit_s: float = option("the most CPU time one step of its parsers may take, in seconds (`set_step_limit_s`)",
+    step_limit_s: float = option("the most time a generation's grammars may take in one step, in seconds "
+                                 "(`set_step_limit_s`)",
                                  default=DEFAULT_STEP_LIMIT_S)
 
     def init(self, context):
@@ -271,7 +281,9 @@ class GrammarProcessor(LogitsProcessor):
     def _process(self, state, logits, context):
         import llguidance.numpy as llg
 
-        started = time.process_time()  # work, not waiting: a step the OS kept waiting on a busy machine passes
+        # this thread's CPU time, and the wall time of the masks llguidance's threads make meanwhile: the step's
+        # own work, not a compile another thread runs, nor a wait for the GIL or for a busy machine's cores
+        started, waited = time.thread_time(), 0.0
         pool = state["pool"]
         matchers = pool.matchers
         slots = state["slot"].tolist()
@@ -291,11 +303,13 @@ class GrammarProcessor(LogitsProcessor):
             matchers = [matchers[slot] for slot in slots]
         bitmask = llg.allocate_token_bitmask(len(matchers), self.tokenizer.vocab_size)
         if 1 < len(matchers) == len({id(m) for m in matchers}):
+            waited = time.perf_counter()
             llg.fill_next_token_bitmask_par(_executor(), list(zip(matchers, range(len(matchers)))), bitmask)
+            waited = time.perf_counter() - waited
         else:  # one row, or rows sharing a matcher (no consume since a reorder): never one matcher on two threads
             for row, matcher in enumerate(matchers):
                 llg.fill_next_token_bitmask(matcher, bitmask, row)
-        self._check_time(time.process_time() - started, len(matchers), context)
+        self._check_time(time.thread_time() - started + waited, len(matchers), context)
         ends = np.empty(len(matchers), dtype=bool)  # rows that may end here
         for row, matcher in enumerate(matchers):
             ends[row] = matcher.is_accepting() or matcher.is_stopped()
@@ -318,12 +332,17 @@ class GrammarProcessor(LogitsProcessor):
         return state, logits
 
     def _check_time(self, spent_s: float, rows: int, context) -> None:
-        if spent_s > self.step_limit_s:
+        """Adds this step's time to what the chain's other grammars took in this step, and raises past the limit."""
+        if getattr(_step, "context", _gone)() is not context:  # a weak reference: the step's tensors are not kept
+            _step.context, _step.spent = weakref.ref(context), 0.0
+        _step.spent += spent_s
+        if _step.spent > self.step_limit_s:
             # in tenths of a millisecond, rounded up: what it took is over the limit as said
-            limit_ms, spent_ms = self.step_limit_s * 1e3, math.ceil(spent_s * 1e4) / 10
+            limit_ms, spent_ms = self.step_limit_s * 1e3, math.ceil(_step.spent * 1e4) / 10
+            others = "" if spent_s == _step.spent else ", with the grammars before it in the chain"
             raise GrammarStepTooSlow(
                 f"{self.constraint.name}: the step of its parser after {context.length - context.input_length} tokens "
-                f"took {spent_ms:g} ms of CPU time for {rows} row{'s' if rows > 1 else ''}, more than the limit of "
+                f"took {spent_ms:g} ms for {rows} row{'s' if rows > 1 else ''}{others}, more than the limit of "
                 f"{limit_ms:g} ms (limit grammar_step_ms), which other generations would wait for: a grammar that "
                 f"reads a text in many ways (as `s: s s`) takes longer at every token; write it so that it reads "
                 f"each text one way", value=spent_ms, maximum=limit_ms)

@@ -2,6 +2,7 @@
 regular constraints, a plain-Python walk for user automata, a recursive checker for a context-free grammar,
 and the tokenizer's own encoding for the bytes of each token."""
 
+import gc
 import itertools
 import json
 import os
@@ -1365,3 +1366,25 @@ def test_a_grammar_step_longer_than_its_limit_stops_the_generation_naming_the_li
     assert error.value > 5.0 and "for 2 rows, more than the limit of 5 ms (limit grammar_step_ms)" in str(error)
     with pytest.raises(ValueError, match="positive number of seconds"):
         grammar_module.set_step_limit_s(0)
+
+
+def test_the_grammars_of_one_generation_count_together_against_the_step_limit(vocab, tokenizer, monkeypatch):
+    """Counted per grammar, 63 copies of the ambiguous grammar in one request (a comment apart) held the server
+    for 6.4 s a step, each just under the limit (an outside-in helper). The grammars of one chain's step add up:
+    the step is refused at the grammar whose time takes the sum past the limit, before any one alone passes it."""
+    monkeypatch.setattr(grammar_module, "_step_limit_s", 0.005)
+    copies = [configure(Grammar, grammar=f"{AMBIGUOUS}\n// copy {i}") for i in range(4)]
+    chain = Chain(copies).bind(vocab, [EOS])
+    letters = tokenizer.convert_tokens_to_ids(list("abcdefghij"))
+    sequence = torch.zeros(1, 301, dtype=torch.long)
+    states = chain.init(Context(sequence, 1, 1, 1024))
+    gc.disable()  # a collection inside the first grammar's step could take it past the limit alone
+    try:
+        with pytest.raises(grammar_module.GrammarStepTooSlow) as raised:
+            for step in range(300):
+                states, _ = chain.process(states, torch.zeros(1, 1024), Context(sequence, step + 1, 1, 1024))
+                sequence[0, step + 1] = letters[step % len(letters)]
+    finally:
+        gc.enable()
+    # the four take about as long each: the sum passes 5 ms while each takes a quarter of it
+    assert raised.value.index > 0 and "with the grammars before it in the chain" in str(raised.value)
