@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import processors as proc
-from processors.structured import forget_vocabulary
+from processors.structured import budget, forget_vocabulary, grammar
 from processors.structured.compile import CompileCancelled
 from processors.structured.constraints import Constraint
 from processors.structured.grammar import llguidance_checks_deferred
@@ -615,7 +615,9 @@ class Server:
                              "strategies": list(STRATEGIES), "trust_remote_code": self.trust_remote_code},
             "processor_options": {name: [{k: o[k] for k in ("name", "required", "default", "schema", "doc")} for o in options]
                                   for name, options in proc.catalogue().items()},
-            "limits": self.limits.as_dict(),
+            # the protocol's limits, and the two the processors keep for the whole process
+            "limits": {**self.limits.as_dict(), "constraint_budget_bytes": budget.budget_bytes(),
+                       "grammar_step_ms": grammar.step_limit_ms()},
             "models": list(self.engines),
         }
 

@@ -67,6 +67,12 @@ def set_step_limit_s(seconds: float) -> None:
     _step_limit_s = float(seconds)
 
 
+def step_limit_ms() -> float | int:
+    """The limit `set_step_limit_s` set, in milliseconds (an int when whole), as a server reports it."""
+    ms = round(_step_limit_s * 1e3, 3)
+    return int(ms) if ms == int(ms) else ms
+
+
 class GrammarStepTooSlow(OverLimit):
     """The grammars of a generation took longer than `grammar_step_ms` in one step: the generation stops."""
 

@@ -503,6 +503,7 @@ def test_the_constraints_running_generations_hold_are_bounded(default_dir):
     64 of them running together took the server from 0.4 to 4.7 GB. Past the budget a generate is refused,
     changing nothing, and the same request goes through once the generation holding the budget is over."""
     with Peer(SERVER + ["--constraint-budget-bytes", "3000000"], stderr=subprocess.DEVNULL) as peer:
+        assert peer.call("hello")["result"]["limits"]["constraint_budget_bytes"] == 3_000_000
         for name in ("a", "b"):
             peer.call("open_session", session=name)
         peer.send({"id": 1, "op": "generate", "session": "a", "token_ids": [5], "max_new_tokens": 400,
@@ -692,6 +693,8 @@ def test_a_grammar_whose_steps_pass_the_limit_stops_its_generation_and_not_the_s
     grammar = {"name": "grammar", "options": {"grammar": "start: s\ns: s s | /[a-z]/"}}
     keep_going = {"name": "min_new_tokens", "options": {"min_new_tokens": 300, "eos_token_ids": [2]}}
     with Peer(SERVER + ["--grammar-step-ms", "5"], stderr=subprocess.DEVNULL) as peer:
+        limits = peer.call("hello")["result"]["limits"]
+        assert (limits["grammar_step_ms"], limits["constraint_budget_bytes"]) == (5, 2**31), limits
         peer.call("open_session", session="s")
         refused = peer.call("generate", session="s", prompt="x", max_new_tokens=300, strategy="sample", seed=0,
                             num_samples=4, processors=[keep_going, grammar])
