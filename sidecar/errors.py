@@ -7,6 +7,8 @@ it was before the call.
 
 from __future__ import annotations
 
+from processors.errors import OverLimit
+
 
 class SidecarError(Exception):
     code = "internal"
@@ -142,7 +144,6 @@ def refusal_of(error) -> InvalidProcessor | LimitExceeded:
     engine's: a limit it names stays a limit (`limit_exceeded`, with `limit`, `max` and `value`), anything
     else is `invalid_processor`; with the processor's index when the chain knew it."""
     index = {"index": error.index} if error.index is not None else {}
-    limit = getattr(error, "limit", "")
-    if limit:
-        return LimitExceeded(str(error), limit=limit, max=error.maximum, value=error.value, **index)
+    if isinstance(error, OverLimit):
+        return LimitExceeded(str(error), limit=error.limit, max=error.maximum, value=error.value, **index)
     return InvalidProcessor(str(error), **index)
