@@ -206,6 +206,7 @@ class LazyMasks:
         self._table = np.empty((0, automaton.vocab_size), dtype=np.float32)  # on the CPU, what `bias` shares
         self.bias = self._tensor(self._table)
         self._rows: dict[tuple[int, bool], int] = {}  # (text mask, whether it may end) -> its row
+        self.kept: dict[int, np.ndarray] = {}  # row -> the int32 ids it allows, for rows allowing few (`masked`)
         self.views: dict = {}  # row -> a view of it (see `row`)
 
     def _tensor(self, table: np.ndarray) -> torch.Tensor:
@@ -213,12 +214,15 @@ class LazyMasks:
 
     @property
     def nbytes(self) -> int:
-        return self.bias.numel() * self.bias.element_size() + self.mask_of.nbytes
+        kept = sum(ids.nbytes for ids in list(self.kept.values()))
+        return self.bias.numel() * self.bias.element_size() + kept + self.mask_of.nbytes
 
     @property
     def reserved_bytes(self) -> int:
-        """What it may grow to: a row for every state (`_append` grows the table no further)."""
-        return len(self.mask_of) * self.automaton.vocab_size * 4 + self.mask_of.nbytes
+        """What it may grow to: a row for every state (`_append` grows the table no further), and the ids
+        it may keep."""
+        vocab_size = self.automaton.vocab_size
+        return len(self.mask_of) * (vocab_size + token_automaton.most_kept(vocab_size)) * 4 + self.mask_of.nbytes
 
     def row(self, state: int) -> torch.Tensor:
         """float32 [vocab]: one state's bias row on the CPU, a view kept per row (see `BoundMasks.row`)."""
@@ -232,19 +236,29 @@ class LazyMasks:
 
     def rows(self, states: torch.Tensor) -> torch.Tensor:
         """float32 [rows, vocab]: each state's bias row."""
-        here = states.cpu().numpy()
-        index = self.mask_of[here]
-        if (index < 0).any():
-            for state in np.unique(here[index < 0]).tolist():
-                self._make(state)
-            index = self.mask_of[here]
+        index = self.indices(states.cpu().numpy())
         bias = self.bias  # read after the rows' indices: it is replaced before they are published
         index = torch.from_numpy(index)
         return bias.index_select(0, index if bias.is_cpu else index.to(bias.device))
 
+    def masked(self, states: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` (float32, on the CPU) with each row's state's mask applied, in a new tensor."""
+        index = self.indices(states)
+        return token_automaton.masked(self._table, self.kept, index, logits)
+
     def allowed(self, states: torch.Tensor) -> torch.Tensor:
         """bool [rows, vocab]: what each state allows."""
         return self.rows(states) == 0
+
+    def indices(self, states: np.ndarray) -> np.ndarray:
+        """Each state's row, made if it was not. The table is replaced before a row in it is published:
+        read it after these."""
+        index = self.mask_of[states]
+        if (index < 0).any():
+            for state in np.unique(states[index < 0]).tolist():
+                self._make(state)
+            index = self.mask_of[states]
+        return index
 
     def _make(self, state: int) -> int:
         """Makes `state`'s row (or finds the one it shares) and returns its index."""
@@ -261,7 +275,11 @@ class LazyMasks:
                 row[tokens] = 0.0
                 if ending:
                     row[self.eos] = 0.0
-                index = self._rows[(text, ending)] = self._append(row)
+                index = self._append(row)
+                kept = np.flatnonzero(row == 0)
+                if len(kept) <= token_automaton.most_kept(self.automaton.vocab_size):
+                    self.kept[index] = kept.astype(np.int32)
+                self._rows[(text, ending)] = index
             self.mask_of[state] = index  # last: readers go without the lock
             return index
 

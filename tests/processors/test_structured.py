@@ -351,11 +351,40 @@ def test_lazy_masks_grow_past_one_row_per_state(vocab, forks_here):
         {vocab.token_bytes.index(b"b"), EOS})
 
 
+@pytest.mark.parametrize("constraint", [(Regex, {"pattern": r'"[^"]{0,5}"|[0-9]+'}), (JsonSchema, {"schema": NESTED})],
+                         ids=["regex", "json"])
+def test_many_rows_masked_in_place_of_their_bias_rows_are_those_rows_added(constraint, vocab, compiled, monkeypatch):
+    """The batched CPU step writes the logits of the few tokens a mask allows, or adds the bias row of a
+    mask allowing more: either way, exactly the logits plus each row's bias row, -inf where it forbids,
+    over every state (masks of both kinds among them), as the chain's step gives them. (Only masks over
+    a large vocabulary keep ids: the test's is made to count as one.)"""
+    assert not configure(constraint[0], **constraint[1]).bind(vocab, [EOS]).masks.kept  # 1,024 tokens: none
+    monkeypatch.setattr(structured_compile, "_cache", OrderedDict())
+    monkeypatch.setattr(automaton_module, "KEEP_IDS_FROM_VOCAB", vocab.size)
+    bound = configure(constraint[0], **constraint[1]).bind(vocab, [EOS])
+    masks = bound.masks
+    assert type(bound.automaton) is compiled
+    states = torch.randperm(bound.automaton.dead + 1, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(len(states), vocab.size, generator=torch.Generator().manual_seed(1))
+    expected = masks.rows(states) + logits
+    assert torch.equal(masks.masked(states.numpy(), logits), expected)
+    masks.masked(states.numpy(), logits)  # every lazy row made
+    kept = {len(tokens) for tokens in masks.kept.values()}
+    assert kept and max(kept) <= vocab.size // automaton_module.FEW_TOKENS
+    assert len(masks.kept) < len(torch.unique(masks.rows(states), dim=0))  # some masks allow many tokens
+    sequence = torch.zeros(8, 2, dtype=torch.long)
+    for start in range(0, len(states) - 7, 8):
+        rows = slice(start, start + 8)
+        _, out = bound.process(states[rows], logits[rows], Context(sequence, 1, 1, vocab.size))
+        assert torch.equal(out, expected[rows])
+
+
 def test_lazy_masks_made_by_threads_at_once_are_those_made_by_one(vocab, monkeypatch, forks_here):
     """Threads reaching the states of one fresh automaton together (one row and batched) get the rows
     that one thread makes for another automaton of the same constraint."""
     import threading
 
+    monkeypatch.setattr(automaton_module, "KEEP_IDS_FROM_VOCAB", vocab.size)  # its masks keep ids
     constraint = configure(JsonSchema, schema=NESTED)
     alone = constraint.bind(vocab, [EOS])
     structured_compile._cache.clear()
@@ -369,6 +398,8 @@ def test_lazy_masks_made_by_threads_at_once_are_those_made_by_one(vocab, monkeyp
         for chunk in order.split(7):
             if not torch.equal(shared.masks.rows(chunk), expected[chunk]):
                 failures.append(seed)
+            if not torch.equal(shared.masks.masked(chunk.numpy(), torch.zeros(len(chunk), vocab.size)), expected[chunk]):
+                failures.append(seed)
             if not torch.equal(shared.masks.row(int(chunk[0])), expected[chunk[0]]):
                 failures.append(seed)
 
@@ -377,7 +408,7 @@ def test_lazy_masks_made_by_threads_at_once_are_those_made_by_one(vocab, monkeyp
         thread.start()
     for thread in threads:
         thread.join()
-    assert not failures and shared.masks.count == alone.masks.count
+    assert not failures and shared.masks.count == alone.masks.count and shared.masks.kept
 
 
 def test_the_compile_cache_weighs_its_automata_again_when_one_is_used(vocab, monkeypatch, forks_here):
