@@ -48,6 +48,10 @@ defmodule Sidecar do
 
   A session is the `%Sidecar.Session{}` that `open_session/2` returns, or just its name (a string).
   With the struct, calls on a session of a sidecar that has since died return `:session_lost`.
+  A session lives until closed, unless it has an owner, a process whose exit closes it (a LiveView's
+  session, opened in `mount/3`, goes with the LiveView however it ends):
+
+      {:ok, session} = Sidecar.open_session(MyApp.Sidecar, owner: self())
 
   Calls wait for their reply at most `timeout:` (an option or an argument) milliseconds, by default
   the connection's `:call_timeout`; a generation past it is cancelled. A call that gave up never
@@ -189,24 +193,34 @@ defmodule Sidecar do
   @doc """
   Opens a session on `model` (default `\"default\"`); `name:` lets you choose its name, `timeout:`
   overrides the connection's `:call_timeout`.
+
+  `owner:` a pid whose exit closes the session, as an ETS table goes with its owner: a LiveView that
+  opens its session with `owner: self()` in `mount/3` frees it however the LiveView ends, a crash or
+  a kill included. Without an owner a session lives until `close_session/3`, or until the sidecar
+  exits, whichever process opened it.
   """
   @spec open_session(conn(), keyword()) :: {:ok, Session.t()} | {:error, Error.t()}
   def open_session(conn, opts \\ []) do
-    Options.known!(opts, [:model, :name, :timeout], "open_session")
+    Options.known!(opts, [:model, :name, :owner, :timeout], "open_session")
+    owner = owner!(opts)
 
     params = %{"model" => Keyword.get(opts, :model, "default"), "session" => Keyword.get(opts, :name)}
     started = System.monotonic_time(:millisecond)
 
     with {:ok, incarnation} <- incarnation(conn, opts[:timeout]),
          {:ok, %{"session" => name, "model" => model}} <-
-           call(conn, "open_session", params, nil, left(opts[:timeout], started)),
+           call(conn, "open_session", params, nil, left(opts[:timeout], started), owner),
          do: {:ok, new_session(name, model, incarnation)}
   end
 
-  @doc "Closes a session and frees its cache. `timeout` defaults to the connection's `:call_timeout`."
+  @doc """
+  Closes a session and frees its cache; its owner's exit (`open_session/2`'s `:owner`) closes it no
+  more. `timeout` defaults to the connection's `:call_timeout`.
+  """
   @spec close_session(conn(), session(), timeout() | nil) :: :ok | {:error, Error.t()}
   def close_session(conn, session, timeout \\ nil) do
-    with {:ok, _} <- session_call(conn, session, "close_session", %{}, timeout), do: :ok
+    {name, _eos, _incarnation} = identify(session)
+    with {:ok, _} <- session_call(conn, session, "close_session", %{}, timeout, {:closing, name}), do: :ok
   end
 
   @doc """
@@ -221,16 +235,25 @@ defmodule Sidecar do
   Forks a session: a new session with its history, continuing the same cache (nothing is recomputed or copied),
   independent from then on. The fork runs in the session's queue, so it sees the session as the
   generations sent before it left it. `name:` chooses the fork's name (default: chosen by the
-  sidecar), `timeout:` overrides the connection's `:call_timeout`. The fork comes back as the session
+  sidecar), `owner:` a pid whose exit closes the fork (as for `open_session/2`; the source's owner is
+  not the fork's), `timeout:` overrides the connection's `:call_timeout`. The fork comes back as the session
   was given: a `%Sidecar.Session{}` for a `%Sidecar.Session{}`, a name for a name; its token counts
   (the protocol reply's `history_tokens` and `cached_tokens`) are `session_info/3`'s.
   """
   @spec fork_session(conn(), session(), keyword()) :: {:ok, session()} | {:error, Error.t()}
   def fork_session(conn, session, opts \\ []) do
-    Options.known!(opts, [:name, :timeout], "fork_session")
+    Options.known!(opts, [:name, :owner, :timeout], "fork_session")
+    owner = owner!(opts)
 
     with {:ok, %{"session" => name}} <-
-           session_call(conn, session, "fork_session", %{"new" => Keyword.get(opts, :name)}, opts[:timeout]) do
+           session_call(
+             conn,
+             session,
+             "fork_session",
+             %{"new" => Keyword.get(opts, :name)},
+             opts[:timeout],
+             owner
+           ) do
       {:ok, if(is_binary(session), do: name, else: %Session{session | name: name})}
     end
   end
@@ -250,15 +273,17 @@ defmodule Sidecar do
   @doc """
   Opens a new session holding what `save_session/4` saved under `name`, also by another sidecar
   process started on the same `:session_dir`. Options: `:model` (default `\"default\"`), `:session`
-  (the new session's name; default: chosen by the sidecar), `:timeout` (default: the connection's
-  `:call_timeout`). No session saved under `name`, or a file saved from another model or dtype,
-  truncated or corrupted, is `:invalid_session_file`; a sidecar without `:session_dir` answers
+  (the new session's name; default: chosen by the sidecar), `:owner` (a pid whose exit closes it, as
+  for `open_session/2`), `:timeout` (default: the connection's `:call_timeout`). No session saved
+  under `name`, or a file saved from another model or dtype, truncated or corrupted, is
+  `:invalid_session_file`; a sidecar without `:session_dir` answers
   `:forbidden`. The restored session's token counts are `session_info/3`'s.
   """
   @spec restore_session(conn(), String.t(), keyword()) :: {:ok, Session.t()} | {:error, Error.t()}
   def restore_session(conn, name, opts \\ []) do
     name!(name, "a saved session's")
-    Options.known!(opts, [:model, :session, :timeout], "restore_session")
+    Options.known!(opts, [:model, :session, :owner, :timeout], "restore_session")
+    owner = owner!(opts)
 
     params = %{
       "name" => name,
@@ -270,7 +295,7 @@ defmodule Sidecar do
 
     with {:ok, incarnation} <- incarnation(conn, opts[:timeout]),
          {:ok, %{"session" => session, "model" => model}} <-
-           call(conn, "restore_session", params, nil, left(opts[:timeout], started)),
+           call(conn, "restore_session", params, nil, left(opts[:timeout], started), owner),
          do: {:ok, new_session(session, model, incarnation)}
   end
 
@@ -585,9 +610,18 @@ defmodule Sidecar do
   defp new_session(name, model, incarnation),
     do: %Session{name: name, model: model, eos_token_ids: model["eos_token_ids"], incarnation: incarnation}
 
-  defp session_call(conn, session, op, params, timeout) do
+  defp session_call(conn, session, op, params, timeout, session_owner \\ nil) do
     {name, _eos, incarnation} = identify(session)
-    call(conn, op, Map.put(params, "session", name), incarnation, timeout)
+    call(conn, op, Map.put(params, "session", name), incarnation, timeout, session_owner)
+  end
+
+  # The `{:owner, pid}` of a call making a session, nil without `:owner`.
+  defp owner!(opts) do
+    case Keyword.get(opts, :owner) do
+      nil -> nil
+      pid when is_pid(pid) -> {:owner, pid}
+      other -> raise ArgumentError, "owner: is the pid whose exit closes the session, got #{inspect(other)}"
+    end
   end
 
   # A bare name has no incarnation (no :session_lost detection) and leaves EOS to the sidecar's default.
@@ -601,11 +635,12 @@ defmodule Sidecar do
       raise(ArgumentError, "a session is a %Sidecar.Session{} or its name (a string), got #{inspect(other)}")
 
   # A nil timeout is the connection's :call_timeout, which it hands out with each request it takes.
-  defp call(conn, op, params, incarnation, timeout) do
+  # `session_owner`: see `Sidecar.Connection`'s take_request.
+  defp call(conn, op, params, incarnation, timeout, session_owner \\ nil) do
     Options.timeout!(timeout)
     started = System.monotonic_time(:millisecond)
 
-    with {:ok, request} <- request(conn, op, params, incarnation, timeout) do
+    with {:ok, request} <- request(conn, op, params, incarnation, timeout, session_owner) do
       case receive_reply(request, give_up_at(timeout, request, started)) do
         :timeout -> {:error, Error.new(:timeout, "no reply within #{timeout || request.timeout} ms")}
         reply -> reply
@@ -681,7 +716,7 @@ defmodule Sidecar do
   # Handing a request over takes no longer than the connection takes to queue it (it never waits for
   # the sidecar to read), or to start (a restart under way); a connection that does not take it within
   # the call's own timeout, or @hand_over_ms, is given up on, the request withdrawn.
-  defp request(conn, op, params, incarnation, timeout) do
+  defp request(conn, op, params, incarnation, timeout, session_owner \\ nil) do
     limit = hand_over_limit(timeout)
     handing = System.monotonic_time(:millisecond)
 
@@ -697,7 +732,11 @@ defmodule Sidecar do
         try do
           with {:ok, body} <- Connection.encode_params(GenServer.call(pid, :encoding, limit), params),
                {:ok, id, call_timeout} <-
-                 GenServer.call(pid, {:request, op, body, incarnation, ref}, left(limit, handing)) do
+                 GenServer.call(
+                   pid,
+                   {:request, op, body, incarnation, ref, session_owner},
+                   left(limit, handing)
+                 ) do
             {:ok, %Request{conn: pid, ref: ref, id: id, timeout: call_timeout, owner: self()}}
           else
             {:error, error} -> Process.demonitor(ref, [:flush]) && {:error, error}

@@ -73,6 +73,16 @@ defmodule Sidecar.PersistTest do
     assert {:error, %Error{reason: :session_exists, details: %{"session" => "restored"}}} =
              Sidecar.restore_session(other, "shared", session: "restored")
 
+    # a restored session with an owner goes with it
+    owner = spawn(fn -> receive do: (:stop -> :ok) end)
+    {:ok, owned} = Sidecar.restore_session(other, "shared", owner: owner)
+    assert {:ok, _} = Sidecar.session_info(other, owned)
+    Process.exit(owner, :kill)
+
+    assert eventually(fn ->
+             match?({:error, %Error{reason: :unknown_session}}, Sidecar.session_info(other, owned))
+           end)
+
     for s <- [session, fork], do: :ok = Sidecar.close_session(conn, s)
   end
 

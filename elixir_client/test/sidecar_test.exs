@@ -352,6 +352,85 @@ defmodule SidecarTest do
     Sidecar.close_session(conn, source)
   end
 
+  describe "a session's owner" do
+    test "its exit closes the session and the forks it owns, however it ends; nobody else's does",
+         %{conn: conn} do
+      {:ok, %{"sessions" => before}} = Sidecar.stats(conn)
+      owner = spawn(fn -> receive do: (:stop -> :ok) end)
+      {:ok, session} = Sidecar.open_session(conn, owner: owner)
+      {:ok, fork} = Sidecar.fork_session(conn, session, owner: owner)
+      {:ok, unowned_fork} = Sidecar.fork_session(conn, session)
+
+      {:ok, %{token_ids: [_, _]}} =
+        Sidecar.generate(conn, session, [5, 6], max_new_tokens: 2, eos_token_id: [])
+
+      # opened by this process, owned by another: the caller lives on, the owner is killed
+      Process.exit(owner, :kill)
+
+      assert eventually(fn ->
+               match?({:error, %Error{reason: :unknown_session}}, Sidecar.session_info(conn, fork))
+             end)
+
+      assert {:error, %Error{reason: :unknown_session}} = Sidecar.session_info(conn, session)
+      assert {:ok, _} = Sidecar.session_info(conn, unowned_fork)
+      :ok = Sidecar.close_session(conn, unowned_fork)
+
+      # a process that owns its own session and returns normally
+      task = Task.async(fn -> Sidecar.open_session(conn, owner: self()) end)
+      {:ok, its} = Task.await(task)
+
+      assert eventually(fn ->
+               match?({:error, %Error{reason: :unknown_session}}, Sidecar.session_info(conn, its))
+             end)
+
+      # an owner dead before the session is made
+      dead = spawn(fn -> :ok end)
+      ref = Process.monitor(dead)
+      assert_receive {:DOWN, ^ref, :process, _, _}
+      {:ok, orphan} = Sidecar.open_session(conn, owner: dead)
+
+      assert eventually(fn ->
+               match?({:error, %Error{reason: :unknown_session}}, Sidecar.session_info(conn, orphan))
+             end)
+
+      assert {:ok, %{"sessions" => ^before}} = Sidecar.stats(conn)
+      assert sidecar_messages() == []
+    end
+
+    test "close_session disowns: the connection stops watching the owner, whose exit closes no later session of the name",
+         %{conn: conn} do
+      owner = spawn(fn -> receive do: (:stop -> :ok) end)
+      {:monitors, watched} = Process.info(conn, :monitors)
+
+      for _ <- 1..20 do
+        {:ok, _} = Sidecar.open_session(conn, name: "owned-then-closed", owner: owner)
+        :ok = Sidecar.close_session(conn, "owned-then-closed")
+      end
+
+      # a long-lived owner that opens and closes sessions leaves no monitor behind for each
+      assert {:monitors, ^watched} = Process.info(conn, :monitors)
+      {:ok, _} = Sidecar.open_session(conn, name: "owned-then-closed")
+
+      ref = Process.monitor(owner)
+      Process.exit(owner, :kill)
+      assert_receive {:DOWN, ^ref, :process, _, _}
+      # the connection's :DOWN came with ours; a close it sent would be answered before these
+      {:ok, _} = Sidecar.stats(conn)
+      assert {:ok, _} = Sidecar.session_info(conn, "owned-then-closed")
+      :ok = Sidecar.close_session(conn, "owned-then-closed")
+    end
+
+    test "owner: is a pid", %{conn: conn} do
+      for bad <- [:me, "pid", self() |> :erlang.pid_to_list()] do
+        assert_raise ArgumentError, ~r/owner: is the pid whose exit closes the session/, fn ->
+          Sidecar.open_session(conn, owner: bad)
+        end
+      end
+
+      assert_raise ArgumentError, ~r/owner:/, fn -> Sidecar.fork_session(conn, "any", owner: :me) end
+    end
+  end
+
   defp reply_waiting?(conn, id) do
     {:messages, messages} = Process.info(conn, :messages)
 

@@ -28,7 +28,8 @@ defmodule Sidecar.Connection do
     outbox: :queue.new(),
     outbox_bytes: 0,
     retrying: false,
-    made: []
+    made: [],
+    owned: %{}
   ]
 
   @hello_id 0
@@ -359,7 +360,7 @@ defmodule Sidecar.Connection do
   # ---- requests ---------------------------------------------------------------------------------
 
   @impl true
-  def handle_call({:request, op, params, incarnation, ref}, {caller, _}, state) do
+  def handle_call({:request, op, params, incarnation, ref, session_owner}, {caller, _}, state) do
     if incarnation != nil and incarnation != state.incarnation do
       {:reply,
        {:error,
@@ -368,7 +369,7 @@ defmodule Sidecar.Connection do
           "the session belongs to another connection, or to a sidecar that has since exited"
         )}, state}
     else
-      take_request(op, params, ref, caller, state)
+      take_request(op, params, ref, caller, session_owner, state)
     end
   end
 
@@ -390,12 +391,21 @@ defmodule Sidecar.Connection do
     {:reply, {:error, Error.new(:invalid_argument, "not a call the Sidecar connection knows")}, state}
   end
 
-  defp take_request(op, body, ref, caller, state) do
+  # `session_owner`: the process whose exit closes the session a request makes (`{:owner, pid}`), or
+  # the session a close_session closes (`{:closing, name}`), which no exit closes any more.
+  defp take_request(op, body, ref, caller, session_owner, state) do
     id = state.next_id
 
     case queue_request(state, id, op, body) do
       {:ok, state} ->
-        entry = %{ref: ref, monitor: Process.monitor(caller), op: op}
+        {owner, state} =
+          case session_owner do
+            {:owner, pid} -> {pid, state}
+            {:closing, name} -> {nil, disown(state, name)}
+            nil -> {nil, state}
+          end
+
+        entry = %{ref: ref, monitor: Process.monitor(caller), op: op, owner: owner}
 
         {:reply, {:ok, id, state.call_timeout},
          %{state | next_id: id + 1, pending: Map.put(state.pending, id, entry)}}
@@ -417,7 +427,8 @@ defmodule Sidecar.Connection do
       nil ->
         case List.keytake(state.made, ref, 0) do
           {{_, name}, made} when not replied ->
-            {:noreply, send_unread(%{state | made: made}, "close_session", %{"session" => name})}
+            {:noreply,
+             send_unread(disown(%{state | made: made}, name), "close_session", %{"session" => name})}
 
           {_, made} ->
             {:noreply, %{state | made: made}}
@@ -463,6 +474,21 @@ defmodule Sidecar.Connection do
     do: Enum.take([{ref, name} | made], @made_remembered)
 
   defp remember_made(made, _ref, _op, _result), do: made
+
+  # A session made for a caller that got its reply: closed when its owner exits, if it has one. A
+  # session of the same name owned before (closed by the sidecar since, its name taken again) is not.
+  defp own(state, owner, op, {:ok, %{"session" => name}}) when op in @making_sessions do
+    state = disown(state, name)
+    if owner, do: %{state | owned: Map.put(state.owned, Process.monitor(owner), name)}, else: state
+  end
+
+  defp own(state, _owner, _op, _result), do: state
+
+  defp disown(state, name) do
+    {gone, kept} = Enum.split_with(state.owned, fn {_monitor, owned} -> owned == name end)
+    Enum.each(gone, fn {monitor, _} -> Process.demonitor(monitor, [:flush]) end)
+    %{state | owned: Map.new(kept)}
+  end
 
   defp cancel_on_server(state, target) do
     case unqueue(state, target) do
@@ -547,11 +573,18 @@ defmodule Sidecar.Connection do
   end
 
   def handle_info({:DOWN, monitor, :process, _pid, _reason}, state) do
-    # A caller died: forget its requests and cancel its generations, which nobody will read.
-    {gone, kept} = Enum.split_with(state.pending, fn {_id, entry} -> entry.monitor == monitor end)
-    state = %{state | pending: Map.new(kept)}
+    case Map.pop(state.owned, monitor) do
+      {nil, _} ->
+        # A caller died: forget its requests and cancel its generations, which nobody will read.
+        {gone, kept} = Enum.split_with(state.pending, fn {_id, entry} -> entry.monitor == monitor end)
+        state = %{state | pending: Map.new(kept)}
 
-    {:noreply, Enum.reduce(gone, state, fn {id, entry}, acc -> abandon(acc, id, entry) end)}
+        {:noreply, Enum.reduce(gone, state, fn {id, entry}, acc -> abandon(acc, id, entry) end)}
+
+      {name, owned} ->
+        # A session's owner exited: the session is closed, after the requests sent on it before.
+        {:noreply, send_unread(%{state | owned: owned}, "close_session", %{"session" => name})}
+    end
   end
 
   def handle_info({:EXIT, _port, _reason}, state), do: {:noreply, state}
@@ -584,12 +617,13 @@ defmodule Sidecar.Connection do
       {%{ref: nil, op: op}, pending} ->
         close_unclaimed(%{state | pending: pending}, op, result)
 
-      {%{ref: ref, monitor: monitor, op: op}, pending} ->
+      {%{ref: ref, monitor: monitor, op: op} = entry, pending} ->
         # A caller that died while its reply waited in our mailbox (its :DOWN behind the reply): the
         # monitor is gone, and a session made for it is closed, as for a caller that died before.
         if Process.demonitor(monitor, [:flush, :info]) do
           send(ref, {Sidecar, ref, {:reply, reply_value(result)}})
-          %{state | pending: pending, made: remember_made(state.made, ref, op, result)}
+          state = %{state | pending: pending, made: remember_made(state.made, ref, op, result)}
+          own(state, Map.get(entry, :owner), op, result)
         else
           close_unclaimed(%{state | pending: pending}, op, result)
         end
