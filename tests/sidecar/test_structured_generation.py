@@ -92,6 +92,41 @@ def test_seeded_constrained_sampling_is_reproducible(engine):
     assert [s.token_ids for s in first.sequences] == [s.token_ids for s in again.sequences]
 
 
+@pytest.mark.parametrize("name", ["phone", "choice", "json"])
+def test_masks_keeping_their_few_tokens_generate_what_bias_rows_do(name, engine, monkeypatch):
+    """Over a large vocabulary a mask allowing few tokens keeps their ids, and a step of several rows
+    copies those tokens' logits instead of adding the mask's bias row: seeded samples and beams are
+    the same token for token (the default model's 1,024 tokens keep none unless told to here)."""
+    from collections import OrderedDict
+
+    from processors.structured import automaton, compile as structured_compile
+
+    config, _, budget = CONSTRAINTS[name]
+    masked, copied = automaton.masked, []
+
+    def counted(bias, kept, indices, logits):
+        copied.append(sum(int(index) in kept for index in indices))
+        return masked(bias, kept, indices, logits)
+
+    monkeypatch.setattr(automaton, "masked", counted)
+
+    def generated(kept):
+        monkeypatch.setattr(structured_compile, "_cache", OrderedDict())
+        monkeypatch.setattr(automaton, "KEEP_IDS_FROM_VOCAB", 0 if kept else 2**62)
+        with engine.session() as session:
+            sampled = [session.generate("The answer:", max_new_tokens=budget, strategy="sample", seed=seed,
+                                        num_samples=8, processors=[config]) for seed in range(3)]
+            beams = session.generate("The answer:", max_new_tokens=budget, strategy="beam", num_beams=4,
+                                     num_return_sequences=4,
+                                     processors=[config])
+        return [[s.token_ids for s in r.sequences] for r in [*sampled, beams]], [s.score for s in beams.sequences]
+
+    kept_ids, kept_scores = generated(True)
+    assert sum(copied) > 100  # rows whose few tokens were copied
+    copied.clear()
+    assert generated(False) == (kept_ids, kept_scores) and not copied
+
+
 def run(engine, session, name, strategy, rows, streamed):
     """One generate of the matrix; returns its texts and, when streamed, the streamed texts per sequence."""
     config, _, budget = (None, None, 12) if name == "free text" else CONSTRAINTS[name]
