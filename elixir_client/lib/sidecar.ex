@@ -219,8 +219,9 @@ defmodule Sidecar do
   """
   @spec close_session(conn(), session(), timeout() | nil) :: :ok | {:error, Error.t()}
   def close_session(conn, session, timeout \\ nil) do
-    {name, _eos, _incarnation} = identify(session)
-    with {:ok, _} <- session_call(conn, session, "close_session", %{}, timeout, {:closing, name}), do: :ok
+    {name, _eos, incarnation} = identify(session)
+    params = %{"session" => name}
+    with {:ok, _} <- call(conn, "close_session", params, incarnation, timeout, {:closing, name}), do: :ok
   end
 
   @doc """

@@ -21,8 +21,8 @@ from .build import tables
 
 MAX_MEMO_STEPS = 65_536  # one-row steps remembered per automaton
 MEMO_STEP_BYTES = 100  # what one remembered step holds: a dict slot and two ints
-FEW_TOKENS = 8  # a mask allowing at most vocab // FEW_TOKENS tokens also keeps their ids (see `masked`),
-KEEP_IDS_FROM_VOCAB = 16_384  # in a vocabulary this large at least: below, gathering whole bias rows costs less
+FEW_TOKENS = 8  # a mask allowing at most vocab // FEW_TOKENS tokens also keeps their ids (see `masked`)
+KEEP_IDS_FROM_VOCAB = 16_384  # ids are kept over this many tokens at least: below, adding whole bias rows costs less
 NEG_INF = float("-inf")
 
 
@@ -107,7 +107,7 @@ class TokenAutomaton(Stepping):
         """Its tables, the masks bound from them and the steps it remembers (what the compile cache holds on to)."""
         tensors = [self.keys, self.targets, self.mask_of, self.forbidden, self.accepting]
         tensors += [t for masks in self.bound.values() for t in (masks.mask_of, masks.bias)]
-        kept = sum(ids.nbytes for masks in self.bound.values() for ids in masks.kept.values())
+        kept = sum(masks.kept_bytes for masks in self.bound.values())
         return sum(t.numel() * t.element_size() for t in tensors) + kept + len(self.memo) * MEMO_STEP_BYTES
 
     def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -158,7 +158,10 @@ class TokenAutomaton(Stepping):
         ending = (distinct % 2).bool() | forbidden.all(dim=1)
         forbidden[ending.nonzero().squeeze(1).unsqueeze(1), eos_token_ids.unsqueeze(0)] = False
         bias = torch.zeros(forbidden.shape, dtype=torch.float32).masked_fill_(forbidden, NEG_INF)
-        return BoundMasks(inverse, bias, few_tokens(~forbidden))
+        allowed = ~forbidden
+        few = (allowed.sum(dim=1) <= most_kept(allowed.shape[1])).nonzero().squeeze(1).tolist()  # checked alone
+        kept = {index: ids for index in few if (ids := kept_ids(allowed[index].numpy())) is not None}
+        return BoundMasks(inverse, bias, kept)
 
     @classmethod
     def from_transitions(cls, initial: int, sources, tokens, targets, accepting, vocab_size: int) -> "TokenAutomaton":
@@ -181,11 +184,16 @@ class BoundMasks:
 
     mask_of: torch.Tensor
     bias: torch.Tensor
-    kept: dict  # mask index -> the int32 ids it allows, for the masks allowing few (see `masked`)
+    kept: dict  # mask index -> the int32 ids it allows, for the masks allowing few (see `masked`); CPU only
     views: dict = field(default_factory=dict, compare=False, repr=False)  # mask index -> its row, a view
 
     def to(self, device) -> "BoundMasks":
-        return BoundMasks(self.mask_of.to(device), self.bias.to(device), self.kept)
+        kept = self.kept if torch.device(device).type == "cpu" else {}
+        return BoundMasks(self.mask_of.to(device), self.bias.to(device), kept)
+
+    @functools.cached_property
+    def kept_bytes(self) -> int:
+        return sum(ids.nbytes for ids in self.kept.values())
 
     def row(self, state: int) -> torch.Tensor:
         """float32 [vocab]: one state's bias row on the CPU, a view (no copy) made once per mask: indexing a
@@ -223,11 +231,13 @@ def most_kept(vocab_size: int) -> int:
     return vocab_size // FEW_TOKENS if vocab_size >= KEEP_IDS_FROM_VOCAB else 0
 
 
-def few_tokens(allowed: torch.Tensor) -> dict:
-    """For each row of `allowed` (bool [masks, vocab]) that allows at most `most_kept` tokens, its index ->
-    those tokens' ids (int32, sorted)."""
-    few = (allowed.sum(dim=1) <= most_kept(allowed.shape[1])).nonzero().squeeze(1).tolist()
-    return {index: np.flatnonzero(allowed[index].numpy()).astype(np.int32) for index in few}
+def kept_ids(allowed: np.ndarray) -> np.ndarray | None:
+    """The ids a mask keeps, of the tokens `allowed` (bool [vocab]) allows (int32, sorted), if at most
+    `most_kept`; else None."""
+    if not most_kept(len(allowed)):
+        return None
+    ids = np.flatnonzero(allowed)
+    return ids.astype(np.int32) if len(ids) <= most_kept(len(allowed)) else None
 
 
 def masked(bias: np.ndarray, kept: dict, indices: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
@@ -235,9 +245,11 @@ def masked(bias: np.ndarray, kept: dict, indices: np.ndarray, logits: torch.Tens
     mask that allows few tokens (`kept`: most states of a JSON schema allow a handful) writes -inf and
     copies those tokens' logits; any other adds its bias row. Gathering bias rows wrote, and read again,
     a row of the vocabulary per row from a table too large to stay in cache: at 8 x 32k along the
-    benchmark's walks (median 4 tokens allowed) the whole step took 20-22 against 33-36 us a row."""
+    benchmark's walks (median 4 tokens allowed) the whole step took 20-22 against 33-36 us a row.
+    Exactly the bias rows added for finite logits; a NaN or inf logit of a forbidden token is -inf here
+    (added to -inf, NaN)."""
     source = logits.numpy()
-    out = np.empty_like(source)
+    out = np.empty(source.shape, dtype=np.float32)  # C order, whatever the logits' strides
     for row, index in enumerate(indices.tolist()):
         tokens = kept.get(index)
         if tokens is None:

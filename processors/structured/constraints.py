@@ -314,8 +314,9 @@ class AutomatonProcessor(LogitsProcessor):
         else:
             if context.length > context.input_length:
                 state = self.automaton.advance(state, context.sequence[:, context.length - 1])
+            # (a lazy automaton's masks keep ids from the first row made that allows few tokens)
             if self.masks.kept and state.is_cpu and logits.is_cpu and logits.dtype == torch.float32 \
-                    and not logits.requires_grad:
+                    and logits.shape[1] == self.automaton.vocab_size and not logits.requires_grad:
                 logits = self.masks.masked(state.numpy(), logits)
             else:  # the gathered rows are a tensor of our own: adding the logits into it saves writing a third
                 logits = self.masks.rows(state).to(logits.dtype).add_(logits)

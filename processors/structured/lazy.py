@@ -192,7 +192,8 @@ class LazyMasks:
     """`automaton.BoundMasks` for a `LazyAutomaton`: each state's bias row (0 for the tokens it allows,
     end-of-sequence ones where it may end, -inf for the others) is made the first time a step asks for it,
     and a row is shared by the states with the same tokens and the same ending. The rows are at most
-    one per state: the compile checked their bytes against `build.MAX_MASK_BYTES`.
+    one per state: the compile checked their bytes against `build.MAX_MASK_BYTES` (with the ids of
+    the rows that allow few tokens, `automaton.most_kept`, up to an eighth more).
 
     On the CPU the rows are made in numpy, in an array the tensor `bias` shares: torch would run the copy
     of a growing table on its thread pool, which hangs in a process forked after that pool started (a
@@ -207,6 +208,7 @@ class LazyMasks:
         self.bias = self._tensor(self._table)
         self._rows: dict[tuple[int, bool], int] = {}  # (text mask, whether it may end) -> its row
         self.kept: dict[int, np.ndarray] = {}  # row -> the int32 ids it allows, for rows allowing few (`masked`)
+        self.kept_bytes = 0  # of `kept`, counted as they come
         self.views: dict = {}  # row -> a view of it (see `row`)
 
     def _tensor(self, table: np.ndarray) -> torch.Tensor:
@@ -214,8 +216,7 @@ class LazyMasks:
 
     @property
     def nbytes(self) -> int:
-        kept = sum(ids.nbytes for ids in list(self.kept.values()))
-        return self.bias.numel() * self.bias.element_size() + kept + self.mask_of.nbytes
+        return self.bias.numel() * self.bias.element_size() + self.kept_bytes + self.mask_of.nbytes
 
     @property
     def reserved_bytes(self) -> int:
@@ -276,9 +277,10 @@ class LazyMasks:
                 if ending:
                     row[self.eos] = 0.0
                 index = self._append(row)
-                kept = np.flatnonzero(row == 0)
-                if len(kept) <= token_automaton.most_kept(self.automaton.vocab_size):
-                    self.kept[index] = kept.astype(np.int32)
+                kept = token_automaton.kept_ids(row == 0)
+                if kept is not None:
+                    self.kept[index] = kept
+                    self.kept_bytes += kept.nbytes
                 self._rows[(text, ending)] = index
             self.mask_of[state] = index  # last: readers go without the lock
             return index

@@ -392,20 +392,13 @@ defmodule Sidecar.Connection do
   end
 
   # `session_owner`: the process whose exit closes the session a request makes (`{:owner, pid}`), or
-  # the session a close_session closes (`{:closing, name}`), which no exit closes any more.
+  # the session a close_session closes (`{:closing, name}`), which no exit closes once it is closed.
   defp take_request(op, body, ref, caller, session_owner, state) do
     id = state.next_id
 
     case queue_request(state, id, op, body) do
       {:ok, state} ->
-        {owner, state} =
-          case session_owner do
-            {:owner, pid} -> {pid, state}
-            {:closing, name} -> {nil, disown(state, name)}
-            nil -> {nil, state}
-          end
-
-        entry = %{ref: ref, monitor: Process.monitor(caller), op: op, owner: owner}
+        entry = %{ref: ref, monitor: Process.monitor(caller), op: op, owner: session_owner}
 
         {:reply, {:ok, id, state.call_timeout},
          %{state | next_id: id + 1, pending: Map.put(state.pending, id, entry)}}
@@ -477,12 +470,18 @@ defmodule Sidecar.Connection do
 
   # A session made for a caller that got its reply: closed when its owner exits, if it has one. A
   # session of the same name owned before (closed by the sidecar since, its name taken again) is not.
-  defp own(state, owner, op, {:ok, %{"session" => name}}) when op in @making_sessions do
+  # A session closed is disowned (a close withdrawn unsent leaves the session owned).
+  defp own(state, session_owner, op, {:ok, %{"session" => name}}) when op in @making_sessions do
     state = disown(state, name)
-    if owner, do: %{state | owned: Map.put(state.owned, Process.monitor(owner), name)}, else: state
+
+    case session_owner do
+      {:owner, pid} -> %{state | owned: Map.put(state.owned, Process.monitor(pid), name)}
+      nil -> state
+    end
   end
 
-  defp own(state, _owner, _op, _result), do: state
+  defp own(state, {:closing, name}, "close_session", {:ok, _}), do: disown(state, name)
+  defp own(state, _session_owner, _op, _result), do: state
 
   defp disown(state, name) do
     {gone, kept} = Enum.split_with(state.owned, fn {_monitor, owned} -> owned == name end)
@@ -617,13 +616,13 @@ defmodule Sidecar.Connection do
       {%{ref: nil, op: op}, pending} ->
         close_unclaimed(%{state | pending: pending}, op, result)
 
-      {%{ref: ref, monitor: monitor, op: op} = entry, pending} ->
+      {%{ref: ref, monitor: monitor, op: op, owner: session_owner}, pending} ->
         # A caller that died while its reply waited in our mailbox (its :DOWN behind the reply): the
         # monitor is gone, and a session made for it is closed, as for a caller that died before.
         if Process.demonitor(monitor, [:flush, :info]) do
           send(ref, {Sidecar, ref, {:reply, reply_value(result)}})
           state = %{state | pending: pending, made: remember_made(state.made, ref, op, result)}
-          own(state, Map.get(entry, :owner), op, result)
+          own(state, session_owner, op, result)
         else
           close_unclaimed(%{state | pending: pending}, op, result)
         end
