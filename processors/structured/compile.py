@@ -23,6 +23,7 @@ from typing import Callable
 
 from ..errors import InvalidOption, ProcessorError
 from .automaton import TokenAutomaton
+from .build import MasksTooLarge
 from .forkserver import COMPILE_MEMORY_BYTES, POLL_S, ForkServer, receive_tables
 from .lazy import LazyAutomaton
 from .locks import ForkSafeLock
@@ -79,7 +80,7 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
         error, tried = failed
         if isinstance(error, CompileTimedOut):  # named with this call's limit, which may be shorter
             raise _timed_out(timeout_s, tried)
-        raise InvalidOption(str(error))
+        raise type(error)(str(error))  # of its kind: a schema's MasksTooLarge has it run by llguidance
     try:
         automaton = _build(source, vocabulary, timeout_s, cancelled or _never)
     except InvalidOption as error:
@@ -161,6 +162,13 @@ def _automaton(made: dict, vocabulary: Vocabulary) -> TokenAutomaton | LazyAutom
     return TokenAutomaton.from_tables(**made)
 
 
+def masks_too_large(source: tuple[str, str], vocabulary: Vocabulary) -> bool:
+    """Whether compiling `source` over `vocabulary` was found to raise `MasksTooLarge`."""
+    with _cache_lock:
+        failed = _failures.get((source, vocabulary.fingerprint))
+    return failed is not None and isinstance(failed[0], MasksTooLarge)
+
+
 def is_compiled(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float | None = None) -> bool:
     """Whether binding `source` to `vocabulary` (with `timeout_s`) takes no compiling: compiled, or known
     to fail (a timeout is not known to fail with a longer timeout: `compile_regex` tries again)."""
@@ -220,4 +228,6 @@ def _in_child(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: float,
         receiver.close()
     if status == "error":
         raise InvalidOption(payload)
+    if status == "masks_too_large":
+        raise MasksTooLarge(payload)
     return payload

@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 
 from ..errors import ProcessorError
-from .build import build_tables, warm
+from .build import MasksTooLarge, build_tables, warm
 from .trie import TokenTrie
 
 COMPILE_MEMORY_BYTES = 2 * 2**30  # what a compiling child may allocate beyond what it inherits
@@ -263,6 +263,8 @@ def compile_child(fd: int, source: tuple[str, str], trie: TokenTrie, vocab_size:
     except MemoryError:
         sender.send(("error", f"compiling the constraint needed more than {COMPILE_MEMORY_BYTES >> 20} MiB "
                               f"(limit compile_memory)"))
+    except MasksTooLarge as error:  # not a failure of the constraint: another backend runs it
+        sender.send(("masks_too_large", str(error)))
     except Exception as error:  # InvalidOption names the problem; anything else is reported as it is
         sender.send(("error", str(error)))
     else:  # once its first part is out, nothing else is sent: a failure ends the child, which the caller reads as a crash

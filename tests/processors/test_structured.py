@@ -1145,6 +1145,33 @@ def test_a_constraint_whose_masks_pass_their_limit_is_refused(vocab, monkeypatch
     assert type(automaton) is TokenAutomaton and automaton.forbidden.shape == (2, vocab.size)
 
 
+def test_a_schema_whose_masks_would_pass_their_limit_over_every_byte_is_run_by_llguidance(vocab, tokenizer, monkeypatch,
+                                                                                         forks_here):
+    """Over a vocabulary that writes every byte, a schema whose states would reserve more masks than the
+    limit (a schema of some nesting over 128k tokens) is run by llguidance: once found, remembered, and
+    the same through the compile thread's path (`compile`, then `bind` with what it made); every text
+    a random walk ends validates. A regex is still compiled ahead, and a schema within the limit lazily."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    as_regex = configure(Regex, pattern=build_regex_from_schema(json.dumps(NESTED)))  # about as many states
+    states = min(len(c.bind(vocab, [EOS]).automaton.moves) for c in (configure(JsonSchema, schema=NESTED), as_regex))
+    structured_compile._cache.clear()
+    monkeypatch.setattr(build_module, "MAX_MASK_BYTES", (states - 1) * vocab.size * 4)
+    constraint = configure(JsonSchema, schema=NESTED)
+    assert not constraint.compiled_for(vocab)
+    chain = Chain([constraint]).bind(vocab, [EOS])
+    assert isinstance(chain.processors[0], GrammarProcessor) and len(forks_here.pids) == 3
+    assert constraint.compiled_for(vocab) and isinstance(constraint.bind(vocab, [EOS]), GrammarProcessor)
+    compiled = configure(JsonSchema, schema=NESTED).compile(vocab)
+    assert isinstance(constraint.bind(vocab, [EOS], compiled=compiled), GrammarProcessor) and len(forks_here.pids) == 3
+    texts = [tokenizer.decode(ids) for seed in range(2) for ids in run_chain(chain, 16, 120, 1024, seed, every_row_ends=False)]
+    assert len(texts) >= 4, texts
+    for text in texts:
+        jsonschema.validate(json.loads(text), NESTED)
+    assert type(configure(JsonSchema, schema={"type": "integer"}).bind(vocab, [EOS]).automaton) is LazyAutomaton
+    assert type(as_regex.bind(vocab, [EOS]).automaton) is TokenAutomaton
+
+
 @pytest.mark.parametrize("how", ["raises", "halfway", "stalls"])
 def test_a_child_failing_while_it_sends_its_tables_is_a_crash_not_an_automaton(vocab, monkeypatch, forks_here, how):
     """Once the tables' header is out, a child that fails before its last array, or halfway through it,

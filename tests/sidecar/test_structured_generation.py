@@ -566,6 +566,26 @@ def test_the_server_starts_llguidance_on_its_compile_thread(processor, check, de
     assert len(checks) == 2 and all(thread.startswith("compile-") for thread in checks), checks
 
 
+def test_a_schema_whose_masks_would_pass_their_limit_is_started_by_llguidance_on_the_compile_thread(default_dir,
+                                                                                                    monkeypatch):
+    """A schema the compile finds too large for its automaton's masks over the model's vocabulary (a
+    nested schema over 128k tokens) is run by llguidance, started on the compile thread as above; the
+    server binds what that made."""
+    from processors.structured import compile as structured_compile
+    from processors.structured import grammar
+    from processors.structured.build import MasksTooLarge
+
+    def too_large(source, *args):
+        raise MasksTooLarge("the schema's states would reserve more masks than the limit (limit max_mask_bytes)")
+
+    monkeypatch.setattr(structured_compile, "_build", too_large)
+    builds = threads_calling(monkeypatch, grammar, "_start")
+    monkeypatch.setattr(grammar, "STARTED", 0)  # the cache keeps nothing
+    schema = {"enum": ["too large", "for masks"]}
+    assert json.loads(generate_on_a_server({"name": "json_schema", "options": {"schema": schema}})["text"]) in schema["enum"]
+    assert len(builds) == 1 and builds[0].startswith("compile-"), builds
+
+
 def test_llguidance_refuses_on_the_compile_thread_what_it_refused_when_configured(default_dir, monkeypatch):
     """llguidance's check of a schema it runs (0.42 s for a new one of max_pattern_chars) is made by the
     compile, off the thread that runs every session; its refusal is the one configuring gives."""
