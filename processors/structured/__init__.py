@@ -5,9 +5,10 @@
 
 from . import compile, grammar, vocabulary
 from .automaton import TokenAutomaton
-from .constraints import AutomatonProcessor, Choice, Constraint, Dfa, Regex
+from .constraints import AutomatonProcessor, Constraint, Dfa
 from .grammar import Grammar, GrammarProcessor
 from .json_schema import JsonSchema
+from .regular import Choice, Regex
 from .vocabulary import Vocabulary
 
 __all__ = ["AutomatonProcessor", "Choice", "Constraint", "Dfa", "Grammar", "GrammarProcessor", "JsonSchema", "Regex",

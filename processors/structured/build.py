@@ -41,10 +41,8 @@ MAX_TABLE_BYTES = 256 * 2**20  # its transitions, 16 bytes each: 16M (the benchm
 
 
 class MasksTooLarge(InvalidOption):
-    """A JSON schema whose byte automaton has more states than masks can be reserved for, over a vocabulary
-    that writes every byte: llguidance runs it (`json_schema.JsonSchema`). Compiled ahead instead, the
-    benchmark's schema (1,331 byte states) took 9.2 s and 419 MB of tables and masks over 128,000
-    tokens, the size of Llama 3's vocabulary; llguidance starts it in milliseconds."""
+    """A constraint whose byte automaton has more states than masks can be reserved for, over a vocabulary
+    that writes every byte: llguidance runs it (`regular`)."""
 
 
 def build_tables(source: tuple[str, str], trie: TokenTrie, vocab_size: int) -> dict:
@@ -84,9 +82,8 @@ def build_tables(source: tuple[str, str], trie: TokenTrie, vocab_size: int) -> d
     if covers_every_byte(trie):
         if table.shape[0] * vocab_size * 4 <= MAX_MASK_BYTES:
             return byte_tables(initial, table, accepting, trie)
-        if source[0] == "json_schema":
-            raise MasksTooLarge(f"the schema's {table.shape[0] - 1:,} states would reserve more than {MAX_MASK_BYTES >> 20} "
-                                f"MiB of masks over {vocab_size:,} tokens (limit max_mask_bytes)")
+        raise MasksTooLarge(f"the constraint's {table.shape[0] - 1:,} states would reserve more than {MAX_MASK_BYTES >> 20} "
+                            f"MiB of masks over {vocab_size:,} tokens (limit max_mask_bytes)")
     return tables(*_live_transitions(initial, table, accepting, trie, vocab_size), vocab_size)
 
 

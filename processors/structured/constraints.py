@@ -1,5 +1,5 @@
-"""Processors that constrain the generated text: `Regex`, `Choice` and a user's own `Dfa` (`JsonSchema` and
-`Grammar` have modules of their own).
+"""Processors that constrain the generated text: what every constraint does, and a user's own `Dfa`
+(`Regex` and `Choice`, `JsonSchema` and `Grammar` have modules of their own).
 
 A constraint is configured with what the user names (a pattern, options, a schema, transitions) and is
 checked then. It runs only once bound to a model's vocabulary and end-of-sequence tokens (`bind`, which
@@ -24,9 +24,8 @@ from .. import checks
 from ..contract import Context, LogitsProcessor, option
 from ..errors import InvalidOption, ProcessorError
 from . import budget
-from .anchors import unanchored
 from .automaton import BoundMasks, TokenAutomaton
-from .compile import compile_regex, is_cached, is_compiled
+from .compile import is_cached
 from .vocabulary import Vocabulary
 
 MAX_PATTERN_CHARS = 100_000  # a regex, a schema's JSON or the options of a choice, in characters
@@ -170,30 +169,6 @@ def _compile_timeout():
                   check=checks.real_in(0.0, 300.0, low_open=True))
 
 
-class RegularConstraint(Constraint):
-    """A constraint that is a regular language: compiled from one regex by outlines-core."""
-
-    def source(self) -> tuple[str, str]:
-        """("regex", pattern) or ("json_schema", schema text): what the compiler is given."""
-        raise NotImplementedError
-
-    def automaton(self, vocabulary, cancelled=None):
-        """Compiled (or from the cache); `cancelled`, a callable asked while compiling, may stop it (see
-        `compile_regex`)."""
-        return compile_regex(self.source(), vocabulary, self.compile_timeout_s, cancelled)
-
-    def compiled_for(self, vocabulary) -> bool:
-        """No compiling when an earlier call compiled the same constraint, or failed to with a timeout at
-        least this one's."""
-        return is_compiled(self.source(), vocabulary, self.compile_timeout_s)
-
-    def compile_key(self):
-        return (self.source(), self.compile_timeout_s)  # a request never waits on a compile bounded by another's
-
-    def compile(self, vocabulary, cancelled=None):
-        return self.automaton(vocabulary, cancelled)
-
-
 @dataclass(frozen=True)
 class Compiled(Constraint):
     """A constraint with what a compile thread made of it (the server compiles off its main thread): bound
@@ -216,34 +191,6 @@ class Compiled(Constraint):
         if compiled is None and vocabulary.fingerprint == self.fingerprint:
             compiled = self.compiled
         return self.constraint.bind(vocabulary, eos_token_ids, device, after_others, compiled)
-
-
-@dataclass(frozen=True)
-class Regex(RegularConstraint):
-    """The generated text matches `pattern` in full (Rust `regex` syntax: no look-around, no back-references)."""
-
-    name: ClassVar[str] = "regex"
-    pattern: str = option("the regular expression the whole generated text must match", check=_pattern)
-    compile_timeout_s: float = _compile_timeout()
-
-    def validate(self):
-        unanchored(self.pattern)  # an anchor left inside is refused, by this message rather than the checker's
-        _check_syntax(self.pattern, "pattern")
-
-    def source(self):
-        return ("regex", unanchored(self.pattern))
-
-
-@dataclass(frozen=True)
-class Choice(RegularConstraint):
-    """The generated text is exactly one of `options`."""
-
-    name: ClassVar[str] = "choice"
-    options: tuple[str, ...] = option("the texts to choose from", check=_choices)
-    compile_timeout_s: float = _compile_timeout()
-
-    def source(self):
-        return ("regex", "(" + "|".join(map(escape, self.options)) + ")")
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,9 @@ from .. import checks
 from ..contract import option
 from ..errors import InvalidOption
 from .anchors import class_read_differently
-from .automaton import TokenAutomaton
-from .build import MasksTooLarge
-from .compile import masks_too_large
-from .constraints import MAX_PATTERN_CHARS, RegularConstraint, _compile_timeout, _pattern
+from .constraints import MAX_PATTERN_CHARS, _compile_timeout, _pattern
 from .grammar import RunByLlguidance, check_grammar
-from .lazy import LazyAutomaton
+from .regular import RegularConstraint
 from .schema_fit import dfa_obstacle, read_alike, schema_objects
 
 CHECKED_SCHEMAS = 256  # schema texts remembered as valid: at most 256 x max_pattern_chars (100 KB) held
@@ -290,13 +287,14 @@ def llguidance_grammar(schema_text: str) -> str:
 
 
 @dataclass(frozen=True)
-class JsonSchema(RegularConstraint, RunByLlguidance):
+class JsonSchema(RegularConstraint):
     """The generated text is JSON valid against `schema`. Compiled to a token automaton by outlines-core
     where that is exact (most schemas with typed, listed members), run by llguidance's JSON grammar
-    otherwise, and over a vocabulary too large for the automaton's masks (`build.MasksTooLarge`: a
+    otherwise, and over a vocabulary where the automaton's masks could not be reserved (`regular`: a
     schema of some nesting over Llama 3's 128k tokens); what neither enforces is refused when configured."""
 
     name: ClassVar[str] = "json_schema"
+    option_name: ClassVar[str] = "schema"
     schema: str = option("the JSON schema, as a map or as JSON text", check=_schema)
     compile_timeout_s: float = _compile_timeout()
 
@@ -325,33 +323,21 @@ class JsonSchema(RegularConstraint, RunByLlguidance):
     def source(self):
         return ("json_schema", self.schema)  # its regex is built by the compiling child: it can be huge
 
-    # Each of these is the automaton's (RegularConstraint's) or llguidance's (RunByLlguidance's): the
-    # automaton's unless outlines-core would not compile the schema exactly, or its compile over the
-    # vocabulary raises MasksTooLarge (found once, remembered with the compile's failures).
+    # Each of these is RegularConstraint's (the automaton's, or llguidance's where its masks could not be
+    # reserved), or, for a schema outlines-core would not compile exactly, llguidance's.
 
     def compiled_for(self, vocabulary) -> bool:
-        if self.dfa_obstacle is None and not masks_too_large(self.source(), vocabulary):
-            return RegularConstraint.compiled_for(self, vocabulary)
-        return RunByLlguidance.compiled_for(self, vocabulary)
+        return self._backend.compiled_for(self, vocabulary)
 
     def compile_key(self):
-        return RegularConstraint.compile_key(self) if self.dfa_obstacle is None else RunByLlguidance.compile_key(self)
+        return self._backend.compile_key(self)
 
     def compile(self, vocabulary, cancelled=None):
-        if self.dfa_obstacle is None:
-            try:
-                return RegularConstraint.compile(self, vocabulary, cancelled)
-            except MasksTooLarge:
-                pass
-        return RunByLlguidance.compile(self, vocabulary, cancelled)
+        return self._backend.compile(self, vocabulary, cancelled)
 
     def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True, compiled=None):
-        if compiled is not None:  # what `compile` made: an automaton, or llguidance's start
-            backend = RegularConstraint if isinstance(compiled, (TokenAutomaton, LazyAutomaton)) else RunByLlguidance
-            return backend.bind(self, vocabulary, eos_token_ids, device, after_others, compiled)
-        if self.dfa_obstacle is None:
-            try:
-                return RegularConstraint.bind(self, vocabulary, eos_token_ids, device, after_others)
-            except MasksTooLarge:
-                self.check_grammar()  # remembered per text; configuring checked only a schema outlines-core would not compile
-        return RunByLlguidance.bind(self, vocabulary, eos_token_ids, device, after_others)
+        return self._backend.bind(self, vocabulary, eos_token_ids, device, after_others, compiled)
+
+    @property
+    def _backend(self) -> type:
+        return RegularConstraint if self.dfa_obstacle is None else RunByLlguidance

@@ -1137,20 +1137,21 @@ def test_a_constraint_whose_tables_pass_their_limit_is_refused(vocab, monkeypatc
 
 
 def test_a_constraint_whose_masks_pass_their_limit_is_refused(vocab, monkeypatch, forks_here):
+    """Compiled ahead (over a vocabulary that does not write every byte), its distinct masks are counted."""
+    monkeypatch.setattr(build_module, "covers_every_byte", lambda trie: False)
     monkeypatch.setattr(build_module, "MAX_MASK_BYTES", 2 * vocab.size * 4)  # two distinct masks
     with pytest.raises(P.InvalidOption, match=r"its token masks exceed 0 MiB \(limit max_mask_bytes\)"):
         configure(Regex, pattern="[a-z]{1,3}").bind(vocab, [EOS])
     automaton = configure(Regex, pattern="[0-9]").bind(vocab, [EOS]).automaton  # digits, then nothing
-    # compiled ahead: made lazily, its masks could reach one per state, past the limit
     assert type(automaton) is TokenAutomaton and automaton.forbidden.shape == (2, vocab.size)
 
 
-def test_a_schema_whose_masks_would_pass_their_limit_over_every_byte_is_run_by_llguidance(vocab, tokenizer, monkeypatch,
-                                                                                         forks_here):
-    """Over a vocabulary that writes every byte, a schema whose states would reserve more masks than the
-    limit (a schema of some nesting over 128k tokens) is run by llguidance: once found, remembered, and
-    the same through the compile thread's path (`compile`, then `bind` with what it made); every text
-    a random walk ends validates. A regex is still compiled ahead, and a schema within the limit lazily."""
+def test_a_constraint_whose_masks_would_pass_their_limit_over_every_byte_is_run_by_llguidance(vocab, tokenizer,
+                                                                                             monkeypatch, forks_here):
+    """Over a vocabulary that writes every byte, a schema or regex whose states would reserve more masks
+    than the limit (a schema of some nesting over 128k tokens) is run by llguidance: once found,
+    remembered, and the same through the compile thread's path (`compile`, then `bind` with what it
+    made); every text a random walk ends validates, or matches. One within the limit is compiled lazily."""
     from outlines_core.json_schema import build_regex_from_schema
 
     as_regex = configure(Regex, pattern=build_regex_from_schema(json.dumps(NESTED)))  # about as many states
@@ -1169,7 +1170,10 @@ def test_a_schema_whose_masks_would_pass_their_limit_over_every_byte_is_run_by_l
     for text in texts:
         jsonschema.validate(json.loads(text), NESTED)
     assert type(configure(JsonSchema, schema={"type": "integer"}).bind(vocab, [EOS]).automaton) is LazyAutomaton
-    assert type(as_regex.bind(vocab, [EOS]).automaton) is TokenAutomaton
+    chain = Chain([as_regex]).bind(vocab, [EOS])
+    assert isinstance(chain.processors[0], GrammarProcessor) and as_regex.compiled_for(vocab)
+    texts = [tokenizer.decode(ids) for ids in run_chain(chain, 16, 120, 1024, 0, every_row_ends=False)]
+    assert len(texts) >= 2 and all(regex.fullmatch(as_regex.pattern, text) for text in texts), texts
 
 
 @pytest.mark.parametrize("how", ["raises", "halfway", "stalls"])

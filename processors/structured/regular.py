@@ -1,0 +1,114 @@
+"""Regular constraints, `Regex` and `Choice` (and `JsonSchema`, whose module adds its schema checks):
+compiled from one regex by outlines-core into a token automaton, or, over a vocabulary where the
+automaton's masks could not be reserved, run by llguidance on the same regex.
+
+Over a vocabulary that writes every byte an automaton is compiled lazily, and its masks are reserved,
+a float32 row of the vocabulary per state, against `build.MAX_MASK_BYTES`: 256 MiB holds about 500 states
+over Llama 3's 128k tokens. Past that it would be compiled ahead, every state's tokens walked at once,
+which took 8.6 s and 369 MB for the benchmark's JSON schema (1,330 states) over a 128k BPE, and ran past
+the 10 s compile timeout for `[a-z]{1,20}( [a-z]{1,20}){0,30}\\.`. The compile says so instead
+(`build.MasksTooLarge`, remembered like a failure) and llguidance runs the constraint: its parser over
+the vocabulary is built once per vocabulary (1.4 s over 128k tokens), then in milliseconds per
+constraint, for a step of 0.6 against 0.2 ms a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ..contract import option
+from ..errors import InvalidOption
+from .anchors import unanchored
+from .automaton import TokenAutomaton
+from .build import MasksTooLarge
+from .compile import compile_regex, is_compiled, masks_too_large
+from .constraints import Constraint, _check_syntax, _choices, _compile_timeout, _pattern, escape
+from .grammar import RunByLlguidance, check_grammar
+from .lazy import LazyAutomaton
+
+
+class RegularConstraint(RunByLlguidance, Constraint):
+    """A constraint that is a regular language: compiled from one regex by outlines-core, or run by
+    llguidance where its masks could not be reserved (see the module)."""
+
+    option_name: ClassVar[str]  # the option the regex is made of, named by llguidance's refusal
+
+    def source(self) -> tuple[str, str]:
+        """("regex", pattern) or ("json_schema", schema text): what the compiler is given."""
+        raise NotImplementedError
+
+    @property
+    def llguidance_grammar(self) -> str:
+        """The regex of `source` in llguidance's format."""
+        import llguidance
+
+        return llguidance.LLMatcher.grammar_from_regex(self.source()[1])
+
+    def check_grammar(self) -> None:
+        """llguidance's check of what it runs (remembered per text)."""
+        ok, problem = check_grammar(lambda: self.llguidance_grammar, self.option_name)
+        if not ok:
+            raise InvalidOption(f"option {self.option_name!r} cannot be enforced over this vocabulary: {problem[:300]} "
+                                f"(it is run by llguidance, since its automaton's masks would take too much memory)")
+
+    def automaton(self, vocabulary, cancelled=None):
+        """Compiled (or from the cache); `cancelled`, a callable asked while compiling, may stop it (see
+        `compile_regex`)."""
+        return compile_regex(self.source(), vocabulary, self.compile_timeout_s, cancelled)
+
+    def compiled_for(self, vocabulary) -> bool:
+        """No compiling when an earlier call compiled the same constraint, or failed to with a timeout at
+        least this one's; when its masks were found too large, when llguidance's parser is built."""
+        if masks_too_large(self.source(), vocabulary):
+            return RunByLlguidance.compiled_for(self, vocabulary)
+        return is_compiled(self.source(), vocabulary, self.compile_timeout_s)
+
+    def compile_key(self):
+        return (self.source(), self.compile_timeout_s)  # a request never waits on a compile bounded by another's
+
+    def compile(self, vocabulary, cancelled=None):
+        """Its automaton, or llguidance's parser when its masks are too large."""
+        try:
+            return self.automaton(vocabulary, cancelled)
+        except MasksTooLarge:
+            return RunByLlguidance.compile(self, vocabulary, cancelled)
+
+    def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True, compiled=None):
+        if compiled is not None and not isinstance(compiled, (TokenAutomaton, LazyAutomaton)):  # llguidance's
+            return RunByLlguidance.bind(self, vocabulary, eos_token_ids, device, after_others, compiled)
+        try:
+            return Constraint.bind(self, vocabulary, eos_token_ids, device, after_others, compiled)
+        except MasksTooLarge:
+            self.check_grammar()  # remembered per text
+            return RunByLlguidance.bind(self, vocabulary, eos_token_ids, device, after_others)
+
+
+@dataclass(frozen=True)
+class Regex(RegularConstraint):
+    """The generated text matches `pattern` in full (Rust `regex` syntax: no look-around, no back-references)."""
+
+    name: ClassVar[str] = "regex"
+    option_name: ClassVar[str] = "pattern"
+    pattern: str = option("the regular expression the whole generated text must match", check=_pattern)
+    compile_timeout_s: float = _compile_timeout()
+
+    def validate(self):
+        unanchored(self.pattern)  # an anchor left inside is refused, by this message rather than the checker's
+        _check_syntax(self.pattern, "pattern")
+
+    def source(self):
+        return ("regex", unanchored(self.pattern))
+
+
+@dataclass(frozen=True)
+class Choice(RegularConstraint):
+    """The generated text is exactly one of `options`."""
+
+    name: ClassVar[str] = "choice"
+    option_name: ClassVar[str] = "options"
+    options: tuple[str, ...] = option("the texts to choose from", check=_choices)
+    compile_timeout_s: float = _compile_timeout()
+
+    def source(self):
+        return ("regex", "(" + "|".join(map(escape, self.options)) + ")")
