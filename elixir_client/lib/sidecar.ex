@@ -643,8 +643,16 @@ defmodule Sidecar do
 
     with {:ok, request} <- request(conn, op, params, incarnation, timeout, session_owner) do
       case receive_reply(request, give_up_at(timeout, request, started)) do
-        :timeout -> {:error, Error.new(:timeout, "no reply within #{timeout || request.timeout} ms")}
-        reply -> reply
+        :timeout ->
+          {:error, Error.new(:timeout, "no reply within #{timeout || request.timeout} ms")}
+
+        {:ok, _} = reply ->
+          # the session it made is ours now: until then, our exit would have it closed
+          if Connection.makes_session?(op), do: GenServer.cast(request.conn, {:claimed, request.ref})
+          reply
+
+        reply ->
+          reply
       end
     end
   end

@@ -352,6 +352,70 @@ defmodule SidecarTest do
     Sidecar.close_session(conn, source)
   end
 
+  test "a session whose reply reached its caller, killed before it could take it, is closed", %{conn: conn} do
+    {:ok, %{"sessions" => before}} = Sidecar.stats(conn)
+    {:ok, %{"os_pid" => os_pid}} = Sidecar.info(conn)
+    # the sidecar holds the open until the opener is suspended: the reply then lands in its mailbox,
+    # which it never reads, as it is killed first
+    System.cmd("kill", ["-STOP", "#{os_pid}"])
+
+    opener =
+      try do
+        opener = spawn(fn -> Sidecar.open_session(conn) end)
+        assert eventually(fn -> map_size(:sys.get_state(conn).pending) == 1 end)
+        :erlang.suspend_process(opener)
+        opener
+      after
+        System.cmd("kill", ["-CONT", "#{os_pid}"])
+      end
+
+    assert eventually(fn -> :sys.get_state(conn).pending == %{} end)
+    Process.exit(opener, :kill)
+
+    assert eventually(fn -> match?({:ok, %{"sessions" => ^before}}, Sidecar.stats(conn)) end),
+           "sessions left open: #{inspect(Sidecar.stats(conn))}, #{before} before"
+  end
+
+  test "sessions made for 80 callers that gave up at once, their replies before their withdrawals, are closed",
+       %{conn: conn} do
+    {:ok, %{"sessions" => before}} = Sidecar.stats(conn)
+    {:ok, %{"os_pid" => os_pid}} = Sidecar.info(conn)
+    me = self()
+    # the sidecar holds the 80 opens; the connection then reads nothing while their replies come, and
+    # the callers give up meanwhile: their withdrawals queue behind the replies (a list of the last 64
+    # sessions made let 16 of them stay open)
+    System.cmd("kill", ["-STOP", "#{os_pid}"])
+
+    callers =
+      try do
+        callers =
+          for _ <- 1..80 do
+            # each lives on: a caller's death closes its session by another way
+            spawn(fn ->
+              send(me, {:opened, Sidecar.open_session(conn, timeout: 6_000)})
+              Process.sleep(:infinity)
+            end)
+          end
+
+        assert eventually(fn -> map_size(:sys.get_state(conn).pending) == 80 end)
+        :sys.suspend(conn)
+        callers
+      after
+        System.cmd("kill", ["-CONT", "#{os_pid}"])
+      end
+
+    # the 80 replies are in the connection's mailbox before the first caller gives up
+    assert eventually(fn -> elem(Process.info(conn, :message_queue_len), 1) >= 80 end, 4_000)
+    results = for _ <- callers, do: assert_receive({:opened, result}, 10_000) && result
+    :sys.resume(conn)
+    assert Enum.all?(results, &match?({:error, %Error{reason: :timeout}}, &1))
+
+    assert eventually(fn -> match?({:ok, %{"sessions" => ^before}}, Sidecar.stats(conn)) end),
+           "sessions left open: #{inspect(Sidecar.stats(conn))}, #{before} before"
+
+    Enum.each(callers, &Process.exit(&1, :kill))
+  end
+
   describe "a session's owner" do
     test "its exit closes the session and the forks it owns, however it ends; nobody else's does",
          %{conn: conn} do

@@ -28,7 +28,7 @@ defmodule Sidecar.Connection do
     outbox: :queue.new(),
     outbox_bytes: 0,
     retrying: false,
-    made: [],
+    made: %{},
     owned: %{}
   ]
 
@@ -36,7 +36,10 @@ defmodule Sidecar.Connection do
 
   # Requests that make a session: when their caller stopped waiting, the session made is closed.
   @making_sessions ["open_session", "fork_session", "restore_session"]
-  @made_remembered 64
+
+  @doc false
+  # Whether `op` makes a session, which its caller claims once it has the reply (`{:claimed, ref}`).
+  def makes_session?(op), do: op in @making_sessions
 
   # The `stats` of a generation that ran nothing (cancelled before it was sent), as the sidecar gives
   # those of one cancelled before it started.
@@ -360,7 +363,9 @@ defmodule Sidecar.Connection do
   # ---- requests ---------------------------------------------------------------------------------
 
   @impl true
-  def handle_call({:request, op, params, incarnation, ref, session_owner}, {caller, _}, state) do
+  def handle_call({:request, op, params, incarnation, ref, session_owner}, {caller, _}, state)
+      when session_owner == nil or (elem(session_owner, 0) == :owner and is_pid(elem(session_owner, 1))) or
+             (elem(session_owner, 0) == :closing and is_binary(elem(session_owner, 1))) do
     if incarnation != nil and incarnation != state.incarnation do
       {:reply,
        {:error,
@@ -392,12 +397,15 @@ defmodule Sidecar.Connection do
   end
 
   # `session_owner`: the process whose exit closes the session a request makes (`{:owner, pid}`), or
-  # the session a close_session closes (`{:closing, name}`), which no exit closes once it is closed.
+  # the session a close_session closes (`{:closing, name}`), which no exit closes from then on: an exit
+  # coming later would close, by its name, whatever session has the name by then (one opened since).
+  # (A close withdrawn before it was sent leaves its session open and unowned.)
   defp take_request(op, body, ref, caller, session_owner, state) do
     id = state.next_id
 
     case queue_request(state, id, op, body) do
       {:ok, state} ->
+        state = with {:closing, name} <- session_owner, do: disown(state, name), else: (_ -> state)
         entry = %{ref: ref, monitor: Process.monitor(caller), op: op, owner: session_owner}
 
         {:reply, {:ok, id, state.call_timeout},
@@ -414,26 +422,16 @@ defmodule Sidecar.Connection do
   # A caller that stopped waiting (its alias `ref` is gone): a request still unsent is not sent at all;
   # a generation already sent is cancelled, since nobody will read it.
   # A session made for it and relayed as the caller gave up (dropped at its deactivated alias, the caller
-  # says: `replied` false) is closed too.
+  # says: `replied` false) is closed too; one whose reply it found is its own (as `:claimed` says).
   def handle_cast({:withdraw, ref, replied}, state) do
     case Enum.find(state.pending, fn {_id, entry} -> entry.ref == ref end) do
-      nil ->
-        case List.keytake(state.made, ref, 0) do
-          {{_, name}, made} when not replied ->
-            {:noreply,
-             send_unread(disown(%{state | made: made}, name), "close_session", %{"session" => name})}
-
-          {_, made} ->
-            {:noreply, %{state | made: made}}
-
-          nil ->
-            {:noreply, state}
-        end
-
-      {id, entry} ->
-        {:noreply, state |> forget_pending(id) |> abandon(id, entry)}
+      nil -> {:noreply, unclaimed(state, ref, not replied)}
+      {id, entry} -> {:noreply, state |> forget_pending(id) |> abandon(id, entry)}
     end
   end
+
+  # The caller of a request that made a session has its reply.
+  def handle_cast({:claimed, ref}, state), do: {:noreply, unclaimed(state, ref, false)}
 
   def handle_cast(request, state) do
     Logger.warning("Sidecar: the connection ignored an unexpected cast: #{inspect(request, limit: 10)}")
@@ -461,26 +459,41 @@ defmodule Sidecar.Connection do
 
   defp close_unclaimed(state, _op, _result), do: state
 
-  # The last sessions made and relayed, should their callers have given up just then (`:withdraw`
-  # comes within moments of the reply, if at all; a few dozen cover every caller giving up at once).
-  defp remember_made(made, ref, op, {:ok, %{"session" => name}}) when op in @making_sessions,
-    do: Enum.take([{ref, name} | made], @made_remembered)
+  # The sessions made and relayed, until their callers claim them (`:claimed`, or `:withdraw` having
+  # found the reply): a caller that gives up first (its alias dropped the reply), or dies first (the
+  # reply in its mailbox), is the caller of a session nobody knows, which is closed. Its monitor stays.
+  defp remember_made(state, ref, monitor, op, {:ok, %{"session" => name}}) when op in @making_sessions,
+    do: %{state | made: Map.put(state.made, ref, {monitor, name})}
 
-  defp remember_made(made, _ref, _op, _result), do: made
+  defp remember_made(state, _ref, monitor, _op, _result) do
+    Process.demonitor(monitor, [:flush])
+    state
+  end
+
+  # Forgets the session made for `ref`'s caller; closes it if `close?`.
+  defp unclaimed(state, ref, close?) do
+    case Map.pop(state.made, ref) do
+      {nil, _} ->
+        state
+
+      {{monitor, name}, made} ->
+        Process.demonitor(monitor, [:flush])
+        state = %{state | made: made}
+        if close?, do: send_unread(disown(state, name), "close_session", %{"session" => name}), else: state
+    end
+  end
 
   # A session made for a caller that got its reply: closed when its owner exits, if it has one. A
   # session of the same name owned before (closed by the sidecar since, its name taken again) is not.
-  # A session closed is disowned (a close withdrawn unsent leaves the session owned).
   defp own(state, session_owner, op, {:ok, %{"session" => name}}) when op in @making_sessions do
     state = disown(state, name)
 
     case session_owner do
       {:owner, pid} -> %{state | owned: Map.put(state.owned, Process.monitor(pid), name)}
-      nil -> state
+      _ -> state
     end
   end
 
-  defp own(state, {:closing, name}, "close_session", {:ok, _}), do: disown(state, name)
   defp own(state, _session_owner, _op, _result), do: state
 
   defp disown(state, name) do
@@ -574,11 +587,14 @@ defmodule Sidecar.Connection do
   def handle_info({:DOWN, monitor, :process, _pid, _reason}, state) do
     case Map.pop(state.owned, monitor) do
       {nil, _} ->
-        # A caller died: forget its requests and cancel its generations, which nobody will read.
+        # A caller died: forget its requests and cancel its generations, which nobody will read; close
+        # the sessions made for it that it had not claimed.
         {gone, kept} = Enum.split_with(state.pending, fn {_id, entry} -> entry.monitor == monitor end)
         state = %{state | pending: Map.new(kept)}
+        state = Enum.reduce(gone, state, fn {id, entry}, acc -> abandon(acc, id, entry) end)
+        made = for {ref, {^monitor, _}} <- state.made, do: ref
 
-        {:noreply, Enum.reduce(gone, state, fn {id, entry}, acc -> abandon(acc, id, entry) end)}
+        {:noreply, Enum.reduce(made, state, fn ref, acc -> unclaimed(acc, ref, true) end)}
 
       {name, owned} ->
         # A session's owner exited: the session is closed, after the requests sent on it before.
@@ -617,15 +633,11 @@ defmodule Sidecar.Connection do
         close_unclaimed(%{state | pending: pending}, op, result)
 
       {%{ref: ref, monitor: monitor, op: op, owner: session_owner}, pending} ->
-        # A caller that died while its reply waited in our mailbox (its :DOWN behind the reply): the
-        # monitor is gone, and a session made for it is closed, as for a caller that died before.
-        if Process.demonitor(monitor, [:flush, :info]) do
-          send(ref, {Sidecar, ref, {:reply, reply_value(result)}})
-          state = %{state | pending: pending, made: remember_made(state.made, ref, op, result)}
-          own(state, session_owner, op, result)
-        else
-          close_unclaimed(%{state | pending: pending}, op, result)
-        end
+        # A caller that died while its reply waited in our mailbox: its :DOWN, behind the reply, closes
+        # a session made for it, as for a caller that died before (`remember_made`).
+        send(ref, {Sidecar, ref, {:reply, reply_value(result)}})
+        state = remember_made(%{state | pending: pending}, ref, monitor, op, result)
+        own(state, session_owner, op, result)
     end
   end
 
