@@ -717,20 +717,22 @@ class Server:
                             f"with (--model-root: {roots})", rid, param="path")
 
     def op_unload_model(self, params, rid):
-        self._collect_unloaded(self._drop_model(params["model"], rid))  # the reply means its memory is back
-        return {}
+        unloaded, closed = self._drop_model(params["model"], rid)
+        self._collect_unloaded(unloaded)  # the reply means its memory is back
+        return {"closed_sessions": closed}  # so that a client forgets what it knew of them (an owner, say)
 
-    def _drop_model(self, name: str, rid: int) -> weakref.ref:
+    def _drop_model(self, name: str, rid: int) -> tuple[weakref.ref, list[str]]:
         """Closes a model's sessions and forgets it, and what was compiled over its vocabulary if no other model
-        has it; returns a weak reference to the model. A function of its own, so that no local of it outlives it."""
+        has it; returns a weak reference to the model and the sessions closed, sorted. A function of its own,
+        so that no local of it outlives it."""
         engine = self._engine(name, rid)
         unloaded, fingerprint = weakref.ref(engine.model), engine.vocabulary_fingerprint
-        for session_name, (model, _) in list(self.sessions.items()):
-            if model == name:
-                self._close(session_name)
+        closed = sorted(session_name for session_name, (model, _) in self.sessions.items() if model == name)
+        for session_name in closed:
+            self._close(session_name)
         del self.engines[name]
         self._forget_vocabulary_if_unused(fingerprint)
-        return unloaded
+        return unloaded, closed
 
     def _forget_vocabulary_if_unused(self, fingerprint: str | None) -> None:
         """Drops what is kept for constraints over a vocabulary (`forget_vocabulary`) once no loaded model has

@@ -509,8 +509,9 @@ defmodule Sidecar do
   end
 
   @doc """
-  Unloads a model; its sessions are closed and their generations cancelled. It returns once the model's
-  memory is freed, so a `load_model/2` after it does not hold two models at once.
+  Unloads a model; its sessions are closed and their generations cancelled (their owners' exits close
+  nothing any more). It returns once the model's memory is freed, so a `load_model/2` after it does not
+  hold two models at once.
   """
   @spec unload_model(conn(), String.t(), timeout() | nil) :: :ok | {:error, Error.t()}
   def unload_model(conn, name, timeout \\ nil) do

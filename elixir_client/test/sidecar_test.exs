@@ -484,6 +484,25 @@ defmodule SidecarTest do
       :ok = Sidecar.close_session(conn, "owned-then-closed")
     end
 
+    test "an unload disowns the sessions it closed: the owner's exit closes no later session of a name",
+         %{conn: conn} do
+      {:monitors, watched} = Process.info(conn, :monitors)
+      {:ok, _} = Sidecar.load_model(conn, name: "owned-model", device: "cpu")
+      owner = spawn(fn -> receive do: (:stop -> :ok) end)
+      {:ok, _} = Sidecar.open_session(conn, model: "owned-model", name: "owned-unloaded", owner: owner)
+      {:ok, _} = Sidecar.fork_session(conn, "owned-unloaded", name: "owned-unloaded-fork", owner: owner)
+      assert :ok = Sidecar.unload_model(conn, "owned-model")
+      assert {:monitors, ^watched} = Process.info(conn, :monitors)
+
+      {:ok, _} = Sidecar.open_session(conn, name: "owned-unloaded")
+      ref = Process.monitor(owner)
+      Process.exit(owner, :kill)
+      assert_receive {:DOWN, ^ref, :process, _, _}
+      {:ok, _} = Sidecar.stats(conn)
+      assert {:ok, _} = Sidecar.session_info(conn, "owned-unloaded")
+      :ok = Sidecar.close_session(conn, "owned-unloaded")
+    end
+
     test "owner: is a pid", %{conn: conn} do
       for bad <- [:me, "pid", self() |> :erlang.pid_to_list()] do
         assert_raise ArgumentError, ~r/owner: is the pid whose exit closes the session/, fn ->

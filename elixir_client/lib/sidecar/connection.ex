@@ -446,7 +446,7 @@ defmodule Sidecar.Connection do
       {:sent, state} when entry.op == "generate" ->
         cancel_on_server(state, id)
 
-      {:sent, state} when entry.op in @making_sessions ->
+      {:sent, state} when entry.op in @making_sessions or entry.op == "unload_model" ->
         %{state | pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: entry.op})}
 
       {_, state} ->
@@ -493,6 +493,10 @@ defmodule Sidecar.Connection do
       _ -> state
     end
   end
+
+  # The sessions an unload closed are nobody's any more (whoever asked for it, and whether or not it waits).
+  defp own(state, _session_owner, "unload_model", {:ok, %{"closed_sessions" => names}}) when is_list(names),
+    do: Enum.reduce(names, state, &disown(&2, &1))
 
   defp own(state, _session_owner, _op, _result), do: state
 
@@ -630,7 +634,7 @@ defmodule Sidecar.Connection do
         state
 
       {%{ref: nil, op: op}, pending} ->
-        close_unclaimed(%{state | pending: pending}, op, result)
+        close_unclaimed(%{state | pending: pending}, op, result) |> own(nil, op, result)
 
       {%{ref: ref, monitor: monitor, op: op, owner: session_owner}, pending} ->
         # A caller that died while its reply waited in our mailbox: its :DOWN, behind the reply, closes
