@@ -354,20 +354,16 @@ defmodule SidecarTest do
 
   test "a session whose reply reached its caller, killed before it could take it, is closed", %{conn: conn} do
     {:ok, %{"sessions" => before}} = Sidecar.stats(conn)
-    {:ok, %{"os_pid" => os_pid}} = Sidecar.info(conn)
+
     # the sidecar holds the open until the opener is suspended: the reply then lands in its mailbox,
     # which it never reads, as it is killed first
-    System.cmd("kill", ["-STOP", "#{os_pid}"])
-
     opener =
-      try do
+      while_sidecar_stopped(conn, fn ->
         opener = spawn(fn -> Sidecar.open_session(conn) end)
         assert eventually(fn -> map_size(:sys.get_state(conn).pending) == 1 end)
         :erlang.suspend_process(opener)
         opener
-      after
-        System.cmd("kill", ["-CONT", "#{os_pid}"])
-      end
+      end)
 
     assert eventually(fn -> :sys.get_state(conn).pending == %{} end)
     Process.exit(opener, :kill)
@@ -379,15 +375,13 @@ defmodule SidecarTest do
   test "sessions made for 80 callers that gave up at once, their replies before their withdrawals, are closed",
        %{conn: conn} do
     {:ok, %{"sessions" => before}} = Sidecar.stats(conn)
-    {:ok, %{"os_pid" => os_pid}} = Sidecar.info(conn)
     me = self()
+
     # the sidecar holds the 80 opens; the connection then reads nothing while their replies come, and
     # the callers give up meanwhile: their withdrawals queue behind the replies (a list of the last 64
     # sessions made let 16 of them stay open)
-    System.cmd("kill", ["-STOP", "#{os_pid}"])
-
     callers =
-      try do
+      while_sidecar_stopped(conn, fn ->
         callers =
           for _ <- 1..80 do
             # each lives on: a caller's death closes its session by another way
@@ -400,9 +394,7 @@ defmodule SidecarTest do
         assert eventually(fn -> map_size(:sys.get_state(conn).pending) == 80 end)
         :sys.suspend(conn)
         callers
-      after
-        System.cmd("kill", ["-CONT", "#{os_pid}"])
-      end
+      end)
 
     # the 80 replies are in the connection's mailbox before the first caller gives up
     assert eventually(fn -> elem(Process.info(conn, :message_queue_len), 1) >= 80 end, 4_000)
@@ -414,6 +406,29 @@ defmodule SidecarTest do
            "sessions left open: #{inspect(Sidecar.stats(conn))}, #{before} before"
 
     Enum.each(callers, &Process.exit(&1, :kill))
+  end
+
+  # Runs `fun` with the sidecar's OS process stopped (SIGSTOP): requests sent meanwhile wait unanswered.
+  defp while_sidecar_stopped(conn, fun) do
+    {:ok, %{"os_pid" => os_pid}} = Sidecar.info(conn)
+    System.cmd("kill", ["-STOP", "#{os_pid}"])
+
+    try do
+      fun.()
+    after
+      System.cmd("kill", ["-CONT", "#{os_pid}"])
+    end
+  end
+
+  # Kills `owner`, then finds the session `name` (made since it was owned) still open, and closes it.
+  defp assert_owner_exit_leaves_open(conn, owner, name) do
+    ref = Process.monitor(owner)
+    Process.exit(owner, :kill)
+    assert_receive {:DOWN, ^ref, :process, _, _}
+    # the connection's :DOWN came with ours; a close it sent would be answered before these
+    {:ok, _} = Sidecar.stats(conn)
+    assert {:ok, _} = Sidecar.session_info(conn, name)
+    :ok = Sidecar.close_session(conn, name)
   end
 
   describe "a session's owner" do
@@ -474,14 +489,7 @@ defmodule SidecarTest do
       # a long-lived owner that opens and closes sessions leaves no monitor behind for each
       assert {:monitors, ^watched} = Process.info(conn, :monitors)
       {:ok, _} = Sidecar.open_session(conn, name: "owned-then-closed")
-
-      ref = Process.monitor(owner)
-      Process.exit(owner, :kill)
-      assert_receive {:DOWN, ^ref, :process, _, _}
-      # the connection's :DOWN came with ours; a close it sent would be answered before these
-      {:ok, _} = Sidecar.stats(conn)
-      assert {:ok, _} = Sidecar.session_info(conn, "owned-then-closed")
-      :ok = Sidecar.close_session(conn, "owned-then-closed")
+      assert_owner_exit_leaves_open(conn, owner, "owned-then-closed")
     end
 
     test "an unload disowns the sessions it closed: the owner's exit closes no later session of a name",
@@ -495,12 +503,7 @@ defmodule SidecarTest do
       assert {:monitors, ^watched} = Process.info(conn, :monitors)
 
       {:ok, _} = Sidecar.open_session(conn, name: "owned-unloaded")
-      ref = Process.monitor(owner)
-      Process.exit(owner, :kill)
-      assert_receive {:DOWN, ^ref, :process, _, _}
-      {:ok, _} = Sidecar.stats(conn)
-      assert {:ok, _} = Sidecar.session_info(conn, "owned-unloaded")
-      :ok = Sidecar.close_session(conn, "owned-unloaded")
+      assert_owner_exit_leaves_open(conn, owner, "owned-unloaded")
     end
 
     test "owner: is a pid", %{conn: conn} do

@@ -24,7 +24,7 @@ from .. import checks
 from ..contract import Context, LogitsProcessor, option
 from ..errors import InvalidOption, ProcessorError
 from . import budget
-from .automaton import BoundMasks, TokenAutomaton
+from .automaton import NEG_INF, BoundMasks, TokenAutomaton
 from .compile import is_cached
 from .vocabulary import Vocabulary
 
@@ -35,7 +35,6 @@ MAX_TRANSITIONS = 1_000_000
 # 5 us a transition (0.1 s for the 20,000 a request can carry), where binding it on the main thread paused
 # every stream.
 DFA_INLINE_TRANSITIONS = 1000
-NEG_INF = float("-inf")
 
 
 @checks._with_schema({"type": "string", "minLength": 1, "maxLength": MAX_PATTERN_CHARS})

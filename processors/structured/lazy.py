@@ -32,7 +32,6 @@ from .trie import TokenTrie, tokens_from
 from .vocabulary import Vocabulary
 
 MAX_VOCABULARIES = 4  # vocabularies whose trie and token bytes are kept here (a sidecar loads a few models)
-NEG_INF = float("-inf")
 STAY, DEAD = 256, 257  # byte columns of `LazyAutomaton.moves`: each state stays where it is, or goes dead
 HEAD_BYTES = 16  # a token's first bytes, kept side by side for all tokens (`TokenPaths.head`)
 
@@ -272,7 +271,7 @@ class LazyMasks:
             ending = bool(self.automaton.accepting[state]) or not len(tokens)  # nowhere to go: it ends
             index = self._rows.get((text, ending))
             if index is None:
-                row = np.full(self.automaton.vocab_size, NEG_INF, dtype=np.float32)
+                row = np.full(self.automaton.vocab_size, token_automaton.NEG_INF, dtype=np.float32)
                 row[tokens] = 0.0
                 if ending:
                     row[self.eos] = 0.0

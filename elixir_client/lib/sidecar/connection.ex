@@ -362,10 +362,16 @@ defmodule Sidecar.Connection do
 
   # ---- requests ---------------------------------------------------------------------------------
 
+  # What a request says of a session's owner (see take_request): anything else is a call we refuse.
+  defguardp session_owner?(o)
+            when o == nil or
+                   (is_tuple(o) and tuple_size(o) == 2 and
+                      ((elem(o, 0) == :owner and is_pid(elem(o, 1))) or
+                         (elem(o, 0) == :closing and is_binary(elem(o, 1)))))
+
   @impl true
   def handle_call({:request, op, params, incarnation, ref, session_owner}, {caller, _}, state)
-      when session_owner == nil or (elem(session_owner, 0) == :owner and is_pid(elem(session_owner, 1))) or
-             (elem(session_owner, 0) == :closing and is_binary(elem(session_owner, 1))) do
+      when session_owner?(session_owner) do
     if incarnation != nil and incarnation != state.incarnation do
       {:reply,
        {:error,
