@@ -91,13 +91,16 @@ class Chain:
         states = tuple(p.init(context) for p in self.processors)
         rows = context.sequence.shape[0]
         for index, processor, state in zip(self.indices, self.processors, states):
-            check_state(state, rows, f"processors[{index}] ({processor.name})")
+            check_state(state, rows, processor.name, index)
         return states
 
     def process(self, states: tuple, logits: torch.Tensor, context: Context) -> tuple[tuple, torch.Tensor]:
-        """Runs one step. Inputs are checked first and never modified, so a rejected step changes nothing."""
+        """Runs one step. Inputs are checked first and never modified, so a rejected step changes nothing.
+        Each state a processor returns is checked as `init`'s was: one that stopped leading with the rows
+        would be reordered wrongly, or silently, at the next reorder (a few microseconds a processor)."""
         check_step(logits, context, self.max_token_id)
         self._check_states(states)
+        rows = logits.shape[0]
         new_states = []
         for position, (processor, state) in enumerate(zip(self.processors, states)):
             try:
@@ -111,6 +114,7 @@ class Chain:
                 raise InvalidInput(f"processors[{index}] ({processor.name}): process must return a pair (state, "
                                    f"logits), got {_kind(returned)}", index=index)
             state, logits = returned
+            check_state(state, rows, processor.name, self.indices[position], "the state it returned")
             new_states.append(state)
         return tuple(new_states), logits
 
@@ -139,7 +143,7 @@ class Chain:
                                f"states `init` returned (or the last step's), one per processor")
 
 
-def check_state(state, rows: int, owner: str, path: str = "state") -> None:
+def check_state(state, rows: int, name: str, index: int, path: str = "state") -> None:
     """A state's tensors are per-row (leading with the rows) or shared by every row (0-dim), nothing between.
 
     Bumblebee's own example keeps a shared value as `tensor([x])`: with several rows (beams, samples), no
@@ -148,17 +152,18 @@ def check_state(state, rows: int, owner: str, path: str = "state") -> None:
     if isinstance(state, torch.Tensor):
         if state.dim() > 0 and state.shape[0] != rows:
             raise InvalidInput(
-                f"{owner}: {path} has shape {tuple(state.shape)} but there are {rows} rows; a per-row state leads "
-                f"with the rows (e.g. torch.full(({rows},), x)), a state shared by every row is a 0-dim tensor "
-                f"(torch.tensor(x))")
+                f"processors[{index}] ({name}): {path} has shape {tuple(state.shape)} but there are {rows} rows; a "
+                f"per-row state leads with the rows (e.g. torch.full(({rows},), x)), a state shared by every row is "
+                f"a 0-dim tensor (torch.tensor(x))", index=index)
     elif isinstance(state, tuple):
         for i, item in enumerate(state):
-            check_state(item, rows, owner, f"{path}[{i}]")
+            check_state(item, rows, name, index, f"{path}[{i}]")
     elif isinstance(state, dict):
         for key, item in state.items():
-            check_state(item, rows, owner, f"{path}[{key!r}]")
+            check_state(item, rows, name, index, f"{path}[{key!r}]")
     else:
-        raise InvalidInput(f"{owner}: {path} is a {type(state).__name__}; a state is tensors, tuples or dicts of them")
+        raise InvalidInput(f"processors[{index}] ({name}): {path} is of type {type(state).__name__}; a state is tensors, "
+                           f"tuples or dicts of them", index=index)
 
 
 # What a sequence of token ids may be held in (bool, float and complex tensors are refused).

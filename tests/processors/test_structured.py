@@ -1404,6 +1404,38 @@ def test_state_shared_by_every_row_is_a_0_dim_tensor():
     Chain([SharedCounter(leading=True)]).init(Context(torch.zeros(1, 3, dtype=torch.long), 1, 1, 10))
 
 
+class Appending(P.LogitsProcessor):
+    """Keeps its per-row state right at `init`, then returns one that no longer leads with the rows."""
+
+    name = "appending"
+
+    def __init__(self, returned):
+        self.returned = returned
+
+    def init(self, context):
+        return (torch.zeros(context.sequence.shape[0]),)
+
+    def process(self, state, logits, context):
+        return self.returned(state), logits
+
+
+@pytest.mark.parametrize("returned, message", [
+    (lambda s: (torch.cat([s[0], s[0][:1]]),), r"the state it returned\[0\] has shape \(5,\) but there are 4 rows"),
+    (lambda s: (s[0][:1],), r"the state it returned\[0\] has shape \(1,\) but there are 4 rows"),
+    (lambda s: (3,), r"the state it returned\[0\] is of type int; a state is tensors"),
+])
+def test_a_state_that_stops_leading_with_the_rows_is_refused_at_the_step_that_returns_it(returned, message):
+    """A state with one row too many still reorders without error (index_select never reads the extra row),
+    so the rows would silently take another row's state; the step that returns it is refused, naming the
+    processor by its place in the chain as given."""
+    context = Context(torch.zeros(4, 3, dtype=torch.long), 1, 1, 10)
+    chain = Chain([configure(P.Temperature, temperature=0.7), Appending(returned)])
+    states = chain.init(context)
+    with pytest.raises(P.InvalidInput, match=r"processors\[1\] \(appending\): " + message) as raised:
+        chain.process(states, torch.zeros(4, 10), context)
+    assert raised.value.index == 1
+
+
 AMBIGUOUS = "start: s\ns: s s | /[a-z]/"  # a text of n letters reads in Catalan(n) ways
 
 
