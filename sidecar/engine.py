@@ -243,16 +243,18 @@ class Engine:
             chain = processors if isinstance(processors, proc.Chain) else proc.Chain(processors)
         except proc.ProcessorError as error:
             raise refusal_of(error) from error
+        # a processor is named by its place in the chain as given (`Chain.indices`: a chain bound already keeps it)
         if chain.max_token_id >= self.vocab_size:
-            index = next(i for i, p in enumerate(chain.processors) if p.max_token_id() >= self.vocab_size)
-            processor = chain.processors[index]
+            position = next(i for i, p in enumerate(chain.processors) if p.max_token_id() >= self.vocab_size)
+            processor, index = chain.processors[position], chain.indices[position]
             token_id = processor.max_token_id()
             raise InvalidProcessor(f"processors[{index}] ({processor.name}): {_naming(processor, token_id)}names token id "
                                    f"{token_id}, outside the vocabulary of {self.vocab_size}", index=index)
-        index = next((i for i, p in enumerate(chain.processors) if isinstance(p, Constraint)), None)
-        if index is not None and len(self.tokenizer) > self.vocab_size:
+        position = next((i for i, p in enumerate(chain.processors) if isinstance(p, Constraint)), None)
+        if position is not None and len(self.tokenizer) > self.vocab_size:
             # llguidance takes no vocabulary smaller than the tokenizer, our automata none wider than the logits
-            raise InvalidProcessor(f"processors[{index}] ({chain.processors[index].name}): the tokenizer has "
+            index = chain.indices[position]
+            raise InvalidProcessor(f"processors[{index}] ({chain.processors[position].name}): the tokenizer has "
                                    f"{len(self.tokenizer)} tokens, more than the model's {self.vocab_size} logits: "
                                    "a constraint needs the two to agree", index=index)
         try:  # constraints compile against the vocabulary (cached per constraint) and move to the front

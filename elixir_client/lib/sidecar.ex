@@ -197,7 +197,9 @@ defmodule Sidecar do
   `owner:` a pid whose exit closes the session, as an ETS table goes with its owner: a LiveView that
   opens its session with `owner: self()` in `mount/3` frees it however the LiveView ends, a crash or
   a kill included. Without an owner a session lives until `close_session/3`, or until the sidecar
-  exits, whichever process opened it.
+  exits, whichever process opened it. An owner on this node that has exited already is
+  `{:error, %Sidecar.Error{reason: :owner_exited}}`, and nothing is made; one that exits while the call
+  runs has the session closed all the same, so that `{:ok, session}` may then name a closed session.
   """
   @spec open_session(conn(), keyword()) :: {:ok, Session.t()} | {:error, Error.t()}
   def open_session(conn, opts \\ []) do
@@ -207,7 +209,8 @@ defmodule Sidecar do
     params = %{"model" => Keyword.get(opts, :model, "default"), "session" => Keyword.get(opts, :name)}
     started = System.monotonic_time(:millisecond)
 
-    with {:ok, incarnation} <- incarnation(conn, opts[:timeout]),
+    with :ok <- owner_alive(owner),
+         {:ok, incarnation} <- incarnation(conn, opts[:timeout]),
          {:ok, %{"session" => name, "model" => model}} <-
            call(conn, "open_session", params, nil, left(opts[:timeout], started), owner),
          do: {:ok, new_session(name, model, incarnation)}
@@ -246,7 +249,8 @@ defmodule Sidecar do
     Options.known!(opts, [:name, :owner, :timeout], "fork_session")
     owner = owner!(opts)
 
-    with {:ok, %{"session" => name}} <-
+    with :ok <- owner_alive(owner),
+         {:ok, %{"session" => name}} <-
            session_call(
              conn,
              session,
@@ -294,7 +298,8 @@ defmodule Sidecar do
 
     started = System.monotonic_time(:millisecond)
 
-    with {:ok, incarnation} <- incarnation(conn, opts[:timeout]),
+    with :ok <- owner_alive(owner),
+         {:ok, incarnation} <- incarnation(conn, opts[:timeout]),
          {:ok, %{"session" => session, "model" => model}} <-
            call(conn, "restore_session", params, nil, left(opts[:timeout], started), owner),
          do: {:ok, new_session(session, model, incarnation)}
@@ -316,6 +321,7 @@ defmodule Sidecar do
   @spec generate(conn(), session(), Generation.input(), keyword()) ::
           {:ok, result()} | {:error, Error.t()}
   def generate(conn, session, input, opts \\ []) do
+    Generation.known!(opts)
     Options.timeout!(opts[:timeout])
     started = System.monotonic_time(:millisecond)
 
@@ -420,6 +426,7 @@ defmodule Sidecar do
   """
   @spec stream(conn(), session(), Generation.input(), keyword()) :: Enumerable.t()
   def stream(conn, session, input, opts \\ []) do
+    Generation.known!(opts)
     unstreamed? = Generation.unstreamed?(opts)
 
     Stream.resource(
@@ -625,6 +632,16 @@ defmodule Sidecar do
       other -> raise ArgumentError, "owner: is the pid whose exit closes the session, got #{inspect(other)}"
     end
   end
+
+  # An owner on this node that has exited would have its session closed as soon as it is made: none is.
+  defp owner_alive({:owner, pid}) when node(pid) == node() do
+    if Process.alive?(pid),
+      do: :ok,
+      else:
+        {:error, Error.new(:owner_exited, "the owner #{inspect(pid)} has exited: no session was made for it")}
+  end
+
+  defp owner_alive(_remote_or_none), do: :ok
 
   # A bare name has no incarnation (no :session_lost detection) and leaves EOS to the sidecar's default.
   defp identify(%Session{name: name, eos_token_ids: eos, incarnation: incarnation}),

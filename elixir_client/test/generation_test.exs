@@ -105,6 +105,28 @@ defmodule Sidecar.GenerationTest do
     end
   end
 
+  test "an option given as nil takes its default; false is refused where it would read as not given" do
+    # max_new_tokens: nil went out as nil, which the sidecar refused ("must be uint")
+    default = Generation.params("a", [], nil)
+
+    assert Generation.params(
+             "a",
+             [max_new_tokens: nil, strategy: nil, processors: nil, stop: nil, seed: nil],
+             nil
+           ) ==
+             default
+
+    assert %{"max_new_tokens" => 16, "strategy" => "greedy", "processors" => []} = default
+    # false is the sidecar's to refuse, naming the parameter
+    assert %{"max_new_tokens" => false} = Generation.params("a", [max_new_tokens: false], nil)
+
+    for key <- [:strategy, :processors] do
+      assert_raise ArgumentError, ~r/option #{inspect(key)} cannot be false/, fn ->
+        Generation.params("a", [{key, false}], nil)
+      end
+    end
+  end
+
   test "a sequence of the last result is continued by index, cut and extension" do
     assert %{"continue" => %{}} = params = Generation.params(:continue, [max_new_tokens: 4], nil)
     refute Map.has_key?(params, "prompt") or Map.has_key?(params, "token_ids")

@@ -249,6 +249,15 @@ defmodule Sidecar.HostileValuesTest do
       Sidecar.generate(conn, session, "Hi", %{max_new_tokens: 2})
     end
 
+    # an improper list: the reading of :timeout (or :strategy) before the check raised "not a proper list"
+    improper = [{:max_new_tokens, 1} | :x]
+
+    for call <- [&Sidecar.generate/4, &Sidecar.start_generate/4, &Sidecar.stream/4] do
+      assert_raise ArgumentError, ~r/generation options must be a keyword list/, fn ->
+        call.(conn, session, "Hi", improper)
+      end
+    end
+
     assert_raise ArgumentError, ~r/unknown open_session option :nmae/, fn ->
       Sidecar.open_session(conn, nmae: "x")
     end

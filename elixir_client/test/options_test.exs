@@ -41,6 +41,16 @@ defmodule Sidecar.OptionsTest do
     assert_raise ArgumentError, ~r/invalid value 7 for Sidecar option :device/, fn ->
       Sidecar.start_link(device: 7)
     end
+
+    # a map: a FunctionClauseError in the validation itself before
+    assert_raise ArgumentError, ~r/start options must be a keyword list, got %{model: :default}/, fn ->
+      Sidecar.start(%{model: :default})
+    end
+
+    # a :via module with no registry functions: GenServer's UndefinedFunctionError before
+    for bad <- [{:via, :no_such_registry, :x}, {:via, String, :x}, {:via, "Registry", :x}, {:global, :x, :y}] do
+      assert_raise ArgumentError, ~r/for Sidecar option :name/, fn -> Sidecar.start(name: bad) end
+    end
   end
 
   test ":device, :dtype and :session_dir become the sidecar's --device, --dtype and --session-dir flags" do

@@ -462,16 +462,22 @@ defmodule SidecarTest do
                match?({:error, %Error{reason: :unknown_session}}, Sidecar.session_info(conn, its))
              end)
 
-      # an owner dead before the session is made
+      # an owner dead before the call: nothing is made (it was {:ok, session} for a session closed at once)
       dead = spawn(fn -> :ok end)
       ref = Process.monitor(dead)
       assert_receive {:DOWN, ^ref, :process, _, _}
-      {:ok, orphan} = Sidecar.open_session(conn, owner: dead)
+      {:ok, source} = Sidecar.open_session(conn, name: "source-of-dead-owners")
 
-      assert eventually(fn ->
-               match?({:error, %Error{reason: :unknown_session}}, Sidecar.session_info(conn, orphan))
-             end)
+      for call <- [
+            fn -> Sidecar.open_session(conn, name: "dead-owners", owner: dead) end,
+            fn -> Sidecar.fork_session(conn, source, name: "dead-owners", owner: dead) end
+          ] do
+        assert {:error, %Error{reason: :owner_exited, message: message}} = call.()
+        assert message =~ "has exited: no session was made"
+      end
 
+      assert {:error, %Error{reason: :unknown_session}} = Sidecar.session_info(conn, "dead-owners")
+      :ok = Sidecar.close_session(conn, source)
       assert {:ok, %{"sessions" => ^before}} = Sidecar.stats(conn)
       assert sidecar_messages() == []
     end

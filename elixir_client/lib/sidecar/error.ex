@@ -36,7 +36,8 @@ defmodule Sidecar.Error do
     * `:internal` - a defect in the sidecar
 
   The client's own: `:sidecar_exited` (the Python process died while the call was in flight),
-  `:session_lost` (the session belonged to a sidecar that has since died), `:timeout`,
+  `:session_lost` (the session belonged to a sidecar that has since died), `:owner_exited` (a session's
+  `owner:` had exited before the call that would make the session), `:timeout`,
   `:not_running` (no connection under that name, or one still starting that did not answer in time).
   `:invalid_argument` and `:frame_too_large` also come from the client, for a request it cannot send
   (a value msgpack cannot carry, named by `details["param"]`; a frame over the sidecar's

@@ -51,6 +51,9 @@ defmodule Sidecar.Generation do
       prompt; default 0)
     * `:timeout` - milliseconds before the generation is cancelled (default: the `:call_timeout`)
 
+  An option given as `nil` takes its default, as if it were left out; `false` is refused where it
+  would mean the same.
+
   The built-in processors come first, in Bumblebee's order: no-repeat n-gram, min new tokens,
   suppressed tokens, forced BOS, temperature, then top-k and top-p when sampling.
 
@@ -112,6 +115,8 @@ defmodule Sidecar.Generation do
 
   # options read as "given" only when truthy
   @no_false [
+    :strategy,
+    :processors,
     :min_new_tokens,
     :temperature,
     :no_repeat_ngram_length,
@@ -143,7 +148,7 @@ defmodule Sidecar.Generation do
   """
   @spec params(input(), keyword(), [non_neg_integer()] | nil) :: map()
   def params(input, opts, model_eos_ids) do
-    Options.known!(opts, @options, "generation")
+    known!(opts)
     for {key, value} <- opts, do: Options.proper!(value, "option #{inspect(key)}")
 
     if is_list(input) and List.improper?(input) do
@@ -154,7 +159,7 @@ defmodule Sidecar.Generation do
     Options.proper!(input, "the input")
     Options.timeout!(opts[:timeout])
 
-    unless is_list(Keyword.get(opts, :processors, [])),
+    unless is_list(opts[:processors] || []),
       do:
         raise(
           ArgumentError,
@@ -184,7 +189,7 @@ defmodule Sidecar.Generation do
               "come with a %Sidecar.Session{})"
     end
 
-    {strategy, sequence_params, sampling} = strategy(Keyword.get(opts, :strategy, %{type: :greedy_search}))
+    {strategy, sequence_params, sampling} = strategy(opts[:strategy] || %{type: :greedy_search})
 
     processors =
       [
@@ -201,12 +206,12 @@ defmodule Sidecar.Generation do
           Processors.configure(Processors.ForcedBOS, token_id: opts[:forced_bos_token_id]),
         opts[:temperature] && opts[:temperature] != 1.0 &&
           Processors.configure(Processors.Temperature, temperature: opts[:temperature])
-      ] ++ sampling ++ Keyword.get(opts, :processors, [])
+      ] ++ sampling ++ (opts[:processors] || [])
 
     input
     |> input_param(opts)
     |> Map.merge(%{
-      "max_new_tokens" => Keyword.get(opts, :max_new_tokens, 16),
+      "max_new_tokens" => if(is_nil(opts[:max_new_tokens]), do: 16, else: opts[:max_new_tokens]),
       "strategy" => strategy,
       "processors" => for(p <- processors, p, do: Processors.to_wire(p)),
       "stop" => stop
@@ -217,6 +222,11 @@ defmodule Sidecar.Generation do
     |> put_present("reuse", reuse!(opts[:reuse]))
     |> put_present("keep", keep!(opts[:keep]))
   end
+
+  @doc false
+  # Raises unless `opts` is a keyword list of generation options: checked before any of them is read.
+  @spec known!(term()) :: :ok
+  def known!(opts), do: Options.known!(opts, @options, "generation")
 
   @doc false
   # Whether a generation streams no tokens, its reply alone carrying the result: a beam search of more

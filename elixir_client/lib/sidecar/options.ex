@@ -90,6 +90,9 @@ defmodule Sidecar.Options do
     Keyword.update!(options, :python, &resolve_python!/1)
   end
 
+  def validate!(opts),
+    do: raise(ArgumentError, "Sidecar start options must be a keyword list, got #{inspect(opts, limit: 5)}")
+
   defp check!(:python, v) when is_binary(v) and v != "", do: :ok
   defp check!(:model, v) when v in [:default, nil] or (is_binary(v) and v != ""), do: :ok
   defp check!(key, v) when key in [:device, :dtype], do: if(name_or_nil?(v), do: :ok, else: invalid!(key, v))
@@ -112,8 +115,17 @@ defmodule Sidecar.Options do
     :ok
   end
 
-  defp check!(:name, v) when is_nil(v) or is_atom(v) or (is_tuple(v) and elem(v, 0) in [:global, :via]),
-    do: :ok
+  defp check!(:name, v) when is_nil(v) or is_atom(v), do: :ok
+  defp check!(:name, {:global, _}), do: :ok
+
+  # GenServer takes any {:via, module, term} and fails in the module's registry functions, naming nothing
+  defp check!(:name, {:via, module, _} = v) when is_atom(module) do
+    unless Code.ensure_loaded?(module) and function_exported?(module, :register_name, 2) and
+             function_exported?(module, :whereis_name, 1),
+           do: invalid!(:name, v)
+
+    :ok
+  end
 
   defp check!(:codec, v) when is_atom(v), do: codec!(v)
 
