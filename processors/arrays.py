@@ -52,12 +52,19 @@ class ArrayProcessor:
         rank = scores.dim()
         if rank not in (1, 2):
             raise InvalidInput(f"logits must be a 1-D or 2-D array, got shape {tuple(scores.shape)}")
+        if ids.dim() not in (1, 2) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise InvalidInput(f"input_ids must be a 1-D or 2-D integer array, got shape {tuple(ids.shape)} of {ids.dtype}")
+        if ids.dim() != rank:
+            raise InvalidInput(f"input_ids and logits must both be 1-D (one sequence) or both 2-D (rows), got shapes "
+                               f"{tuple(ids.shape)} and {tuple(scores.shape)}")
         if rank == 1:
             ids, scores = ids.unsqueeze(0), scores.unsqueeze(0)
-        if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise InvalidInput(f"input_ids must be a 1-D or 2-D integer array, got shape {tuple(ids.shape)} of {ids.dtype}")
         if ids.dtype != torch.long:
+            unsigned = ids.dtype == getattr(torch, "uint64", None)
             ids = ids.long()
+            if unsigned and bool((ids < 0).any()):  # past 2**63, wrapped round by the conversion
+                raise InvalidInput(f"input_ids holds token id {int(ids[ids < 0][0]) + 2**64}, outside the vocabulary "
+                                   f"of {scores.shape[-1]}")
         starting = self.states is None
         if starting:
             self._prompt_length = ids.shape[1] if self.input_length is None else self.input_length

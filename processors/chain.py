@@ -95,9 +95,11 @@ class Chain:
         return states
 
     def process(self, states: tuple, logits: torch.Tensor, context: Context) -> tuple[tuple, torch.Tensor]:
-        """Runs one step. Inputs are checked first and never modified, so a rejected step changes nothing.
-        Each state a processor returns is checked as `init`'s was: one that stopped leading with the rows
-        would be reordered wrongly, or silently, at the next reorder (a few microseconds a processor)."""
+        """Runs one step. Inputs are checked first (their kinds and shapes: the tokens of the sequence were
+        checked at `init`, and those appended since are trusted, as sampled from logits as wide as the
+        vocabulary) and never modified, so a rejected step changes nothing. Each state a processor returns
+        is checked as `init`'s was: one that stopped leading with the rows would be reordered wrongly, or
+        silently, at the next reorder (a few microseconds a processor)."""
         check_step(logits, context, self.max_token_id)
         self._check_states(states)
         rows = logits.shape[0]

@@ -1,5 +1,7 @@
 """The any-array entry point: torch, numpy, dlpack; 1-D and 2-D; same type and rank back."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -82,9 +84,17 @@ def test_jax_arrays_when_installed():
 def test_rejects_what_it_cannot_read():
     with pytest.raises(P.InvalidInput, match="numpy array"):
         ArrayProcessor([identity])([1, 2], [0.5, 0.5])
-    for ids in (np.ones(2), np.ones(2, dtype=bool)):
-        with pytest.raises(P.InvalidInput, match=f"integer array, got shape .1, 2. of torch.{'float64' if ids.dtype != bool else 'bool'}"):
+    for ids in (np.ones(2), np.ones(2, dtype=bool)):  # the shape as given (it was the one made for a row, (1, 2))
+        with pytest.raises(P.InvalidInput, match=f"integer array, got shape .2,. of torch.{'float64' if ids.dtype != bool else 'bool'}"):
             ArrayProcessor([identity])(ids, np.ones(5, dtype=np.float32))
+    # ranks that differ: "must be 1-D or 2-D" of a 1-D array, or the shape (1, 1, 2) made for a row, before
+    for ids, logits in ((np.array([1, 2]), np.ones((2, 5), dtype=np.float32)), (np.array([[1, 2]]), np.ones(5, dtype=np.float32))):
+        with pytest.raises(P.InvalidInput, match=rf"must both be 1-D \(one sequence\) or both 2-D \(rows\), got shapes "
+                                                 rf"{re.escape(str(ids.shape))} and {re.escape(str(logits.shape))}"):
+            ArrayProcessor([identity])(ids, logits)
+    # an id past 2**63 wrapped round to a negative one in the message ("token id -1")
+    with pytest.raises(P.InvalidInput, match=f"token id {2**64 - 1}, outside the vocabulary of 5"):
+        ArrayProcessor([identity])(np.array([1, 2**64 - 1], dtype=np.uint64), np.ones(5, dtype=np.float32))
 
 
 def test_a_new_sequence_without_reset_is_refused_saying_so():
