@@ -194,13 +194,18 @@ def _is_offsets(value) -> bool:
 
 
 def _over_budget(engine, doing: str, cached: int, extra: int, keep: tuple = ()) -> CacheBudgetExceeded:
-    """The refusal of `extra` bytes, saying what the budget leaves with every idle cache (but `keep`) evicted."""
+    """The refusal of `extra` bytes, saying what the budget leaves with every idle cache (but `keep`) evicted,
+    and whether the running generations' reservations are what it lacks: a restore or a fork does not
+    wait for them as a generation does (PROTOCOL, "Memory"), so the client is told it may try again."""
     store = engine.store
     held = store.unevictable_bytes(keep)
+    alone = store.alone_bytes(keep)
+    after = (f"; the running generations hold {held - alone} of them: it fits once they end" if alone + extra <= store.budget_bytes
+             else "; it does not fit even with no generation running")
     return CacheBudgetExceeded(
         f"{doing} {cached} cached tokens needs {extra} bytes, more than the cache budget leaves: "
         f"{max(0, store.budget_bytes - held)} of its {store.budget_bytes} bytes (cache_budget_bytes) once idle "
-        f"caches are evicted", limit="cache_budget_bytes", max=store.budget_bytes, value=held + extra)
+        f"caches are evicted{after}", limit="cache_budget_bytes", max=store.budget_bytes, value=held + extra)
 
 
 def fork(session):

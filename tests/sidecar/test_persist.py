@@ -182,9 +182,28 @@ def test_a_restore_that_does_not_fit_the_budget_is_refused(default_dir, tmp_path
         session.generate(token_ids=PROMPT[:20], max_new_tokens=2, eos_token_ids=[])
         session.save(tmp_path / "small.safetensors")
     tiny = Engine.load(default_dir, cache_budget_bytes=1024)
-    with pytest.raises(CacheBudgetExceeded):
+    with pytest.raises(CacheBudgetExceeded, match="it does not fit even with no generation running"):
         tiny.restore(tmp_path / "small.safetensors")
     assert tiny.stats()["sessions"] == 0
+
+
+def test_a_restore_refused_for_the_running_generations_reservations_says_it_fits_once_they_end(default_dir, tmp_path):
+    """A restore does not wait for memory as a generation does: refused at once, its message tells a transient
+    refusal (found from outside: the same restore went through once the other session's generation ended)."""
+    engine = Engine.load(default_dir, cache_budget_bytes=300 * 4096)
+    with engine.session() as session:
+        session.generate(token_ids=PROMPT[:20], max_new_tokens=2, eos_token_ids=[])
+        session.save(tmp_path / "small.safetensors")
+    with engine.session() as busy:
+        stream = busy.stream(token_ids=PROMPT[20:40], max_new_tokens=260, eos_token_ids=[])
+        next(stream)  # running: 280 tokens reserved
+        with pytest.raises(CacheBudgetExceeded, match=r"the running generations hold \d+ of them: it fits once they end") as refused:
+            engine.restore(tmp_path / "small.safetensors")
+        assert refused.value.details["value"] > refused.value.details["max"] == 300 * 4096
+        for _ in stream:
+            pass
+    with engine.restore(tmp_path / "small.safetensors") as restored:
+        assert restored.cached == 21
 
 
 def test_a_restore_whose_allocation_fails_leaves_no_session_behind(engine, saved, monkeypatch):
