@@ -95,6 +95,30 @@ def test_a_short_request_gets_its_first_token_before_a_long_prompt_is_prefilled(
         assert first_token_tick == 2 and long_first == 8
 
 
+def test_a_long_prompt_is_prefilled_while_shorter_ones_keep_coming_and_equals_its_solo_run(default_dir):
+    """Shortest first alone gave every tick's 8 tokens to the newest short prompt, and the long one waited for as
+    long as they kept coming (found from outside, over two minutes). The oldest prompt takes half of each tick's
+    budget: 64 tokens in 16 ticks, while the short ones still get theirs."""
+    engine = Engine.load(default_dir, prefill_chunk=8)
+    long_session = engine.session()
+    long = long_session.stream(token_ids=tokens(64, seed=3), max_new_tokens=3, eos_token_ids=[])
+    shorts, long_first = [], None
+    for tick in range(1, 41):  # a new 8-token prompt every tick, on a session of its own
+        session = engine.session()
+        shorts.append((session, session.stream(token_ids=tokens(8, seed=100 + tick), max_new_tokens=1, eos_token_ids=[])))
+        engine.scheduler.tick()
+        if long_first is None and long.take_events():
+            long_first = tick
+    assert long_first is not None and long_first <= 17
+    streamed = drain([long] + [g for _, g in shorts], engine)
+    with Engine.load(default_dir).session() as solo:
+        alone = solo.generate(token_ids=tokens(64, seed=3), max_new_tokens=3, eos_token_ids=[]).token_ids
+    assert long.result.token_ids == alone and all(len(ids) == 1 for ids in streamed[1:])
+    for session, _ in shorts:
+        session.close()
+    long_session.close()
+
+
 def test_cancelling_a_queued_generation_runs_nothing(engine):
     calls = []
     hook = engine.model.register_forward_hook(lambda m, a, kw, out: calls.append(1), with_kwargs=True)
@@ -657,15 +681,17 @@ def test_a_stream_dropped_while_another_thread_holds_the_engine_leaves_its_sessi
         assert session.last.finish_reason == "length" and not engine.scheduler.busy
 
 
-def admitted_without_a_chunk(engine, busy, idle):
-    """A generation of `idle`'s admitted in a tick whose prefill budget (8 tokens) all went to one of `busy`'s,
-    with less left to prefill: it has run nothing yet. Returns (it, the one of `busy`'s)."""
+def admitted_without_a_chunk(engine, busy, idle, also):
+    """A generation of `idle`'s admitted in a tick whose prefill budget (8 tokens) all went to others: half to
+    the oldest, one of `busy`'s, the rest to one of `also`'s, with less left to prefill: it has run nothing
+    yet. Returns (it, [the one of `busy`'s, the one of `also`'s])."""
     shorter = busy.stream(token_ids=tokens(40, seed=2, high=engine.vocab_size), max_new_tokens=2, eos_token_ids=[])
     engine.scheduler.tick()  # its first chunk
+    middle = also.stream(token_ids=tokens(10, seed=5, high=engine.vocab_size), max_new_tokens=2, eos_token_ids=[])
     longer = idle.stream(token_ids=tokens(100, seed=4, high=engine.vocab_size), max_new_tokens=2, eos_token_ids=[])
-    engine.scheduler.tick()  # admits `longer`; the whole budget goes to `shorter`
+    engine.scheduler.tick()  # admits `middle` and `longer`; the budget goes to `shorter` and `middle`
     assert longer._run.admitted and longer._run.stats.prefill_tokens == 0
-    return longer, shorter
+    return longer, [shorter, middle]
 
 
 def test_a_generation_cancelled_between_its_admission_and_its_first_chunk_leaves_its_session_as_it_was(
@@ -673,12 +699,12 @@ def test_a_generation_cancelled_between_its_admission_and_its_first_chunk_leaves
     """Cancelled when it has run nothing, its session keeps its history, cache and last result (PROTOCOL.md,
     generate), and its stats count nothing but its prompt."""
     monkeypatch.setattr(engine, "prefill_chunk", 8)
-    busy, idle = engine.session(), engine.session()
+    busy, idle, also = engine.session(), engine.session(), engine.session()
     try:
         before = idle.generate(token_ids=tokens(6, seed=1, high=engine.vocab_size), strategy="sample", seed=3,
                                num_samples=2, max_new_tokens=2, eos_token_ids=[])
         history, cached = list(idle.history), idle.cached
-        longer, shorter = admitted_without_a_chunk(engine, busy, idle)
+        longer, others = admitted_without_a_chunk(engine, busy, idle, also)
         longer.cancel()
         assert list(longer) == [] and longer.result.finish_reason == "cancelled"
         stats = longer.result.stats
@@ -687,10 +713,11 @@ def test_a_generation_cancelled_between_its_admission_and_its_first_chunk_leaves
         assert idle.continuation(sequence=1) == before.sequences[1].tokens
         assert idle.generate(token_ids=history, max_new_tokens=3, eos_token_ids=[]).token_ids == reference_greedy(
             engine, history, 3)
-        drain([shorter], engine)
+        drain(others, engine)
     finally:
         busy.close()
         idle.close()
+        also.close()
 
 
 def test_a_session_closed_between_its_generations_admission_and_first_chunk_frees_its_memory(engine, monkeypatch):
@@ -698,15 +725,16 @@ def test_a_session_closed_between_its_generations_admission_and_first_chunk_free
     other one goes on to its solo result, and no memory is left held once both sessions are closed."""
     monkeypatch.setattr(engine, "prefill_chunk", 8)
     held = (engine.stats()["sessions"], engine.stats()["cache_bytes"])  # other tests' shared prefixes, if any
-    busy, idle = engine.session(), engine.session()
+    busy, idle, also = engine.session(), engine.session(), engine.session()
     try:
         idle.generate(token_ids=tokens(6, seed=1, high=engine.vocab_size), max_new_tokens=2, eos_token_ids=[])
-        longer, shorter = admitted_without_a_chunk(engine, busy, idle)
+        longer, others = admitted_without_a_chunk(engine, busy, idle, also)
         idle.close()
         assert list(longer) == [] and longer.result.finish_reason == "cancelled"
-        (streamed,) = drain([shorter], engine)
-        assert streamed == reference_greedy(engine, tokens(40, seed=2, high=engine.vocab_size), 2)
+        streamed = drain(others, engine)
+        assert streamed == [reference_greedy(engine, tokens(n, seed=seed, high=engine.vocab_size), 2) for n, seed in ((40, 2), (10, 5))]
     finally:
         busy.close()
         idle.close()
+        also.close()
     assert (engine.stats()["sessions"], engine.stats()["cache_bytes"]) == held
