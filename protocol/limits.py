@@ -37,6 +37,10 @@ class Limits:
         "or a tokenize text, checked before tokenizing",
         bounds=(("generate", "prompt"), ("generate", "messages"), ("generate", "continue"), ("tokenize", "text")),
         measure="bytes")
+    max_messages: int = _limit(
+        2048, "messages of one generate's conversation: each is rendered by the model's chat template, on the server's "
+        "main thread (about 30 us a message with common templates)",
+        bounds=(("generate", "messages"),), measure="items")
     max_input_tokens: int = _limit(
         262_144, "token ids in one list: generate's token_ids, eos_token_ids and continue.append_token_ids, "
         "detokenize's token_ids",

@@ -111,8 +111,18 @@ def parse_args(argv=None):
             problem = _descriptor_problem(fd, mode)
             if problem:
                 parser.error(f"--fds: descriptor {fd} {problem}; it must be open to be {way}")
-    if args.chat_template and not args.model:
-        parser.error("--chat-template applies to the startup model: give --model too")
+    else:  # a closed stdout was a traceback from its duplication; a closed stdin, served as the copy of stdout
+        for fd, mode, name, way in ((0, os.O_RDONLY, "stdin", "read"), (1, os.O_WRONLY, "stdout", "written")):
+            problem = _descriptor_problem(fd, mode)
+            if problem:
+                parser.error(f"{name} (descriptor {fd}) {problem}; the protocol is served on stdin and stdout, so it "
+                             f"must be open to be {way} (or give --fds IN,OUT)")
+    for flag in ("model", "dtype", "chat_template", "session_dir", "stderr"):  # "" is not "not given"
+        if getattr(args, flag) == "":
+            parser.error(f"--{flag.replace('_', '-')} is empty: give a value, or leave the flag out")
+    for flag in ("chat_template", "dtype"):
+        if getattr(args, flag) and not args.model:
+            parser.error(f"--{flag.replace('_', '-')} applies to the startup model: give --model too")
     try:
         args.limits = Limits(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Limits)})
     except ValueError as problem:
@@ -149,7 +159,7 @@ def _open_stderr(path: str) -> int:
 
 
 def _read_template(path: str) -> str:
-    """A --chat-template file's text: a regular file of at most MAX_TEMPLATE_BYTES, in UTF-8."""
+    """A --chat-template file's text: a regular file of at most MAX_TEMPLATE_BYTES, in UTF-8, not blank."""
     # not blocking: opening a FIFO waits for a writer, and the start hung there, before the check below
     with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as file:
         info = os.fstat(file.fileno())
@@ -159,9 +169,12 @@ def _read_template(path: str) -> str:
     if len(data) > MAX_TEMPLATE_BYTES:
         raise ValueError(f"it is larger than {MAX_TEMPLATE_BYTES} bytes")
     try:
-        return data.decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ValueError(f"it is not UTF-8 text (byte {error.start})") from None
+    if not text.strip():  # the model would be left with no template at all: a traceback from the check, before
+        raise ValueError("it is empty")
+    return text
 
 
 def protocol_fds(fds) -> tuple[int, int]:

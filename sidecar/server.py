@@ -48,7 +48,7 @@ from .errors import InvalidArgument, InvalidProcessor, InvalidSessionFile, Reply
 from .generation import Generation
 from .session import STRATEGIES, Stats
 from .torch_defaults import DEFAULTS
-from .transport import EOF_MARK, Hangup
+from .transport import EOF_MARK, Hangup, OutputFailed
 
 log = logging.getLogger("sidecar")
 
@@ -204,6 +204,9 @@ class Server:
                     self._tick(inbox)
         except Shutdown as stop:
             return stop.status
+        except OutputFailed as problem:
+            log.error("cannot write to the protocol output: %s; exiting", problem)
+            return 1
         except (BrokenPipeError, Hangup):
             log.info("the client is gone; exiting")
             return 0

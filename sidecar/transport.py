@@ -38,6 +38,11 @@ class Hangup(Exception):
     """The input reached EOF while the writer was about to write or waiting to: the client is gone."""
 
 
+class OutputFailed(Hangup):
+    """The output cannot be written (a full disk, an I/O error): no reply can reach the client any more, so
+    the server stops as when it is gone, but says why and exits with an error."""
+
+
 class InputClosed:
     """Set by the reader at EOF. Its fd becomes readable then, so a writer can wait on both at once."""
 
@@ -209,6 +214,10 @@ class FrameWriter:
                 written = os.write(self.fd, view)
             except BlockingIOError:
                 written = 0
+            except BrokenPipeError:
+                raise
+            except OSError as problem:
+                raise OutputFailed(problem.strerror or str(problem)) from None
             view = view[written:]
             started = started or written > 0
             if view:

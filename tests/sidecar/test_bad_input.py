@@ -134,9 +134,11 @@ def calls_generate_from_a_processor(session):
 
 def advances_a_stream_from_a_processor(session):
     """`next()` of another stream of the same engine, from a processor, would tick inside the tick: refused,
-    and that stream then runs to the very tokens it gives alone."""
+    and that stream then runs to the very tokens it gives alone. Its prompt takes more than one tick's prefill
+    budget, so it has no token yet when the processor asks (one it had would be returned without a tick)."""
     other = session.engine.session()
-    stream = other.stream(token_ids=PRIMER, max_new_tokens=3, eos_token_ids=[])
+    prompt = tokens(2 * session.engine.prefill_chunk, seed=41)
+    stream = other.stream(token_ids=prompt, max_new_tokens=3, eos_token_ids=[])
 
     def advance(logits, context):
         next(stream)
@@ -148,7 +150,7 @@ def advances_a_stream_from_a_processor(session):
         tokens_after = [event.token_id for event in stream]
         other.close()
         with session.engine.session() as alone:
-            expected = alone.generate(token_ids=PRIMER, max_new_tokens=3, eos_token_ids=[]).token_ids
+            expected = alone.generate(token_ids=prompt, max_new_tokens=3, eos_token_ids=[]).token_ids
         assert tokens_after == expected
 
 
@@ -550,6 +552,9 @@ PROTOCOL_ROWS = [
     # limits
     ("prompt over max_prompt_bytes", gen(prompt="a" * (MIB + 1)), "limit_exceeded", "limit"),
     ("tokenize text over max_prompt_bytes", {"op": "tokenize", "text": "é" * (MIB // 2 + 1)}, "limit_exceeded", "limit"),
+    ("messages over max_messages", exactly("main", gen(messages=[{"role": "user", "content": ""}] * 2049),
+                                            code="limit_exceeded", limit="max_messages", param="messages", max=2048,
+                                            value=2049), "limit_exceeded", "limit"),
     ("token_ids over max_input_tokens", gen(token_ids=[5] * 262_145), "limit_exceeded", "limit"),
     ("continue.append_token_ids over max_input_tokens", gen(**{"continue": {"append_token_ids": [5] * 262_145}}),
      "limit_exceeded", "limit"),

@@ -72,6 +72,13 @@ def test_a_model_that_cannot_load_is_one_line_and_status_2(tmp_path, default_dir
     (["--cache-budget-bytes", "0"], "argument --cache-budget-bytes: invalid integer from 1 to 2^63-1 value"),
     (["--stream-interval-ms", "nan"], "argument --stream-interval-ms: invalid number of milliseconds from 0 to 60000"),
     (["--stderr", "/nonexistent/dir/log"], "--stderr: cannot open /nonexistent/dir/log: No such file or directory"),
+    # an empty value was taken as no flag at all: no model, a session directory off, stderr where it was
+    (["--model", ""], "--model is empty: give a value, or leave the flag out"),
+    (["--model", "default", "--session-dir", ""], "--session-dir is empty"),
+    (["--model", "default", "--stderr", ""], "--stderr is empty"),
+    (["--model", "default", "--chat-template", ""], "--chat-template is empty"),
+    # ignored: a later load_model took the dtype of the model's config
+    (["--dtype", "f16"], "--dtype applies to the startup model: give --model too"),
 ])
 def test_bad_options_are_one_clear_line(default_dir, args, says):
     done = run(*args)
@@ -105,6 +112,7 @@ def test_a_chat_template_that_is_a_fifo_is_refused_without_waiting_for_a_writer(
     (b"{{ messages[0]['content'] }\n", "cannot use --chat-template"),  # a Jinja syntax error
     (b"{{ '\xff' }}", "it is not UTF-8 text (byte 4)"),
     (b"{# a template #}" + b" " * (1 << 20), "it is larger than 1048576 bytes"),
+    (b" \n", "it is empty"),  # a traceback from the check of the model's template, left with none
 ])
 def test_a_chat_template_that_cannot_serve_fails_the_start(tmp_path, default_dir, content, says):
     path = tmp_path / "template.jinja"
@@ -113,6 +121,39 @@ def test_a_chat_template_that_cannot_serve_fails_the_start(tmp_path, default_dir
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert says in lines[0]
+
+
+@pytest.mark.parametrize("closed, says", [
+    (1, "stdout (descriptor 1) is not open; the protocol is served on stdin and stdout, so it must be open to be written"),
+    (0, "stdin (descriptor 0) is not open; the protocol is served on stdin and stdout, so it must be open to be read"),
+])
+def test_a_closed_stdin_or_stdout_is_one_clear_line(closed, says):
+    """A closed stdout was a traceback (its duplicate could not be made); with stdin closed, that duplicate
+    took descriptor 0 and the server served on "fds 0,0" until it read its own output's end."""
+    done = subprocess.run([sys.executable, "-m", "sidecar", "--model", "default"], capture_output=True, text=True,
+                          timeout=120, preexec_fn=lambda: os.close(closed))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert says in done.stderr
+
+
+def test_an_output_that_cannot_be_written_stops_the_server_with_one_line_and_status_1(default_dir):
+    """A write that fails other than by a closed pipe (a full disk) was a traceback, then another from the
+    attempt to report it, then a thousand lines of leak reports from an interpreter left to tear down."""
+    from protocol import frame, pack
+
+    with open("/dev/full", "wb") as full:
+        server = subprocess.Popen([sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "WARNING"],
+                                  stdin=subprocess.PIPE, stdout=full, stderr=subprocess.PIPE)
+    server.stdin.write(frame(pack({"id": 1, "op": "hello"})))
+    server.stdin.flush()  # and kept open: a client still there, whose replies cannot be written
+    try:
+        stderr = server.stderr.read().decode()
+        assert server.wait(timeout=120) == 1 and "Traceback" not in stderr, stderr
+    finally:
+        server.kill()
+        server.stdin.close()
+    assert stderr.strip().splitlines()[-1].endswith("cannot write to the protocol output: No space left on device; exiting")
+    assert len(stderr.strip().splitlines()) == 1, stderr
 
 
 def test_a_chat_template_that_refuses_a_lone_user_message_still_serves(tmp_path, default_dir):
