@@ -377,6 +377,12 @@ def test_an_out_of_vocabulary_processor_option_names_its_index_and_option(engine
                                                         .with_compiled(engine.vocabulary, None)])
         with pytest.raises(errors.InvalidProcessor, match=r"^processors\[0\] \(dfa\): names token id 3000"):
             session.generate(token_ids=[5], processors=[P.configure(Dfa, initial_state=3000, transitions=[[3000, 3000, 1]])])
+        # a chain bound already (its constraint moved first) is named as it was given: it said processors[1]
+        bound = P.Chain([P.configure(P.SuppressTokens, token_ids=[5000]), P.configure(Dfa, initial_state=0, transitions=[[0, 5, 0]])])
+        bound = bound.bind(engine.vocabulary, engine.default_eos_token_ids)
+        assert bound.processors[1].name == "suppress_tokens" and bound.indices == (1, 0)
+        with pytest.raises(errors.InvalidProcessor, match=r"^processors\[0\] \(suppress_tokens\): option 'token_ids' names token id 5000"):
+            session.generate(token_ids=[5], processors=bound)
 
 
 def test_only_option_values_count_towards_max_processor_values():
