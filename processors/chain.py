@@ -97,9 +97,9 @@ class Chain:
     def process(self, states: tuple, logits: torch.Tensor, context: Context) -> tuple[tuple, torch.Tensor]:
         """Runs one step. Inputs are checked first (their kinds and shapes: the tokens of the sequence were
         checked at `init`, and those appended since are trusted, as sampled from logits as wide as the
-        vocabulary) and never modified, so a rejected step changes nothing. Each state a processor returns
-        is checked as `init`'s was: one that stopped leading with the rows would be reordered wrongly, or
-        silently, at the next reorder (a few microseconds a processor)."""
+        vocabulary) and never modified, so a step they refuse changes nothing. Each state a processor
+        returns is checked as `init`'s was: one that stopped leading with the rows would be reordered
+        wrongly, or silently, at the next reorder (a few microseconds a processor)."""
         check_step(logits, context, self.max_token_id)
         self._check_states(states)
         rows = logits.shape[0]
@@ -116,7 +116,7 @@ class Chain:
                 raise InvalidInput(f"processors[{index}] ({processor.name}): process must return a pair (state, "
                                    f"logits), got {_kind(returned)}", index=index)
             state, logits = returned
-            check_state(state, rows, processor.name, self.indices[position], "the state it returned")
+            check_state(state, rows, processor.name, self.indices[position], "its returned state")
             new_states.append(state)
         return tuple(new_states), logits
 
@@ -149,7 +149,8 @@ def check_state(state, rows: int, name: str, index: int, path: str = "state") ->
     """A state's tensors are per-row (leading with the rows) or shared by every row (0-dim), nothing between.
 
     Bumblebee's own example keeps a shared value as `tensor([x])`: with several rows (beams, samples), no
-    single index can reorder that, so it is refused here, at `init`, instead of failing at some later step.
+    single index can reorder that, so it is refused here, at `init` and at every step (what `process`
+    returned), instead of failing, or reordering wrongly, at some later step.
     """
     if isinstance(state, torch.Tensor):
         if state.dim() > 0 and state.shape[0] != rows:

@@ -32,15 +32,15 @@ class Limits:
     max_queued_bytes: int = _limit(
         64 * 1024 * 1024, "frame bytes of the requests in flight together (one that waits is held as its frame)")
     max_depth: int = _limit(32, "nesting depth of maps and lists in one request")
+    max_messages: int = _limit(
+        2048, "messages of one generate's conversation: each is rendered by the model's chat template, on the server's "
+        "main thread (about 30 us a message with common templates)",
+        bounds=(("generate", "messages"),), measure="items")
     max_prompt_bytes: int = _limit(
         1024 * 1024, "UTF-8 bytes of a generate prompt, messages or continue (all their strings, map keys included), "
         "or a tokenize text, checked before tokenizing",
         bounds=(("generate", "prompt"), ("generate", "messages"), ("generate", "continue"), ("tokenize", "text")),
         measure="bytes")
-    max_messages: int = _limit(
-        2048, "messages of one generate's conversation: each is rendered by the model's chat template, on the server's "
-        "main thread (about 30 us a message with common templates)",
-        bounds=(("generate", "messages"),), measure="items")
     max_input_tokens: int = _limit(
         262_144, "token ids in one list: generate's token_ids, eos_token_ids and continue.append_token_ids, "
         "detokenize's token_ids",

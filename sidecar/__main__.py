@@ -3,8 +3,8 @@
 In stdio mode the frames go to a private duplicate of fd 1, and fd 1 itself is pointed at stderr, so
 nothing any Python code prints can reach the protocol stream. Logs go to stderr.
 The process never contacts a model hub: offline mode is set here, before transformers is imported.
-Exit status: 0 after EOF or `shutdown`, 2 for bad arguments or a model that fails to load at startup,
-130 after SIGINT.
+Exit status: 0 after EOF or `shutdown`, 1 when the protocol output cannot be written (a full disk), 2 for
+bad arguments or a model that fails to load at startup, 130 after SIGINT.
 """
 
 from __future__ import annotations
@@ -101,6 +101,11 @@ def parse_args(argv=None):
         limits.add_argument(f"--{name.replace('_', '-')}", type=_whole(0), default=getattr(Limits(), name), metavar="N",
                             help=f"{doc} (default %(default)s)")
     args = parser.parse_args(argv)
+    for flag in ("model", "dtype", "chat_template", "session_dir", "stderr", "fds"):  # "" is not "not given"
+        if getattr(args, flag) == "":
+            parser.error(f"--{flag.replace('_', '-')} is empty: give a value, or leave the flag out")
+    if "" in args.model_root:  # the working directory, which load_model could then load anything under
+        parser.error("--model-root is empty: give a directory")
     if args.fds:
         try:
             args.fds = tuple(int(x) for x in args.fds.split(","))
@@ -117,9 +122,6 @@ def parse_args(argv=None):
             if problem:
                 parser.error(f"{name} (descriptor {fd}) {problem}; the protocol is served on stdin and stdout, so it "
                              f"must be open to be {way} (or give --fds IN,OUT)")
-    for flag in ("model", "dtype", "chat_template", "session_dir", "stderr"):  # "" is not "not given"
-        if getattr(args, flag) == "":
-            parser.error(f"--{flag.replace('_', '-')} is empty: give a value, or leave the flag out")
     for flag in ("chat_template", "dtype"):
         if getattr(args, flag) and not args.model:
             parser.error(f"--{flag.replace('_', '-')} applies to the startup model: give --model too")

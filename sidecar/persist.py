@@ -200,8 +200,10 @@ def _over_budget(engine, doing: str, cached: int, extra: int, keep: tuple = ()) 
     store = engine.store
     held = store.unevictable_bytes(keep)
     alone = store.alone_bytes(keep)
-    after = (f"; the running generations hold {held - alone} of them: it fits once they end" if alone + extra <= store.budget_bytes
-             else "; it does not fit even with no generation running")
+    if alone + extra <= store.budget_bytes:
+        after = f"; the running generations hold {held - alone} of them: it fits once they end"
+    else:
+        after = "; it does not fit even with no generation running"
     return CacheBudgetExceeded(
         f"{doing} {cached} cached tokens needs {extra} bytes, more than the cache budget leaves: "
         f"{max(0, store.budget_bytes - held)} of its {store.budget_bytes} bytes (cache_budget_bytes) once idle "

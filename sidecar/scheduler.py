@@ -140,7 +140,8 @@ class Scheduler:
         for run in self.running:
             if not run.prefilling and not run.done:
                 feeds += run.plan(0)
-        for run, tokens in _prefill_shares([r for r in self.running if r.prefilling], self.engine.prefill_chunk):
+        prefilling = [r for r in self.running if r.prefilling]
+        for run, tokens in _prefill_shares(prefilling, self.engine.prefill_chunk, self.ticks % 2):
             feeds += run.plan(tokens)
         return feeds
 
@@ -174,25 +175,27 @@ class Scheduler:
                 run.fail(error)
 
 
-def _prefill_shares(prefilling: list[Run], budget: int) -> list[tuple[Run, int]]:
+def _prefill_shares(prefilling: list[Run], budget: int, odd: int) -> list[tuple[Run, int]]:
     """How many prompt tokens each prefilling run (in admission order) feeds this tick, `budget` in all:
-    half to the oldest, then the shortest remaining prompts first, and what is left to the oldest again.
-    Shortest first lets a short request get its first token while a long prompt is prefilled; the oldest's
-    half bounds every wait, where shortest first alone starved a long prompt for as long as shorter ones
-    kept coming (found from outside: a 122-token prompt waited over two minutes behind a stream of short
-    ones, at 8 tokens a tick)."""
+    half to the oldest (an odd budget's middle token on every other tick, `odd`), then the shortest
+    remaining prompts first, and what is left to the oldest again. Shortest first lets a short request
+    get its first token while a long prompt is prefilled; the oldest's half bounds every wait, where
+    shortest first alone starved a long prompt for as long as shorter ones kept coming (found from
+    outside: a 122-token prompt waited over two minutes behind a stream of short ones, at 8 tokens a tick)."""
     if not prefilling:
         return []
-    oldest, others = prefilling[0], sorted(prefilling[1:], key=lambda r: len(r.fresh))
-    shares = {id(oldest): min(len(oldest.fresh), (budget + 1) // 2)}
-    budget -= shares[id(oldest)]
-    for run in others:
-        if budget <= 0:
+    oldest, *others = prefilling
+    first = min(len(oldest.fresh), (budget + odd) // 2)
+    budget -= first
+    shares = []
+    for run in sorted(others, key=lambda r: len(r.fresh)):
+        tokens = min(len(run.fresh), budget)
+        if tokens <= 0:
             break
-        shares[id(run)] = min(len(run.fresh), budget)
-        budget -= shares[id(run)]
-    shares[id(oldest)] += min(budget, len(oldest.fresh) - shares[id(oldest)])
-    return [(run, shares[id(run)]) for run in (oldest, *others) if shares.get(id(run))]
+        shares.append((run, tokens))
+        budget -= tokens
+    first += min(budget, len(oldest.fresh) - first)
+    return [(oldest, first)] + shares if first else shares
 
 
 def _lanes(feeds: list[Feed], group: DecodeGroup) -> list[int]:

@@ -207,7 +207,7 @@ class Server:
         except OutputFailed as problem:
             log.error("cannot write to the protocol output: %s; exiting", problem)
             return 1
-        except (BrokenPipeError, Hangup):
+        except (ConnectionError, Hangup):
             log.info("the client is gone; exiting")
             return 0
 
@@ -293,7 +293,7 @@ class Server:
             self.writer.send(problem_reply(rid, problem))
         except SidecarError as problem:
             self.writer.send(problem_reply(request_id_of(message), problem))
-        except (Shutdown, BrokenPipeError, Hangup):
+        except (Shutdown, ConnectionError, Hangup, OutputFailed):
             raise
         except Exception as bug:  # a defect of ours: report it on this request, keep serving the others
             self.writer.send(internal_reply(request_id_of(message), bug))
@@ -355,7 +355,7 @@ class Server:
                     reply = ok(job.request.id, getattr(self, f"op_{job.request.op}")(job.request.params, job.request.id))
                 except (ProtocolError, SidecarError) as problem:
                     reply = problem_reply(job.request.id, problem)
-                except (BrokenPipeError, Hangup, Shutdown):  # the client is gone: not this request's failure
+                except (ConnectionError, Hangup, OutputFailed, Shutdown):  # no client to answer: not this request's failure
                     raise
                 except Exception as bug:
                     reply = internal_reply(job.request.id, bug)

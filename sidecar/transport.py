@@ -38,7 +38,7 @@ class Hangup(Exception):
     """The input reached EOF while the writer was about to write or waiting to: the client is gone."""
 
 
-class OutputFailed(Hangup):
+class OutputFailed(Exception):
     """The output cannot be written (a full disk, an I/O error): no reply can reach the client any more, so
     the server stops as when it is gone, but says why and exits with an error."""
 
@@ -214,7 +214,7 @@ class FrameWriter:
                 written = os.write(self.fd, view)
             except BlockingIOError:
                 written = 0
-            except BrokenPipeError:
+            except ConnectionError:  # a closed pipe, a reset socket: the client is gone
                 raise
             except OSError as problem:
                 raise OutputFailed(problem.strerror or str(problem)) from None

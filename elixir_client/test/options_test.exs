@@ -42,6 +42,13 @@ defmodule Sidecar.OptionsTest do
       Sidecar.start_link(device: 7)
     end
 
+    # the sidecar exits at start for it (a :sidecar_exited start error)
+    assert_raise ArgumentError,
+                 ~r/:dtype is the dtype of the model: loaded at start; with model: nil there is none/,
+                 fn ->
+                   Sidecar.start_link(model: nil, dtype: :bf16)
+                 end
+
     # a map: a FunctionClauseError in the validation itself before
     assert_raise ArgumentError, ~r/start options must be a keyword list, got %{model: :default}/, fn ->
       Sidecar.start(%{model: :default})

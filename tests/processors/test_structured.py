@@ -1420,9 +1420,9 @@ class Appending(P.LogitsProcessor):
 
 
 @pytest.mark.parametrize("returned, message", [
-    (lambda s: (torch.cat([s[0], s[0][:1]]),), r"the state it returned\[0\] has shape \(5,\) but there are 4 rows"),
-    (lambda s: (s[0][:1],), r"the state it returned\[0\] has shape \(1,\) but there are 4 rows"),
-    (lambda s: (3,), r"the state it returned\[0\] is of type int; a state is tensors"),
+    (lambda s: (torch.cat([s[0], s[0][:1]]),), r"its returned state\[0\] has shape \(5,\) but there are 4 rows"),
+    (lambda s: (s[0][:1],), r"its returned state\[0\] has shape \(1,\) but there are 4 rows"),
+    (lambda s: (3,), r"its returned state\[0\] is of type int; a state is tensors"),
 ])
 def test_a_state_that_stops_leading_with_the_rows_is_refused_at_the_step_that_returns_it(returned, message):
     """A state with one row too many still reorders without error (index_select never reads the extra row),

@@ -119,6 +119,27 @@ def test_a_long_prompt_is_prefilled_while_shorter_ones_keep_coming_and_equals_it
     long_session.close()
 
 
+@pytest.mark.parametrize("budget", [1, 2, 7, 8])
+def test_every_prompt_being_prefilled_gets_tokens_whatever_the_budget(budget):
+    """The oldest takes half the budget (an odd one's middle token every other tick), the shortest the rest:
+    over two ticks, even a budget of 1 feeds both the oldest prompt and a short one behind it."""
+    from types import SimpleNamespace
+
+    from sidecar.scheduler import _prefill_shares
+
+    oldest, short, other = (SimpleNamespace(fresh=[0] * n) for n in (100, 3, 50))
+    fed = {id(oldest): 0, id(short): 0, id(other): 0}
+    for tick in (0, 1):
+        shares = _prefill_shares([oldest, other, short], budget, tick % 2)
+        assert sum(n for _, n in shares) == budget and all(n > 0 for _, n in shares)
+        for run, n in shares:
+            fed[id(run)] += n
+            run.fresh = run.fresh[n:]
+    assert fed[id(oldest)] >= budget and fed[id(short)] == min(3, budget)
+    alone = SimpleNamespace(fresh=[0] * 5)
+    assert _prefill_shares([alone], budget, 0) == [(alone, min(5, budget))]  # alone: all it needs, up to the budget
+
+
 def test_cancelling_a_queued_generation_runs_nothing(engine):
     calls = []
     hook = engine.model.register_forward_hook(lambda m, a, kw, out: calls.append(1), with_kwargs=True)

@@ -79,6 +79,8 @@ def test_a_model_that_cannot_load_is_one_line_and_status_2(tmp_path, default_dir
     (["--model", "default", "--chat-template", ""], "--chat-template is empty"),
     # ignored: a later load_model took the dtype of the model's config
     (["--dtype", "f16"], "--dtype applies to the startup model: give --model too"),
+    (["--model", "default", "--fds", ""], "--fds is empty"),  # served on stdin and stdout instead
+    (["--model", "default", "--model-root", ""], "--model-root is empty"),  # the working directory, before
 ])
 def test_bad_options_are_one_clear_line(default_dir, args, says):
     done = run(*args)

@@ -87,6 +87,15 @@ defmodule Sidecar.Options do
 
     options = Keyword.merge(Enum.map(@definitions, fn {k, d} -> {k, d[:default]} end), opts)
     Enum.each(options, fn {key, value} -> check!(key, value) end)
+
+    # the sidecar refuses it (a start that exits), as it would otherwise be ignored
+    if options[:model] == nil and options[:dtype] != nil,
+      do:
+        raise(
+          ArgumentError,
+          "Sidecar option :dtype is the dtype of the model: loaded at start; with model: nil there is none"
+        )
+
     Keyword.update!(options, :python, &resolve_python!/1)
   end
 
