@@ -337,6 +337,26 @@ defmodule Sidecar.HostileValuesTest do
     assert stats["generated_tokens"] == 0 and stats["prefill_tokens"] == 0 and stats["ttft_s"] == nil
   end
 
+  test "a close withdrawn while it waits unsent is still sent: the session it disowned is closed" do
+    conn = start_supervised!({Sidecar, sidecar_opts()}, id: :withdrawn_close)
+    {:ok, %{"os_pid" => os_pid}} = Sidecar.info(conn)
+    owner = spawn(fn -> receive do: (:stop -> :ok) end)
+    {:ok, _} = Sidecar.open_session(conn, name: "closed-unsent", owner: owner)
+    {:ok, filler} = Sidecar.open_session(conn)
+    System.cmd("kill", ["-STOP", "#{os_pid}"])
+    on_exit(fn -> System.cmd("kill", ["-CONT", "#{os_pid}"], stderr_to_stdout: true) end)
+    # more than a pipe holds: what is sent after it waits in the connection's outbox
+    {:ok, big} = Sidecar.start_generate(conn, filler, String.duplicate("a ", 90_000), max_new_tokens: 1)
+    assert {:error, %Error{reason: :timeout}} = Sidecar.close_session(conn, "closed-unsent", 200)
+
+    # disowned by the close: the owner's exit closes nothing (the close, dropped unsent, left it open for good)
+    Process.exit(owner, :kill)
+    System.cmd("kill", ["-CONT", "#{os_pid}"])
+    Sidecar.await(big, 60_000)
+    assert {:error, %Error{reason: :unknown_session}} = Sidecar.session_info(conn, "closed-unsent")
+    assert {:ok, %{"sessions" => 1}} = Sidecar.stats(conn)
+  end
+
   test "a Port that closes without an exit status, frames still unsent, answers every caller" do
     conn = start_supervised!({Sidecar, sidecar_opts()}, id: :port_closed)
     {:ok, %{"os_pid" => os_pid}} = Sidecar.info(conn)

@@ -405,7 +405,7 @@ defmodule Sidecar.Connection do
   # `session_owner`: the process whose exit closes the session a request makes (`{:owner, pid}`), or
   # the session a close_session closes (`{:closing, name}`), which no exit closes from then on: an exit
   # coming later would close, by its name, whatever session has the name by then (one opened since).
-  # (A close withdrawn before it was sent leaves its session open and unowned.)
+  # A close withdrawn before it was sent is still sent (`abandon`), since nothing else would close it.
   defp take_request(op, body, ref, caller, session_owner, state) do
     id = state.next_id
 
@@ -447,6 +447,11 @@ defmodule Sidecar.Connection do
   # A request nobody will read (its entry already out of `pending`): still unsent, it never is; a
   # generation already sent is cancelled; a session it makes is closed once made (nobody would know its
   # name, and it would count against max_sessions for good); anything else runs, its reply dropped.
+  # A close goes ahead, sent or not: its session was disowned when the close was taken, so no owner's
+  # exit would close it any more (it stayed open, counting against max_sessions).
+  defp abandon(state, id, %{op: "close_session"} = entry),
+    do: %{state | pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: entry.op})}
+
   defp abandon(state, id, entry) do
     case unqueue(state, id) do
       {:sent, state} when entry.op == "generate" ->
