@@ -218,7 +218,8 @@ defmodule Sidecar do
 
   @doc """
   Closes a session and frees its cache; its owner's exit (`open_session/2`'s `:owner`) closes it no
-  more. `timeout` defaults to the connection's `:call_timeout`.
+  more. `timeout` defaults to the connection's `:call_timeout`; a close whose call times out, or
+  whose caller exits, still goes ahead.
   """
   @spec close_session(conn(), session(), timeout() | nil) :: :ok | {:error, Error.t()}
   def close_session(conn, session, timeout \\ nil) do
