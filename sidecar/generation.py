@@ -68,11 +68,11 @@ class Feed:
 class _Row:
     """One sequence being sampled: its tokens, its text so far, and its stop matcher."""
 
-    def __init__(self, index: int, tokenizer, stop):
+    def __init__(self, index: int, tokenizer, token_bytes, stop):
         self.index = index
         self.token_ids: list[int] = []
         self.pieces: list[str] = []
-        self.detokenizer = Detokenizer(tokenizer)
+        self.detokenizer = Detokenizer(tokenizer, token_bytes)
         self.stops = StopMatcher(stop)
         self.finish: str | None = None
 
@@ -243,7 +243,8 @@ class Run:
         if request.strategy == "beam":
             self.beams = BeamSearch(width, request.max_new_tokens, request.eos_token_ids, request.length_penalty,
                                     request.early_stopping, logits.shape[-1], logits.device)
-        self.rows = self.all_rows = [_Row(i, engine.tokenizer, request.stop) for i in range(width)]
+        self.rows = self.all_rows = [_Row(i, engine.tokenizer, engine.vocabulary.token_bytes, request.stop)
+                                     for i in range(width)]
 
     def _choose(self, logits: torch.Tensor) -> None:
         """Processes the logits of the decoding rows and appends one token to each."""
@@ -285,7 +286,7 @@ class Run:
             if row.stops.stopped:
                 row.finish = "stop"
             elif is_eos or len(row.token_ids) == request.max_new_tokens:
-                text += row.stops.feed_last(row.detokenizer.flush())
+                text += row.stops.feed_last(row.detokenizer.flush(), row.detokenizer.cut())
                 row.finish = "stop" if row.stops.stopped else ("eos" if is_eos else "length")
             row.pieces.append(text)
             self.events.append(TokenEvent(token, text, row.index))

@@ -1,12 +1,14 @@
 """Turning a growing list of token ids into text pieces for streaming.
 
-Two small state machines. `Detokenizer` gives the text each new token completes, and holds a token
-back while it ends in an incomplete UTF-8 sequence (decoding shows U+FFFD there). `StopMatcher` finds
+Two small state machines. `Detokenizer` gives the text each new token decides, and holds a token back
+while its bytes end in an incomplete UTF-8 sequence (decoding shows U+FFFD there). `StopMatcher` finds
 stop strings in the generated text, and holds back any tail that could still become one, so streamed
 pieces never contain text that a later stop would remove.
 """
 
 from __future__ import annotations
+
+import codecs
 
 from processors.checks import lone_surrogate
 
@@ -33,31 +35,67 @@ class Detokenizer:
 
     Re-decoding only from the previous token onwards keeps each step O(1). Decoding a few tokens of
     context, not just the new one, keeps the tokenizer's joining rules (spaces, byte merges) right.
+
+    A token is held while the text did not grow (context for the next), and while it ends inside a
+    character: with `token_bytes` (each id's bytes, `Vocabulary.token_bytes`: None for a special token),
+    exactly while the held tokens' bytes end in an incomplete UTF-8 sequence, with room for its last
+    bytes past `MAX_HELD`, and the text decided before it goes out at once; without, while the text
+    ends in U+FFFD, which may be a character the model wrote whole. Read from the text, a U+FFFD the
+    model wrote was held, and missed by stop strings at the end; and tokens held for long were let go at
+    `MAX_HELD` with the U+FFFD of a character still incomplete, whose completion then decoded to no new
+    text and was lost.
     """
 
-    def __init__(self, tokenizer, *, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer, token_bytes=None, *, skip_special_tokens: bool = True):
         self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        self._bytes = token_bytes
         self._ids: list[int] = []
         self._prefix = 0  # start of the decoding window
         self._read = 0  # tokens up to here have been turned into text
+        self._sent = 0  # characters the held tokens decided, gone out already
 
     def push(self, token_id: int) -> str:
-        """The new text completed by `token_id` ('' while a character is still incomplete)."""
+        """The new text `token_id` decided ('' while it only continues a character still incomplete)."""
         self._ids.append(token_id)
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
-        held = len(self._ids) - self._read
-        if held < MAX_HELD and (after.endswith(REPLACEMENT) or len(after) <= len(before)):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return after[len(before) :]
+        start = len(before) + self._sent
+        if self._bytes is None:
+            holding, limit = after.endswith(REPLACEMENT) or len(after) <= len(before), MAX_HELD
+        else:  # a token that wrote nothing stays too, as context: a decoder may strip a space it finds first;
+            # and a character's last bytes get room past the tokens that wrote nothing before them
+            inside = self._inside_a_character()
+            holding, limit = inside or len(after) <= len(before), MAX_HELD + (4 if inside else 0)
+        if holding and len(self._ids) - self._read < limit:
+            end = len(after.rstrip(REPLACEMENT))  # what comes before the character still incomplete is decided
+            piece = after[start:end] if end > start else ""
+            self._sent += len(piece)
+            return piece
+        self._prefix, self._read, self._sent = self._read, len(self._ids), 0
+        return after[start:] if len(after) > start else ""
 
     def flush(self) -> str:
         """Whatever is still held back, at the end of generation (may end in U+FFFD if truly invalid)."""
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
+        start = len(before) + self._sent
         self._prefix = self._read = len(self._ids)
-        return after[len(before) :]
+        self._sent = 0
+        return after[start:] if len(after) > start else ""
+
+    def cut(self) -> bool:
+        """Whether the tokens pushed end inside a character (what `flush` gave then ends in its U+FFFD).
+        Without `token_bytes`, nothing tells a U+FFFD the model wrote from one that stands for cut bytes:
+        taken as cut."""
+        return self._bytes is None or self._inside_a_character(since=max(0, len(self._ids) - MAX_HELD))
+
+    def _inside_a_character(self, since: int | None = None) -> bool:
+        """Whether the bytes of the tokens from `since` (the held ones by default) end in an incomplete
+        UTF-8 sequence: one that more bytes could still complete."""
+        tokens = self._ids[self._read if since is None else since :]
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        decoder.decode(b"".join(self._bytes[t] or b"" if t < len(self._bytes) else b"" for t in tokens))
+        return bool(decoder.getstate()[0])
 
 
 class StopMatcher:
@@ -86,10 +124,11 @@ class StopMatcher:
         rest, self._pending = self._pending, ""
         return rest
 
-    def feed_last(self, piece: str) -> str:
-        """`feed` of the generation's last piece, then what was held back. Its trailing U+FFFD stand for the
-        bytes of a character the end cut (`Detokenizer.flush`): written out, never taken for a stop string."""
-        whole = piece.rstrip(REPLACEMENT)
+    def feed_last(self, piece: str, cut: bool = True) -> str:
+        """`feed` of the generation's last piece, then what was held back. When the end `cut` a character
+        (`Detokenizer.cut`), the U+FFFD that end the piece stand for its bytes: written out, never taken
+        for a stop string. One the model wrote whole is text like any other."""
+        whole = piece.rstrip(REPLACEMENT) if cut else piece
         text = self.feed(whole)
         return text if self.stopped else text + self.flush() + piece[len(whole) :]
 
