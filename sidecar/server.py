@@ -48,7 +48,7 @@ from .errors import InvalidArgument, InvalidProcessor, InvalidSessionFile, Reply
 from .generation import Generation
 from .session import STRATEGIES, Stats
 from .torch_defaults import DEFAULTS
-from .transport import EOF_MARK, Hangup, OutputFailed
+from .transport import EOF_MARK, UNREACHABLE, OutputFailed
 
 log = logging.getLogger("sidecar")
 
@@ -207,7 +207,7 @@ class Server:
         except OutputFailed as problem:
             log.error("cannot write to the protocol output: %s; exiting", problem)
             return 1
-        except (ConnectionError, Hangup):
+        except UNREACHABLE:
             log.info("the client is gone; exiting")
             return 0
 
@@ -293,7 +293,7 @@ class Server:
             self.writer.send(problem_reply(rid, problem))
         except SidecarError as problem:
             self.writer.send(problem_reply(request_id_of(message), problem))
-        except (Shutdown, ConnectionError, Hangup, OutputFailed):
+        except (Shutdown, *UNREACHABLE):
             raise
         except Exception as bug:  # a defect of ours: report it on this request, keep serving the others
             self.writer.send(internal_reply(request_id_of(message), bug))
@@ -355,7 +355,7 @@ class Server:
                     reply = ok(job.request.id, getattr(self, f"op_{job.request.op}")(job.request.params, job.request.id))
                 except (ProtocolError, SidecarError) as problem:
                     reply = problem_reply(job.request.id, problem)
-                except (ConnectionError, Hangup, OutputFailed, Shutdown):  # no client to answer: not this request's failure
+                except (Shutdown, *UNREACHABLE):
                     raise
                 except Exception as bug:
                     reply = internal_reply(job.request.id, bug)
@@ -729,7 +729,7 @@ class Server:
         has it; returns a weak reference to the model and the sessions closed, sorted. A function of its own,
         so that no local of it outlives it."""
         engine = self._engine(name, rid)
-        unloaded, fingerprint = weakref.ref(engine.model), engine.vocabulary_fingerprint
+        unloaded, fingerprint = weakref.ref(engine.model), engine.vocabulary.fingerprint
         closed = sorted(session_name for session_name, (model, _) in self.sessions.items() if model == name)
         for session_name in closed:
             self._close(session_name)
@@ -737,11 +737,11 @@ class Server:
         self._forget_vocabulary_if_unused(fingerprint)
         return unloaded, closed
 
-    def _forget_vocabulary_if_unused(self, fingerprint: str | None) -> None:
+    def _forget_vocabulary_if_unused(self, fingerprint: str) -> None:
         """Drops what is kept for constraints over a vocabulary (`forget_vocabulary`) once no loaded model has
         it: at the unload of its last model, and when a compile over it ends after that (an llguidance parser
         is built to its end, and stored, even when nobody waits for it any more)."""
-        if fingerprint is not None and all(e.vocabulary_fingerprint != fingerprint for e in self.engines.values()):
+        if all(e.vocabulary.fingerprint != fingerprint for e in self.engines.values()):
             forget_vocabulary(fingerprint)
 
     def op_models(self, params, rid):

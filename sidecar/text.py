@@ -64,7 +64,7 @@ class Detokenizer:
             holding, limit = after.endswith(REPLACEMENT) or len(after) <= len(before), MAX_HELD
         else:  # a token that wrote nothing stays too, as context: a decoder may strip a space it finds first;
             # and a character's last bytes get room past the tokens that wrote nothing before them
-            inside = self._inside_a_character()
+            inside = after.endswith(REPLACEMENT) and self._inside_a_character()  # bytes cut show as U+FFFD
             holding, limit = inside or len(after) <= len(before), MAX_HELD + (4 if inside else 0)
         if holding and len(self._ids) - self._read < limit:
             end = len(after.rstrip(REPLACEMENT))  # what comes before the character still incomplete is decided
@@ -94,7 +94,7 @@ class Detokenizer:
         UTF-8 sequence: one that more bytes could still complete."""
         tokens = self._ids[self._read if since is None else since :]
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        decoder.decode(b"".join(self._bytes[t] or b"" if t < len(self._bytes) else b"" for t in tokens))
+        decoder.decode(b"".join(self._bytes[t] or b"" for t in tokens))
         return bool(decoder.getstate()[0])
 
 

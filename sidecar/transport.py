@@ -43,6 +43,10 @@ class OutputFailed(Exception):
     the server stops as when it is gone, but says why and exits with an error."""
 
 
+# What stops the server because no reply can reach its client: not the failure of the request being handled.
+UNREACHABLE = (ConnectionError, Hangup, OutputFailed)
+
+
 class InputClosed:
     """Set by the reader at EOF. Its fd becomes readable then, so a writer can wait on both at once."""
 

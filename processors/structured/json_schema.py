@@ -19,7 +19,7 @@ from ..contract import option
 from ..errors import InvalidOption
 from .anchors import class_read_differently
 from .constraints import MAX_PATTERN_CHARS, _compile_timeout, _pattern
-from .grammar import RunByLlguidance, check_grammar
+from .grammar import RunByLlguidance
 from .regular import RegularConstraint
 from .schema_fit import dfa_obstacle, read_alike, schema_objects
 
@@ -302,14 +302,11 @@ class JsonSchema(RegularConstraint):
         if self.dfa_obstacle is not None:
             self.check_unless_deferred()
 
-    def check_grammar(self) -> None:
-        """llguidance's check of the schema it runs (0.42 s at max_pattern_chars, remembered per text)."""
-        ok, problem = check_grammar(lambda: self.llguidance_grammar, "schema")
-        if not ok:
-            why = (f"outlines-core would not compile it exactly: {self.dfa_obstacle}" if self.dfa_obstacle is not None
-                   else "its automaton's masks over this vocabulary would take too much memory")
-            raise InvalidOption(f"option 'schema' cannot be enforced: {problem[:300]} (it is run by llguidance, since "
-                                f"{why})")
+    @property
+    def run_by_llguidance_because(self) -> str:
+        if self.dfa_obstacle is not None:
+            return f"outlines-core would not compile it exactly: {self.dfa_obstacle}"
+        return RegularConstraint.run_by_llguidance_because.fget(self)
 
     @property
     def llguidance_grammar(self) -> str:

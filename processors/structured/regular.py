@@ -49,8 +49,13 @@ class RegularConstraint(RunByLlguidance, Constraint):
         """llguidance's check of what it runs (remembered per text)."""
         ok, problem = check_grammar(lambda: self.llguidance_grammar, self.option_name)
         if not ok:
-            raise InvalidOption(f"option {self.option_name!r} cannot be enforced over this vocabulary: {problem[:300]} "
-                                f"(it is run by llguidance, since its automaton's masks would take too much memory)")
+            raise InvalidOption(f"option {self.option_name!r} cannot be enforced: {problem[:300]} (it is run by "
+                                f"llguidance, since {self.run_by_llguidance_because})")
+
+    @property
+    def run_by_llguidance_because(self) -> str:
+        """Why llguidance runs it, as `check_grammar`'s refusal says."""
+        return "its automaton's masks over this vocabulary would take too much memory"
 
     def automaton(self, vocabulary, cancelled=None):
         """Compiled (or from the cache); `cancelled`, a callable asked while compiling, may stop it (see

@@ -456,8 +456,8 @@ def test_an_unload_drops_what_was_compiled_over_a_vocabulary_no_loaded_model_has
                 send({"id": first + offset, "op": "generate", "session": session, "prompt": "x", "max_new_tokens": 4,
                       "processors": [processor]})
         assert all(r["ok"] for r in replies_until(messages, range(1, 8)))
-        fingerprint = server.engines["default"].vocabulary_fingerprint
-        assert fingerprint == server.engines["twin"].vocabulary_fingerprint and kept(fingerprint) == [True] * 3
+        fingerprint = server.engines["default"].vocabulary.fingerprint
+        assert fingerprint == server.engines["twin"].vocabulary.fingerprint and kept(fingerprint) == [True] * 3
         send({"id": 8, "op": "unload_model", "model": "default"})
         assert replies_until(messages, [8])[0]["ok"] and kept(fingerprint) == [True] * 3  # the twin has it
         send({"id": 9, "op": "unload_model", "model": "twin"})
@@ -488,7 +488,7 @@ def test_a_compile_that_ends_after_its_models_unload_keeps_nothing(default_dir, 
         send({"id": 2, "op": "generate", "session": "s", "prompt": "x", "max_new_tokens": 4,
               "processors": [{"name": "grammar", "options": {"grammar": 'start: "held" | "back"'}}]})
         assert building.wait(60)
-        fingerprint = server.engines["default"].vocabulary_fingerprint
+        fingerprint = server.engines["default"].vocabulary.fingerprint
         send({"id": 3, "op": "unload_model", "model": "default"})
         replies = [r for r in replies_until(messages, [1, 2, 3]) if r["id"] != 1]
         assert [r.get("error", {}).get("code") for r in replies] == ["session_closed", None], replies

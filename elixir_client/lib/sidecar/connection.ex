@@ -449,8 +449,7 @@ defmodule Sidecar.Connection do
   # name, and it would count against max_sessions for good); anything else runs, its reply dropped.
   # A close goes ahead, sent or not: its session was disowned when the close was taken, so no owner's
   # exit would close it any more (it stayed open, counting against max_sessions).
-  defp abandon(state, id, %{op: "close_session"} = entry),
-    do: %{state | pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: entry.op})}
+  defp abandon(state, id, %{op: "close_session"}), do: unread(state, id, "close_session")
 
   defp abandon(state, id, entry) do
     case unqueue(state, id) do
@@ -458,7 +457,7 @@ defmodule Sidecar.Connection do
         cancel_on_server(state, id)
 
       {:sent, state} when entry.op in @making_sessions or entry.op == "unload_model" ->
-        %{state | pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: entry.op})}
+        unread(state, id, entry.op)
 
       {_, state} ->
         state
@@ -539,8 +538,12 @@ defmodule Sidecar.Connection do
   defp send_unread(state, op, params) do
     id = state.next_id
     {:ok, state} = send_message(state, Protocol.request(id, op, params))
-    %{state | next_id: id + 1, pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: op})}
+    unread(%{state | next_id: id + 1}, id, op)
   end
+
+  # Request `id` runs, and nobody reads its reply (`deliver` still acts on what it did).
+  defp unread(state, id, op),
+    do: %{state | pending: Map.put(state.pending, id, %{ref: nil, monitor: nil, op: op})}
 
   defp forget_pending(state, id) do
     case Map.pop(state.pending, id) do
