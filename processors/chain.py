@@ -88,7 +88,7 @@ class Chain:
     def init(self, context: Context) -> tuple:
         check_context(context)
         check_token_ids(context)
-        states = tuple(p.init(context) for p in self.processors)
+        states = tuple([p.init(context) for p in self.processors])  # a StopIteration out of a generator would be a RuntimeError
         rows = context.sequence.shape[0]
         for index, processor, state in zip(self.indices, self.processors, states):
             check_state(state, rows, processor.name, index)

@@ -87,6 +87,9 @@ def parse_args(argv=None):
                              "row's token and mask); a generation whose grammars take longer stops with "
                              "limit_exceeded (default 100)")
     parser.add_argument("--prefill-chunk", type=_whole(1), help="tokens per prefill forward pass (default 512)")
+    parser.add_argument("--threads", type=_whole(1),
+                        help="threads of each forward pass (default torch's, one per core); on a machine whose cores "
+                             "other work uses too (the BEAM's schedulers), fewer keep every step's time steady")
     parser.add_argument("--no-share-prefixes", dest="share_prefixes", action="store_false",
                         help="each session reuses only its own cache (by default a session continues a prefix, "
                              "such as a system prompt, that another session's cache holds)")
@@ -214,12 +217,16 @@ def main(argv=None) -> int:
 
     # transformers logs on a handler of its own: quieter with the level, never chattier than its warnings
     transformers_logging.set_verbosity(max(logging.WARNING, logging.getLevelName(args.log_level)))
+    import torch
+
     from . import chat
     from .errors import SidecarError
     from .models import resolve_device
     from .server import Server
     from .transport import FrameReader, FrameWriter, InputClosed
 
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.constraint_budget_bytes is not None:
         from processors.structured import budget
 
@@ -260,7 +267,8 @@ def main(argv=None) -> int:
                 return 2
     reader = FrameReader(in_fd, args.limits.max_frame_bytes, closed)
     reader.start()
-    logging.getLogger("sidecar").info("serving on fds %d,%d", in_fd, out_fd)
+    logging.getLogger("sidecar").info("serving on fds %d,%d; forward passes on %d thread(s)", in_fd, out_fd,
+                                      torch.get_num_threads())
     return server.serve(reader.inbox)
 
 

@@ -43,7 +43,10 @@ def check_logits(logits, chain, shape: torch.Size, device: torch.device) -> None
     tops = logits.amax(dim=-1)  # per row: one row with nothing left must not hide behind the others
     top, bottom = float(tops.max()), float(tops.min())
     if top != top or top == float("inf"):
-        problem = "a logit is +inf or NaN (a scale overflowed float32?)"
+        # the model's own logits are not checked apart (a reduction a step): with no processor, they are to blame
+        problem = ("a logit is +inf or NaN: the model's own (its forward pass overflowed: a float16 model past 65504?)"
+                   if not chain.processors else "a logit is +inf or NaN (a scale overflowed float32, or the model's own "
+                   "logits did: a float16 model past 65504?)")
     elif bottom == float("-inf"):
         problem = "every token was removed (all logits of a row are -inf)"
     else:

@@ -478,15 +478,16 @@ class DecodeGroup:
         store, capacity = self.store, max(cache.capacity for cache in caches)
         if store.used_bytes + len(caches) * capacity * store.bytes_per_token > store.budget_bytes:
             return False
+        all_keys, all_values = [], []  # made aside: a copy stopped part-way (Ctrl-C, no memory) leaves no group
         for layer, shape in enumerate(store.layers):
             keys, values = (torch.zeros(len(caches), shape.kv_heads, capacity, shape.head_dim, dtype=store.dtype,
                                         device=store.device) for _ in range(2))
             for lane, cache in enumerate(caches):
                 keys[lane, :, : cache.length] = cache.keys[layer][0, :, : cache.length]
                 values[lane, :, : cache.length] = cache.values[layer][0, :, : cache.length]
-            self.keys.append(keys)
-            self.values.append(values)
-        self.members, self.capacity, self.chain = list(caches), capacity, chain
+            all_keys.append(keys)
+            all_values.append(values)
+        self.keys, self.values, self.members, self.capacity, self.chain = all_keys, all_values, list(caches), capacity, chain
         self.synced = [cache.length for cache in caches]
         store._account(self.nbytes)
         return True
@@ -506,8 +507,9 @@ class DecodeGroup:
                     for layer in range(len(self.keys)):
                         cache.keys[layer][0, :, synced:end] = self.keys[layer][lane, :, synced:end]
                         cache.values[layer][0, :, synced:end] = self.values[layer][lane, :, synced:end]
-        self.store._account(-self.nbytes)
+        nbytes = self.nbytes
         self.members, self.synced, self.keys, self.values, self.capacity, self.chain = [], [], [], [], 0, []
+        self.store._account(-nbytes)
 
     def holds(self, cache: "KVCache") -> bool:
         return any(member is cache for member in self.members)

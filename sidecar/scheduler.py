@@ -14,7 +14,9 @@ Each tick it
    no generation waits for memory.
 
 A failure inside one run (its processors, its sampling) fails that run alone; a failing forward pass
-fails the runs that were in it. Either way each such run puts its session back as it was.
+fails the runs that were in it. Either way each such run puts its session back as it was. An exception
+no run catches (Ctrl-C lands anywhere in a step: in the model, in a run's processors, in the group's
+copy) leaves the step through the thread that runs it, after `_interrupted` has made the rest whole.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Scheduler:
         self.ticking = False
         self.ticks = 0
         self.group = engine.store.group  # the sessions decoding together (`_forward`)
+        self.current: Run | None = None  # the run being admitted, or taking its logits
 
     @property
     def busy(self) -> bool:
@@ -87,10 +90,28 @@ class Scheduler:
                     for run in self.running:
                         if run.cancelled:
                             run.finish("cancelled")
+            except BaseException:
+                self._interrupted()
+                raise
             finally:
                 self.ticking = False
                 self.ticks += 1
             self._forget_done()
+
+    def _interrupted(self) -> None:
+        """Makes whole a step that an exception stopped part-way: the decode group is let go (its members'
+        own buffers catch up), and the run it stopped in its admission or in taking its logits, whichever
+        thread's call that is, is cancelled, since its step is half taken (going on, it fed a token twice).
+        The runs before it took their step, those after it did not and run it again: planning changes
+        nothing, and the keys a forward pass wrote past a run's length are written again alike."""
+        run, self.current = self.current, None
+        with torch.inference_mode():
+            self.group.dissolve()
+            if run is not None and not run.done:
+                try:
+                    run.finish("cancelled")
+                except Exception as error:  # its rows stopped mid-change: put the session back instead
+                    run.fail(error)
 
     def _forget_done(self) -> None:
         self.running = [run for run in self.running if not run.done]
@@ -128,12 +149,14 @@ class Scheduler:
                     limit="cache_budget_bytes", max=store.budget_bytes, value=value))
                 continue
             self.waiting.popleft()
+            self.current = run
             try:
                 run.admit(footprint)
             except Exception as error:
                 run.fail(error)
-                continue
-            self.running.append(run)
+            self.current = None
+            if not run.done:
+                self.running.append(run)
 
     def _plan(self) -> list[Feed]:
         feeds: list[Feed] = []
@@ -169,10 +192,12 @@ class Scheduler:
             wanted = sum(feed.logits for feed in fed)
             rows = logits[row : row + wanted] if wanted else None
             row += wanted
+            self.current = run
             try:
                 run.accept(fed, rows)
             except Exception as error:
                 run.fail(error)
+            self.current = None
 
 
 def _prefill_shares(prefilling: list[Run], budget: int, odd: int) -> list[tuple[Run, int]]:

@@ -4,9 +4,10 @@ One main thread does all the work. It owns the output, drains incoming frames be
 ticks each engine's scheduler, which runs one forward pass for every active generation of that model
 together (continuous batching), so a long generation in one session does not delay a ping or a
 generation in another. Requests for one session wait in that session's queue and run in arrival order.
-Only compiling constraints runs elsewhere, on COMPILERS threads, configuring the processors of a
-generate that carries many bytes of them, on a thread of its own, and loading a model, on another: none
-is waited for by the main thread. While a model loads, the frames after its load_model wait unread.
+Only compiling constraints runs elsewhere, on COMPILERS threads, configuring the processors and the input
+of a generate that carries many bytes of them, on a thread of its own, and loading a model, or tokenizing
+or detokenizing a large input, on another: none is waited for by the main thread. While a model loads (or
+such a tokenize runs), the frames after its request wait unread.
 
 Every request gets exactly one reply, whatever happens to it or to its session: a failure while it
 starts or runs is an error on that request alone, and a session closed or unloaded under queued
@@ -69,6 +70,11 @@ COMPILERS = 2
 # checks, a dfa's transitions), about 2 ms per KB: up to 0.2-0.5 s for the largest values the limits allow,
 # during which every stream paused. Below it, configuring costs less than the tick the hop would add.
 CONFIGURE_INLINE_BYTES = 4096
+# A generate whose frame is larger than this tokenizes its input (or renders its messages, or reads its token
+# ids) on the configuring thread too, and a tokenize of a longer text or a detokenize of more ids is answered
+# on a thread of its own: a tokenizer takes about 1 us a character (a second for a prompt of a megabyte,
+# while every stream paused) and lets go of the GIL meanwhile. Below it, 10-20 ms at most.
+INPUT_INLINE_BYTES = 16384
 # How long a thread running Python (configuring, or a compile thread reading what its child made) keeps the
 # GIL from the main thread, which asks for it back after every torch call that let go of it, hundreds a
 # tick: while another thread configured a dfa of 20,000 transitions, a tick of 3 ms took the whole 0.4 s of
@@ -90,6 +96,9 @@ class Job:
     processors: list | None = None  # a generate's, configured once it reaches the head of its queue
     configuring: bool = False  # its processors are being configured on the configuring thread
     configure_failure: Exception | None = None  # what configuring them raised there, raised again here
+    input_ids: list | None = None  # a large generate's input, made on the configuring thread
+    prepared: Request | None = None  # its request, as decoded there: not decoded again on the main thread
+    input_failure: Exception | None = None  # what making it raised there, raised again when it starts
     compiles: list = field(default_factory=list)  # (processor index, Compile) it waits for, in processor order
     compiled: bool = False  # its constraints are ready (or `problem` says why not)
     problem: SidecarError | None = None
@@ -126,6 +135,14 @@ class Configured:
     """Put in the inbox by the configuring thread: `job`'s processors are configured, or failed to be."""
 
     job: Job
+
+
+@dataclass(frozen=True)
+class Answered:
+    """Put in the inbox by a thread that answered `request` aside (a large tokenize or detokenize)."""
+
+    request: Request
+    reply: dict
 
 
 @dataclass(frozen=True)
@@ -178,7 +195,7 @@ class Server:
         self.in_flight: dict[int, Job] = {}
         self.queued_bytes = 0  # frame bytes of the jobs in flight
         self.active: list[Job] = []  # started generations, in the order they started
-        self.loading: Request | None = None  # the load_model whose model loads on the loading thread
+        self.aside: Request | None = None  # answered on a thread of its own (a load_model...): frames wait
         self._names = 0
         # in the names this server chooses: a name a client kept from an earlier server process (one its
         # supervisor has since restarted) is no session here, rather than another client's
@@ -198,7 +215,7 @@ class Server:
             while True:
                 if not self.active:
                     self.writer.flush()  # about to wait: nothing may linger in the buffer
-                    inbox.wait(frames=self.loading is None)
+                    inbox.wait(frames=self.aside is None)
                 with DEFAULTS.using():
                     self._drain(inbox)
                     self._tick(inbox)
@@ -256,11 +273,11 @@ class Server:
         return True
 
     def _drain(self, inbox) -> None:
-        """Handles what the inbox holds: notices, and frames unless a load_model is being answered (the frames
-        after it are read once it has replied)."""
+        """Handles what the inbox holds: notices, and frames unless a request is answered aside (a load_model:
+        the frames after it are read once it has replied)."""
         while True:
             try:
-                item = inbox.get(frames=self.loading is None)
+                item = inbox.get(frames=self.aside is None)
             except queue.Empty:
                 return
             if item is EOF_MARK:
@@ -275,6 +292,9 @@ class Server:
                 self._configured(item.job)
             elif isinstance(item, Loaded):
                 self._loaded(item)
+            elif isinstance(item, Answered):
+                self.aside = None
+                self.writer.send(item.reply)
             else:
                 self.handle_payload(item)
 
@@ -326,7 +346,26 @@ class Server:
             self._start_load(request)
             return
         handler = getattr(self, f"op_{request.op}")
+        if _large_input(request):
+            self._answer_aside(request, handler)
+            return
         self.writer.send(ok(request.id, handler(request.params, request.id)))
+
+    def _answer_aside(self, request: Request, handler) -> None:
+        """Answers a tokenize or detokenize of a large input on a thread of its own, as a load_model is: the
+        generations under way go on, and the frames after it wait until its reply is sent. Nothing it reads
+        can change meanwhile (no unload_model is read)."""
+        def answer():
+            try:
+                reply = ok(request.id, handler(request.params, request.id))
+            except (ProtocolError, SidecarError) as problem:
+                reply = problem_reply(request.id, problem)
+            except Exception as bug:  # a defect of ours, on this request alone
+                reply = internal_reply(request.id, bug)
+            self.inbox.notify(Answered(request, reply))
+
+        threading.Thread(target=answer, daemon=True, name=request.op).start()
+        self.aside = request
 
     def _advance(self, name: str) -> None:
         """Starts whatever is at the head of a session's queue, unless a generation is running there.
@@ -373,7 +412,8 @@ class Server:
 
     def _decode(self, job: Job) -> None:
         """The job starts: from now on it holds its request decoded, and no longer its frame."""
-        job.request, job.frame, job.shelved = self._full_request(job), None, False
+        request = job.prepared or self._full_request(job)
+        job.request, job.frame, job.shelved, job.prepared = request, None, False, None
 
     def _compile_first(self, name: str, job: Job) -> bool:
         """Configures a generation's processors (on the configuring thread when they are large), then starts
@@ -388,10 +428,10 @@ class Server:
         if job.configure_failure is not None:
             raise job.configure_failure
         if job.processors is None:
-            specs = self._full_request(job).params["processors"]
-            if specs and len(pack(specs)) > CONFIGURE_INLINE_BYTES:
+            specs = None if job.size > INPUT_INLINE_BYTES else self._full_request(job).params["processors"]
+            if specs is None or (specs and len(pack(specs)) > CONFIGURE_INLINE_BYTES):
                 job.configuring = True
-                self.configures.put(job)
+                self.configures.put((job, session if specs is None else None))
                 return True
             job.processors = configured(specs, job.request.id)
         for index, p in enumerate(job.processors):
@@ -434,17 +474,24 @@ class Server:
         and writes its `processors` or `configure_failure`, which the main thread reads once the job is in
         the inbox."""
         while True:
-            self._configure(self.configures.get())
+            self._configure(*self.configures.get())
 
-    def _configure(self, job: Job) -> None:
+    def _configure(self, job: Job, session) -> None:
         """A method of its own, so that the configuring thread does not keep the last job (its generation,
         its session, an unloaded model) while it waits for the next. The job's processors are decoded here,
         from its frame (its request may be shelved meanwhile), so that jobs waiting to be configured hold
-        their frames only."""
+        their frames only. With its `session`, the job's input is made here too (`_input_ids`); its session
+        runs nothing else meanwhile, so the last result a `continue` reads stays as it is."""
         try:
             request = self._decoded_frame(job)
             with DEFAULTS.using():  # processors make tensors
                 job.processors = configured(request.params["processors"], request.id)
+            if session is not None:
+                job.prepared = request
+                try:
+                    job.input_ids = _input_ids(session, request.params)
+                except Exception as failure:  # raised when it starts, where the input's checks come
+                    job.input_failure = failure
         except Exception as failure:  # ProtocolError, SidecarError, or a defect of ours, answered as such
             job.configure_failure = failure
         finally:
@@ -508,15 +555,13 @@ class Server:
             names = ", ".join(session.engine.chat_templates) or "none"
             raise InvalidArgument(f"the model has no chat template named {p['chat_template'][:64]!r} (it has: {names}); "
                                   "over the protocol a template is named, never sent", option="chat_template")
-        prompt = p["prompt"]
         if sum(p[name] is not None for name in ("prompt", "token_ids", "messages", "continue")) != 1:
             raise InvalidArgument("give exactly one input: prompt, token_ids, messages or continue", option="prompt")
-        if p["continue"] is not None:  # read now, at the head of the queue: the result of the call before it
-            prompt = session.continuation(**p["continue"])
+        if job.input_failure is not None:
+            raise job.input_failure
+        input_ids = _input_ids(session, p) if job.input_ids is None else job.input_ids
         job.generation = session.stream(
-            prompt, token_ids=p["token_ids"], messages=p["messages"], chat_template=p["chat_template"],
-            add_generation_prompt=p["add_generation_prompt"], continue_final_message=p["continue_final_message"],
-            max_new_tokens=p["max_new_tokens"], strategy=p["strategy"],
+            token_ids=input_ids, max_new_tokens=p["max_new_tokens"], strategy=p["strategy"],
             seed=p["seed"], processors=job.processors, stop=p["stop"],
             eos_token_ids=p["eos_token_ids"], num_samples=p["num_samples"], num_beams=p["num_beams"],
             num_return_sequences=p["num_return_sequences"], length_penalty=p["length_penalty"],
@@ -649,7 +694,7 @@ class Server:
         answered. Until then no other op can change `engines`."""
         arguments = self._load_arguments(request.params, request.id)
         threading.Thread(target=self._load, args=(request, arguments), daemon=True, name="load").start()
-        self.loading = request  # once the thread runs, so that a failure to start one holds no frame back
+        self.aside = request  # once the thread runs, so that a failure to start one holds no frame back
 
     def _load_arguments(self, params: dict, rid) -> dict:
         """`Engine.load`'s arguments for a load_model, once checked against the models loaded and the limits."""
@@ -682,7 +727,7 @@ class Server:
 
     def _loaded(self, loaded: Loaded) -> None:
         """On the main thread, a load_model is over: its reply, then the frames that waited behind it."""
-        self.loading = None
+        self.aside = None
         rid, failure = loaded.request.id, loaded.failure
         if failure is None:
             try:
@@ -900,6 +945,22 @@ class Server:
 def _directory(engine: Engine) -> Path:
     """The model directory an engine was loaded from, as the operator's chat templates are keyed."""
     return Path(engine.path).resolve()
+
+
+def _input_ids(session, p: dict) -> list[int]:
+    """A generate's input as token ids: its prompt, messages or token ids, or what it continues, read at the
+    head of its session's queue (the last result is that of the call before it)."""
+    prompt = session.continuation(**p["continue"]) if p["continue"] is not None else p["prompt"]
+    return session.engine.input_ids(
+        prompt, token_ids=p["token_ids"], messages=p["messages"], chat_template=p["chat_template"],
+        add_generation_prompt=p["add_generation_prompt"], continue_final_message=p["continue_final_message"])
+
+
+def _large_input(request: Request) -> bool:
+    """A tokenize or detokenize whose tokenizer work would pause every stream (see INPUT_INLINE_BYTES)."""
+    if request.op == "tokenize":
+        return len(request.params["text"]) > INPUT_INLINE_BYTES
+    return request.op == "detokenize" and len(request.params["token_ids"]) > INPUT_INLINE_BYTES
 
 
 def configured(specs: list[dict], rid: int) -> list:

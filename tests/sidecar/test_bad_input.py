@@ -747,3 +747,23 @@ def test_the_catalogue(servers, engine, capsys, request):
     with capsys.disabled():
         print("\n" + "\n".join(lines))
     assert len(kinds) >= 45, "fewer kinds of bad input ran than the issue asks for"
+
+
+@pytest.mark.parametrize("chain, blamed", [([], "the model's own"), ([P.configure(P.TopK, k=5)], "or the model's own")])
+def test_logits_the_model_made_nan_are_not_blamed_on_processors_alone(engine, chain, blamed):
+    """A half-precision model that overflows gives NaN logits: with no processor, the message named only the
+    processors (`none`) and a float32 scale."""
+    from sidecar.errors import InvalidLogits
+
+    weight = engine.model.get_output_embeddings().weight
+    kept = weight[7, 0].item()
+    with engine.session() as session:
+        try:
+            with torch.no_grad():
+                weight[7, 0] = float("nan")
+            with pytest.raises(InvalidLogits, match=blamed):
+                session.generate(token_ids=tokens(6, seed=70), max_new_tokens=3, processors=chain)
+        finally:
+            with torch.no_grad():
+                weight[7, 0] = kept
+        assert session.history == []

@@ -2,7 +2,9 @@
 
 import json
 import os
+import resource
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -70,6 +72,7 @@ def test_a_model_that_cannot_load_is_one_line_and_status_2(tmp_path, default_dir
     (["--fds", "1,1"], "--fds: descriptor 1 is open the other way; it must be open to be read"),  # stdout: a pipe's write end
     (["--max-frame-bytes", str(2**64)], "argument --max-frame-bytes: invalid integer from 0 to 2^63-1 value"),
     (["--cache-budget-bytes", "0"], "argument --cache-budget-bytes: invalid integer from 1 to 2^63-1 value"),
+    (["--threads", "0"], "argument --threads: invalid integer from 1 to 2^63-1 value"),
     (["--stream-interval-ms", "nan"], "argument --stream-interval-ms: invalid number of milliseconds from 0 to 60000"),
     (["--stderr", "/nonexistent/dir/log"], "--stderr: cannot open /nonexistent/dir/log: No such file or directory"),
     # an empty value was taken as no flag at all: no model, a session directory off, stderr where it was
@@ -156,6 +159,48 @@ def test_an_output_that_cannot_be_written_stops_the_server_with_one_line_and_sta
         server.stdin.close()
     assert stderr.strip().splitlines()[-1].endswith("cannot write to the protocol output: No space left on device; exiting")
     assert len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_an_output_that_fails_mid_stream_stops_the_server_with_one_line_and_status_1(tmp_path):
+    """The same failure once replies and events have gone out: a file the server may write only so far
+    (RLIMIT_FSIZE, with SIGXFSZ ignored, gives EFBIG) fails while a generation streams."""
+    from protocol import FrameDecoder, frame, pack, unpack
+
+    limit = 32 * 1024  # hello's reply is about 7 KB; 1,500 token events are about 60 KB
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    output = tmp_path / "output"
+    with open(output, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "sidecar", "--model", "default", "--log-level", "WARNING"],
+                                  stdin=subprocess.PIPE, stdout=out, stderr=subprocess.PIPE, preexec_fn=limited)
+    server.stdin.write(b"".join(frame(pack(m)) for m in (
+        {"id": 1, "op": "hello"}, {"id": 2, "op": "open_session", "session": "s"},
+        {"id": 3, "op": "generate", "session": "s", "prompt": "a", "max_new_tokens": 1500, "eos_token_ids": [],
+         "stream": True})))
+    server.stdin.flush()  # and kept open, as above
+    try:
+        status = server.wait(timeout=120)
+        stderr = server.stderr.read().decode()
+        assert status == 1 and "Traceback" not in stderr, stderr
+    finally:
+        server.kill()
+        server.stdin.close()
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("cannot write to the protocol output: File too large; exiting"), stderr
+    written = output.read_bytes()
+    assert 0 < len(written) <= limit
+    messages = [unpack(body) for body in FrameDecoder().feed(written)]  # a frame cut short at the end is left
+    assert [m["id"] for m in messages[:2]] == [1, 2] and messages[0]["ok"] and messages[1]["ok"]
+    assert len(messages) > 10 and all(m.get("event") == "token" for m in messages[2:]), messages[:3]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_threads_sets_the_threads_of_the_forward_passes(threads):
+    done = run("--model", "default", "--threads", str(threads), "--log-level", "INFO")
+    assert done.returncode == 0 and f"forward passes on {threads} thread(s)" in done.stderr, done.stderr
 
 
 def test_a_chat_template_that_refuses_a_lone_user_message_still_serves(tmp_path, default_dir):

@@ -769,3 +769,48 @@ def test_a_chain_of_a_thousand_pipelined_forks_is_answered_whole(default_dir, en
             assert [peer.replied.index(rid) for rid in forks] == sorted((peer.replied.index(rid) for rid in forks), reverse=True)
         assert stats["in_flight"] == 0
         assert peer.call("open_session", session=f"f{chain - 1}")["ok"] == (ends == "fail")
+
+
+def test_a_large_input_is_tokenized_while_the_other_sessions_go_on(peer, engine):
+    """A tokenizer takes about a second for a megabyte (it lets go of the GIL): a tokenize of that much, or a
+    generate whose prompt it is, held every session for that second. Both now run on another thread: a
+    generation of 10 tokens (tens of milliseconds) sent just before ends first, and what was sent after the
+    tokenize is still answered after it."""
+    text = "héllo wörld, the quick brown fox " * 29_000  # about 1 MB: 0.6-2 s of the tokenizer here
+    expected = engine.tokenizer.encode(text)
+    peer.call("open_session", session="short")
+    peer.call("open_session", session="long")
+    short = {"op": "generate", "session": "short", "token_ids": [5, 6], "max_new_tokens": 10, "eos_token_ids": []}
+    peer.send_bytes(b"".join(frame(pack(m)) for m in (
+        {"id": 1, **short}, {"id": 2, "op": "tokenize", "text": text}, {"id": 3, "op": "ping"})))
+    replies = [peer.read_message() for _ in range(3)]
+    assert [m["id"] for m in replies] == [1, 2, 3]
+    assert replies[1]["result"]["token_ids"] == expected
+    peer.send_bytes(b"".join(frame(pack(m)) for m in (
+        {"id": 4, **short}, {"id": 5, "op": "generate", "session": "long", "prompt": text, "max_new_tokens": 1})))
+    replies = [peer.read_message() for _ in range(2)]
+    assert [m["id"] for m in replies] == [4, 5]
+    assert replies[1]["error"]["code"] == "context_overflow" and replies[1]["error"]["value"] == len(expected) + 1
+
+
+def test_a_generate_of_a_large_frame_makes_its_input_aside_with_the_same_result(peer, engine):
+    """Past 16 KiB a generate's input is made on the configuring thread (`continue` reading the last result
+    there): here a processor that never applies makes the frame large, and each input gives what it gives
+    in a small frame, errors included."""
+    never = {"name": "no_bad_words", "options": {"bad_words_ids": [[200] * 9000 + [201]]}}  # 18 KB, no match
+    peer.call("open_session", session="small")
+    peer.call("open_session", session="large")
+    inputs = [{"prompt": "Once upon a time"}, {"messages": [{"role": "user", "content": "Hi there"}]},
+              {"continue": {"tokens": -1, "append": " and then"}}, {"token_ids": [5, 6, 7]},
+              {"continue": {"sequence": 3}}, {"prompt": ""}, {"prompt": "x", "chat_template": "bogus"},
+              {"prompt": "x", "add_generation_prompt": True}, {"prompt": "x", "token_ids": [5]}]
+    for given in inputs:
+        small, large = (peer.call("generate", session=session, max_new_tokens=6, eos_token_ids=[], **given,
+                                  processors=[never] if session == "large" else [])
+                        for session in ("small", "large"))
+        if small["ok"]:
+            assert large["ok"] and large["result"]["token_ids"] == small["result"]["token_ids"], given
+        else:
+            assert large["error"] == small["error"], given
+    assert peer.call("session_info", session="large")["result"]["history_tokens"] == \
+        peer.call("session_info", session="small")["result"]["history_tokens"]

@@ -5,7 +5,9 @@ import gc
 import weakref
 
 import pytest
+import torch
 
+import processors as P
 from sidecar.errors import InvalidLogits
 from sidecar.text import Detokenizer, StopMatcher
 
@@ -269,6 +271,96 @@ def test_ctrl_c_in_one_run_of_a_tick_leaves_the_others_of_that_tick_exact(engine
     finally:
         for session in sessions:
             session.close()
+
+
+def solo_tokens(engine, prompt, max_new_tokens):
+    with engine.session() as session:
+        return session.generate(token_ids=prompt, max_new_tokens=max_new_tokens, eos_token_ids=[]).token_ids
+
+
+def equals_a_fresh_session(engine, session, max_new_tokens=4):
+    """Whether the session's cache holds its history as computed: a call continuing it equals a fresh one."""
+    prompt = session.history + [5]
+    got = session.generate(token_ids=prompt, max_new_tokens=max_new_tokens, eos_token_ids=[]).token_ids
+    return got == solo_tokens(engine, prompt, max_new_tokens)
+
+
+def test_ctrl_c_in_another_streams_step_cancels_that_stream_where_it_stood(engine):
+    """Ctrl-C lands in whatever the step runs, here another stream's processors: that stream's step is half
+    taken (its token fed, the next not chosen), so it is cancelled where it stood; going on, it fed its
+    last token a second time, one position on, and every token after was wrong."""
+    steps = []
+    prompts = [tokens(7, seed=61), tokens(11, seed=62)]
+    solo = [solo_tokens(engine, p, 10) for p in prompts]
+    with engine.session() as first, engine.session() as second:
+        ticking = first.stream(token_ids=prompts[0], max_new_tokens=10, eos_token_ids=[])
+        victim = second.stream(token_ids=prompts[1], max_new_tokens=10, eos_token_ids=[],
+                               processors=[interrupting(at=4, steps=steps)])
+        got = []
+        with pytest.raises(KeyboardInterrupt):  # out of the step `ticking` runs, in the victim's processors
+            for _ in range(10):
+                got.append(next(ticking).token_id)
+        got += [event.token_id for event in ticking]  # the thread's own call goes on, if it wants
+        assert got == solo[0]
+        assert [event.token_id for event in victim] == solo[1][:3]
+        assert victim.result.finish_reason == "cancelled" and victim.result.token_ids == solo[1][:3]
+        assert second.history == prompts[1] + solo[1][:3] and not second.busy
+        assert equals_a_fresh_session(engine, second) and equals_a_fresh_session(engine, first)
+
+
+def test_ctrl_c_while_sessions_join_the_decode_group_leaves_no_part_of_it(engine, monkeypatch):
+    """The group's copy stopped part-way left some layers' buffers behind: the next group had more buffers
+    than layers, and every later step of sessions decoding together failed with an IndexError."""
+    import sidecar.kv
+
+    made, zeros = [], torch.zeros
+
+    def stopped_after_two_layers(*size, **options):
+        if len(size) == 4 and size[0] == 2:  # a group's buffer of a layer: [members, heads, capacity, dim]
+            made.append(size)
+            if len(made) == 5:
+                raise KeyboardInterrupt
+        return zeros(*size, **options)
+
+    prompts = [tokens(6, seed=63), tokens(9, seed=64)]
+    solo = [solo_tokens(engine, p, 8) for p in prompts]
+    with engine.session() as first, engine.session() as second:
+        streams = [s.stream(token_ids=p, max_new_tokens=8, eos_token_ids=[]) for s, p in zip((first, second), prompts)]
+        got = [[], []]
+        monkeypatch.setattr(sidecar.kv.torch, "zeros", stopped_after_two_layers)
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(8):
+                for stream, ids in zip(streams, got):
+                    ids.append(next(stream).token_id)
+        monkeypatch.undo()
+        assert len(made) == 5 and engine.store.group.keys == [] and engine.store.group.members == []
+        for stream, ids in zip(streams, got):  # no run was taking its step: both go on, exact
+            ids += [event.token_id for event in stream]
+        assert got == solo
+    with engine.session() as first, engine.session() as second:  # and sessions still decode together
+        streams = [s.stream(token_ids=p, max_new_tokens=8, eos_token_ids=[]) for s, p in zip((first, second), prompts)]
+        assert [[event.token_id for event in stream] for stream in streams] == solo
+
+
+def test_a_stream_whose_processor_init_raised_ctrl_c_ends_cancelled_on_the_next_call(engine):
+    """`next()` again after a KeyboardInterrupt out of a processor's `init` was an AttributeError from a
+    run that had started decoding without rows."""
+    class Interrupting(P.LogitsProcessor):
+        name = "interrupting"
+
+        def init(self, context):
+            raise KeyboardInterrupt
+
+        def process(self, state, logits, context):
+            return state, logits
+
+    prompt = tokens(8, seed=65)
+    with engine.session() as session:
+        stream = session.stream(token_ids=prompt, max_new_tokens=5, eos_token_ids=[], processors=[Interrupting()])
+        with pytest.raises(KeyboardInterrupt):
+            next(stream)
+        assert list(stream) == [] and stream.result.finish_reason == "cancelled" and stream.result.token_ids == []
+        assert session.history == prompt and not session.busy and equals_a_fresh_session(engine, session)
 
 
 def test_a_processor_raising_stop_iteration_fails_the_call_instead_of_ending_it(engine):
