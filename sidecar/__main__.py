@@ -28,17 +28,18 @@ from . import __version__  # noqa: E402
 
 
 MAX_INT = 2**63 - 1  # any number the protocol may carry (msgpack's int64) and every counter can hold
+MAX_THREADS = 1024  # torch takes a C int; more threads than that is no machine's
 MAX_TEMPLATE_BYTES = 1 << 20  # a --chat-template file; real models' templates take a few KiB
 
 
-def _whole(low: int):
-    """An argparse type: an integer in [low, MAX_INT]."""
+def _whole(low: int, high: int = MAX_INT, shown: str = "2^63-1"):
+    """An argparse type: an integer in [low, high]."""
     def whole(text: str) -> int:
         value = int(text)
-        if not low <= value <= MAX_INT:
+        if not low <= value <= high:
             raise ValueError
         return value
-    whole.__name__ = f"integer from {low} to 2^63-1"
+    whole.__name__ = f"integer from {low} to {shown}"
     return whole
 
 
@@ -87,8 +88,8 @@ def parse_args(argv=None):
                              "row's token and mask); a generation whose grammars take longer stops with "
                              "limit_exceeded (default 100)")
     parser.add_argument("--prefill-chunk", type=_whole(1), help="tokens per prefill forward pass (default 512)")
-    parser.add_argument("--threads", type=_whole(1),
-                        help="threads of each forward pass (default torch's, one per core); on a machine whose cores "
+    parser.add_argument("--threads", type=_whole(1, MAX_THREADS, str(MAX_THREADS)),
+                        help="threads of each forward pass (default torch's, one per physical core); on a machine whose cores "
                              "other work uses too (the BEAM's schedulers), fewer keep every step's time steady")
     parser.add_argument("--no-share-prefixes", dest="share_prefixes", action="store_false",
                         help="each session reuses only its own cache (by default a session continues a prefix, "

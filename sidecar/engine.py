@@ -20,31 +20,23 @@ from processors.structured import Vocabulary
 from processors.structured.constraints import Compiled, Constraint
 from protocol.schema import DEFAULT_NUM_BEAMS
 
-from . import attention, chat, models, persist, sequences, shift
+from . import attention, chat, inputs, models, persist, shift
 from .errors import (
     ContextOverflow,
-    EmptyInput,
     InvalidArgument,
     InvalidModel,
     InvalidProcessor,
-    TokenOutOfRange,
     UnknownStrategy,
     refusal_of,
 )
 from .kv import KVStore
 from .scheduler import Scheduler
-from .sequences import Continuable
 from .text import check_unicode
 from .session import REUSES, STRATEGIES, Request, Session
 
 DEFAULT_CACHE_BUDGET = 2 * 1024**3
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_MAX_ROWS = 64
-
-
-class InputIds(list):
-    """Token ids that `Engine.input_ids` made and checked, taken as they are when given back as `token_ids`: the
-    server makes a large input on another thread, where checking 262,144 ids again took the main thread 50 ms."""
 
 
 class Engine:
@@ -258,37 +250,9 @@ class Engine:
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows,
                        shift_keep=shift_keep)
 
-    def input_ids(self, prompt=None, *, token_ids=None, messages=None, chat_template=None, add_generation_prompt=None,
-                  continue_final_message=False) -> list[int]:
-        """A generate call's input as token ids, checked: what `validate` takes first. Tokenizing a prompt of a
-        megabyte takes a second, so the server calls this on another thread for a large input (the fast
-        tokenizers let go of the GIL meanwhile)."""
-        if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
-            raise InvalidArgument("give exactly one of prompt, token_ids and messages", option="prompt")
-        if messages is None and (chat_template is not None or add_generation_prompt is not None or continue_final_message):
-            raise InvalidArgument("chat_template, add_generation_prompt and continue_final_message go with messages",
-                                  option="messages")
-        if messages is not None:
-            input_ids = chat.render(self.tokenizer, messages, chat_template=chat_template,
-                                    add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message)
-        elif isinstance(prompt, Continuable):
-            input_ids = sequences.input_ids(self, prompt)
-        elif prompt is not None:
-            if not isinstance(prompt, str):
-                raise InvalidArgument(f"prompt must be a string, got {type(prompt).__name__}", option="prompt")
-            check_unicode(prompt, "prompt")
-            input_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(token_ids, InputIds):
-            return token_ids
-        else:
-            if not isinstance(token_ids, (list, tuple)) or not all(_is_int(t) for t in token_ids):
-                raise InvalidArgument("token_ids must be a list of integers", option="token_ids")
-            input_ids = [int(t) for t in token_ids]
-        if not input_ids:
-            raise EmptyInput("the input is empty: give at least one token")
-        self.check_token_ids(input_ids)
-        return InputIds(input_ids)
+    def input_ids(self, prompt=None, **given) -> list[int]:
+        """A generate call's input as token ids, checked: what `validate` takes first (`inputs.input_ids`)."""
+        return inputs.input_ids(self.tokenizer, self.vocab_size, prompt, **given)
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -355,9 +319,7 @@ class Engine:
 
     def check_token_ids(self, token_ids, what: str = "token ids") -> None:
         """Raises `TokenOutOfRange` naming the ids outside the vocabulary (the first five)."""
-        outside = [t for t in token_ids if not 0 <= t < self.vocab_size][:5]
-        if outside:
-            raise TokenOutOfRange(f"{what} {outside} are outside the vocabulary [0, {self.vocab_size})", token_ids=outside)
+        inputs.check_token_ids(token_ids, self.vocab_size, what)
 
     def _touch(self, session: Session) -> None:
         self._sessions.move_to_end(session.id)

@@ -58,13 +58,19 @@ class KVStore:
         self.device = device
         self.dtype = dtype
         self.layers: list[LayerShape] = []  # learnt from the model's first forward pass (`learn`)
-        self.used_bytes = 0
+        self.caches_bytes = 0  # of the caches; `used_bytes` adds the decode group's
         self.peak_bytes = 0
         self.evictions = 0
         self._caches: OrderedDict[int, KVCache] = OrderedDict()  # least recently used first
         self._entries = 0  # of them shared entries: while no more than the cap, none need counting (`trim`)
         self._trimming = False  # `trim` under way, or put off until `make_room` knows what to keep
         self.group = DecodeGroup(self)  # the copy of decoding caches, the first memory given back
+
+    @property
+    def used_bytes(self) -> int:
+        """KV memory held now. The decode group's part is read from it, never counted: a group formed or let go
+        part-way (Ctrl-C in a step) can leave no count behind that differs from what it holds."""
+        return self.caches_bytes + self.group.nbytes
 
     @property
     def bytes_per_token(self) -> int:
@@ -242,7 +248,10 @@ class KVStore:
         return set(_chains([*keep, *(c for c in self._caches.values() if c.pinned)]))
 
     def _account(self, delta: int) -> None:
-        self.used_bytes += delta
+        self.caches_bytes += delta
+        self.note_peak()
+
+    def note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
 
@@ -487,9 +496,11 @@ class DecodeGroup:
                 values[lane, :, : cache.length] = cache.values[layer][0, :, : cache.length]
             all_keys.append(keys)
             all_values.append(values)
-        self.keys, self.values, self.members, self.capacity, self.chain = all_keys, all_values, list(caches), capacity, chain
-        self.synced = [cache.length for cache in caches]
-        store._account(self.nbytes)
+        members, synced = list(caches), [cache.length for cache in caches]
+        # one statement, with no call in it for a signal to land after: `nbytes` reads members and capacity
+        self.keys, self.values, self.members, self.synced, self.capacity, self.chain = (
+            all_keys, all_values, members, synced, capacity, chain)
+        store.note_peak()
         return True
 
     def dissolve(self) -> None:
@@ -507,9 +518,7 @@ class DecodeGroup:
                     for layer in range(len(self.keys)):
                         cache.keys[layer][0, :, synced:end] = self.keys[layer][lane, :, synced:end]
                         cache.values[layer][0, :, synced:end] = self.values[layer][lane, :, synced:end]
-        nbytes = self.nbytes
         self.members, self.synced, self.keys, self.values, self.capacity, self.chain = [], [], [], [], 0, []
-        self.store._account(-nbytes)
 
     def holds(self, cache: "KVCache") -> bool:
         return any(member is cache for member in self.members)

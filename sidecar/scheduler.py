@@ -80,8 +80,8 @@ class Scheduler:
     def tick(self) -> None:
         with self.engine.lock:
             self.check_outside_tick()
-            self.ticking = True
             try:
+                self.ticking = True
                 with torch.inference_mode():
                     self._admit()
                     feeds = self._plan()
@@ -89,7 +89,9 @@ class Scheduler:
                         self._forward(feeds)
                     for run in self.running:
                         if run.cancelled:
+                            self.current = run
                             run.finish("cancelled")
+                            self.current = None
             except BaseException:
                 self._interrupted()
                 raise
@@ -112,6 +114,7 @@ class Scheduler:
                     run.finish("cancelled")
                 except Exception as error:  # its rows stopped mid-change: put the session back instead
                     run.fail(error)
+        self._forget_done()  # before the next step plans: a run ended here is planned no more
 
     def _forget_done(self) -> None:
         self.running = [run for run in self.running if not run.done]
@@ -127,9 +130,11 @@ class Scheduler:
             if run.done:
                 self.waiting.popleft()
                 continue
+            self.current = run  # from here until it runs, fails or waits on (`_interrupted`)
             if run.cancelled:
                 self.waiting.popleft()
                 run.finish("cancelled")
+                self.current = None
                 continue
             tried = []  # the fastest plan first, leaner ones when it does not fit (`Run.footprint`)
             for footprint in map(run.footprint, (0, 1, 2)):
@@ -141,22 +146,23 @@ class Scheduler:
             if not fits:
                 value = min(f.needed_bytes + store.alone_bytes(f.held) for f in tried)  # with nothing else cached
                 if self.running and value <= store.budget_bytes:
+                    self.current = None
                     return  # running generations will free memory: wait for them (and hold back those behind)
                 self.waiting.popleft()
                 run.fail(CacheBudgetExceeded(
                     f"this generation needs {value} bytes of KV cache with every other cache evicted, more than "
                     f"the budget of {store.budget_bytes} (cache_budget_bytes)",
                     limit="cache_budget_bytes", max=store.budget_bytes, value=value))
+                self.current = None
                 continue
             self.waiting.popleft()
-            self.current = run
             try:
                 run.admit(footprint)
             except Exception as error:
                 run.fail(error)
-            self.current = None
             if not run.done:
                 self.running.append(run)
+            self.current = None
 
     def _plan(self) -> list[Feed]:
         feeds: list[Feed] = []
@@ -185,7 +191,9 @@ class Scheduler:
             logits = forward(self.engine.model, token_ids, positions, plan, keep)
         except Exception as error:
             for run in {id(f.run): f.run for f in feeds}.values():
+                self.current = run
                 run.fail(error)
+            self.current = None
             return
         row = 0
         for run, fed in _by_run(feeds):

@@ -134,10 +134,10 @@ class Tokens(Continuable):
         raise AssertionError("no tokens at all write a start of any text")
 
 
-def input_ids(engine, value: Continuable) -> list[int]:
-    """The ids to generate from, for a sequence given as the input of `engine`'s session."""
+def input_ids(tokenizer, value: Continuable) -> list[int]:
+    """The ids to generate from, for a sequence given as the input of a session of `tokenizer`'s model."""
     tokens = value.tokens
-    if tokens.tokenizer is not engine.tokenizer:
+    if tokens.tokenizer is not tokenizer:
         raise TokenizerMismatch("the sequence was made by another engine, whose token ids may mean other text here; "
                                 "to reuse its ids anyway, pass token_ids=list(sequence.tokens.ids)")
     return [int(t) for t in tokens.ids]

@@ -43,10 +43,12 @@ from protocol import (
 from protocol import errors as codes
 from protocol.schema import request_id_of
 
-from . import __version__
+from . import __version__, inputs
 from .engine import Engine
 from .errors import InvalidArgument, InvalidProcessor, InvalidSessionFile, ReplyTooLarge, SessionClosed, SidecarError
 from .generation import Generation
+from .inputs import InputIds
+from .sequences import continuation
 from .session import STRATEGIES, Stats
 from .torch_defaults import DEFAULTS
 from .transport import EOF_MARK, UNREACHABLE, OutputFailed
@@ -94,11 +96,11 @@ class Job:
     generation: Generation | None = None
     streamed: bool = False
     processors: list | None = None  # a generate's, configured once it reaches the head of its queue
-    configuring: bool = False  # its processors are being configured on the configuring thread
+    configuring: bool = False  # its processors are being configured, or its input made, on the configuring thread
     configure_failure: Exception | None = None  # what configuring them raised there, raised again here
-    input_ids: list | None = None  # a large generate's input, made on the configuring thread
+    input_ids: InputIds | None = None  # a large generate's input, made on the configuring thread right before
+    input_failure: Exception | None = None  # it starts (`_prepare_first`), or what making it raised there
     prepared: Request | None = None  # its request, as decoded there: not decoded again on the main thread
-    input_failure: Exception | None = None  # what making it raised there, raised again when it starts
     compiles: list = field(default_factory=list)  # (processor index, Compile) it waits for, in processor order
     compiled: bool = False  # its constraints are ready (or `problem` says why not)
     problem: SidecarError | None = None
@@ -386,6 +388,8 @@ class Server:
                     if job.request.op == "generate":
                         if not job.compiled and self._compile_first(name, job):
                             break  # the session waits for its constraints; the other sessions go on
+                        if self._prepare_first(name, job):
+                            break  # and for its input, if large
                         self._decode(job)
                         self._start_generation(job)
                         job.request = slim(job.request)  # the generation holds what it needs of it
@@ -428,10 +432,10 @@ class Server:
         if job.configure_failure is not None:
             raise job.configure_failure
         if job.processors is None:
-            specs = None if job.size > INPUT_INLINE_BYTES else self._full_request(job).params["processors"]
-            if specs is None or (specs and len(pack(specs)) > CONFIGURE_INLINE_BYTES):
+            specs = self._full_request(job).params["processors"]
+            if specs and len(pack(specs)) > CONFIGURE_INLINE_BYTES:
                 job.configuring = True
-                self.configures.put((job, session if specs is None else None))
+                self.configures.put((self._configure, job))
                 return True
             job.processors = configured(specs, job.request.id)
         for index, p in enumerate(job.processors):
@@ -471,35 +475,56 @@ class Server:
     def _configurer(self) -> None:
         """The configuring thread. A daemon, like the compiling ones; it reads a job's frame, which nothing
         changes (the main thread lets go of it only once the job starts, after this thread is done with it),
-        and writes its `processors` or `configure_failure`, which the main thread reads once the job is in
-        the inbox."""
+        and writes its `processors` or `configure_failure` (`_configure`), or its input (`_prepare`), which the
+        main thread reads once the job is in the inbox."""
         while True:
-            self._configure(*self.configures.get())
+            work, *arguments = self.configures.get()
+            work(*arguments)
+            del work, arguments  # or the thread keeps the last job (its generation, an unloaded model) while it waits
 
-    def _configure(self, job: Job, session) -> None:
+    def _configure(self, job: Job) -> None:
         """A method of its own, so that the configuring thread does not keep the last job (its generation,
         its session, an unloaded model) while it waits for the next. The job's processors are decoded here,
         from its frame (its request may be shelved meanwhile), so that jobs waiting to be configured hold
-        their frames only. With its `session`, the job's input is made here too (`_input_ids`); its session
-        runs nothing else meanwhile, so the last result a `continue` reads stays as it is."""
+        their frames only."""
         try:
             request = self._decoded_frame(job)
             with DEFAULTS.using():  # processors make tensors
                 job.processors = configured(request.params["processors"], request.id)
-            if session is not None:
-                job.prepared = request
-                try:
-                    job.input_ids = _input_ids(session, request.params)
-                except Exception as failure:  # raised when it starts, where the input's checks come
-                    job.input_failure = failure
         except Exception as failure:  # ProtocolError, SidecarError, or a defect of ours, answered as such
             job.configure_failure = failure
         finally:
             self.inbox.notify(Configured(job))
 
+    def _prepare_first(self, name: str, job: Job) -> bool:
+        """Makes the input of a generate of a large frame on the configuring thread (INPUT_INLINE_BYTES), once
+        its constraints are compiled, right before it starts: what it holds decoded while it waits for
+        compiles is bounded by its frame, as for every request that waits. True while the job must wait."""
+        if job.configuring:
+            return True
+        if (job.input_ids is not None or job.input_failure is not None or job.problem is not None
+                or job.size <= INPUT_INLINE_BYTES):
+            return False
+        _, session = self._session(name, job.request.id)
+        job.configuring = True
+        self.configures.put((self._prepare, job, _input_source(session)))
+        return True
+
+    def _prepare(self, job: Job, source: tuple) -> None:
+        """On the configuring thread: the job's request decoded from its frame, and its input made from it
+        (`_input_ids`). Its session runs nothing else meanwhile, so the last result a `continue` reads is
+        that of the call before it."""
+        try:
+            job.prepared = self._decoded_frame(job)
+            job.input_ids = _input_ids(*source, job.prepared.params)
+        except Exception as failure:  # raised when it starts, where the input's checks come (a defect of ours too)
+            job.input_failure = failure
+        finally:
+            self.inbox.notify(Configured(job))
+
     def _configured(self, job: Job) -> None:
-        """On the main thread, a job's processors are configured: it goes on, unless it was answered meanwhile
-        (cancelled, or its session closed)."""
+        """On the main thread, a job's processors are configured, or its input made: it goes on, unless it was
+        answered meanwhile (cancelled, or its session closed)."""
         job.configuring = False
         if self.in_flight.get(job.request.id) is job:
             self._advance(job.request.params["session"])  # it waits at the head of that session's queue
@@ -559,7 +584,7 @@ class Server:
             raise InvalidArgument("give exactly one input: prompt, token_ids, messages or continue", option="prompt")
         if job.input_failure is not None:
             raise job.input_failure
-        input_ids = _input_ids(session, p) if job.input_ids is None else job.input_ids
+        input_ids = _input_ids(*_input_source(session), p) if job.input_ids is None else job.input_ids
         job.generation = session.stream(
             token_ids=input_ids, max_new_tokens=p["max_new_tokens"], strategy=p["strategy"],
             seed=p["seed"], processors=job.processors, stop=p["stop"],
@@ -947,13 +972,20 @@ def _directory(engine: Engine) -> Path:
     return Path(engine.path).resolve()
 
 
-def _input_ids(session, p: dict) -> list[int]:
+def _input_source(session) -> tuple:
+    """What making a session's input reads: its last result (for `continue`), its model's tokenizer and
+    vocabulary size. Not the session: a thread holding it through an unload_model kept the model for good."""
+    return session.last, session.engine.tokenizer, session.engine.vocab_size
+
+
+def _input_ids(last, tokenizer, vocab_size: int, p: dict) -> InputIds:
     """A generate's input as token ids: its prompt, messages or token ids, or what it continues, read at the
-    head of its session's queue (the last result is that of the call before it)."""
-    prompt = session.continuation(**p["continue"]) if p["continue"] is not None else p["prompt"]
-    return session.engine.input_ids(
-        prompt, token_ids=p["token_ids"], messages=p["messages"], chat_template=p["chat_template"],
-        add_generation_prompt=p["add_generation_prompt"], continue_final_message=p["continue_final_message"])
+    head of its session's queue (`last`: the result of the call before it)."""
+    prompt = continuation(last, **p["continue"]) if p["continue"] is not None else p["prompt"]
+    return InputIds(inputs.input_ids(
+        tokenizer, vocab_size, prompt, token_ids=p["token_ids"], messages=p["messages"],
+        chat_template=p["chat_template"], add_generation_prompt=p["add_generation_prompt"],
+        continue_final_message=p["continue_final_message"]))
 
 
 def _large_input(request: Request) -> bool:

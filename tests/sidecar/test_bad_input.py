@@ -767,3 +767,16 @@ def test_logits_the_model_made_nan_are_not_blamed_on_processors_alone(engine, ch
             with torch.no_grad():
                 weight[7, 0] = kept
         assert session.history == []
+
+
+def test_the_input_ids_a_result_keeps_are_checked_when_given_back(engine):
+    """The ids the engine made of an input were marked as checked, and the mark went into results: appending
+    an id past the vocabulary to them and generating from them was an IndexError deep in the model."""
+    from sidecar.errors import TokenOutOfRange
+
+    with engine.session() as session:
+        result = session.generate(token_ids=tokens(5, seed=71), max_new_tokens=2)
+        kept = result.sequences[0].prompt_ids
+        kept.append(engine.vocab_size)
+        with pytest.raises(TokenOutOfRange):
+            session.generate(token_ids=kept, max_new_tokens=2)

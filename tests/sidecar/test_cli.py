@@ -72,7 +72,8 @@ def test_a_model_that_cannot_load_is_one_line_and_status_2(tmp_path, default_dir
     (["--fds", "1,1"], "--fds: descriptor 1 is open the other way; it must be open to be read"),  # stdout: a pipe's write end
     (["--max-frame-bytes", str(2**64)], "argument --max-frame-bytes: invalid integer from 0 to 2^63-1 value"),
     (["--cache-budget-bytes", "0"], "argument --cache-budget-bytes: invalid integer from 1 to 2^63-1 value"),
-    (["--threads", "0"], "argument --threads: invalid integer from 1 to 2^63-1 value"),
+    (["--threads", "0"], "argument --threads: invalid integer from 1 to 1024 value"),
+    (["--threads", str(2**63 - 1)], "argument --threads: invalid integer from 1 to 1024 value"),
     (["--stream-interval-ms", "nan"], "argument --stream-interval-ms: invalid number of milliseconds from 0 to 60000"),
     (["--stderr", "/nonexistent/dir/log"], "--stderr: cannot open /nonexistent/dir/log: No such file or directory"),
     # an empty value was taken as no flag at all: no model, a session directory off, stderr where it was
@@ -161,7 +162,7 @@ def test_an_output_that_cannot_be_written_stops_the_server_with_one_line_and_sta
     assert len(stderr.strip().splitlines()) == 1, stderr
 
 
-def test_an_output_that_fails_mid_stream_stops_the_server_with_one_line_and_status_1(tmp_path):
+def test_an_output_that_fails_mid_stream_stops_the_server_with_one_line_and_status_1(tmp_path, default_dir):
     """The same failure once replies and events have gone out: a file the server may write only so far
     (RLIMIT_FSIZE, with SIGXFSZ ignored, gives EFBIG) fails while a generation streams."""
     from protocol import FrameDecoder, frame, pack, unpack

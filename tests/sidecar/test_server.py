@@ -814,3 +814,22 @@ def test_a_generate_of_a_large_frame_makes_its_input_aside_with_the_same_result(
             assert large["error"] == small["error"], given
     assert peer.call("session_info", session="large")["result"]["history_tokens"] == \
         peer.call("session_info", session="small")["result"]["history_tokens"]
+
+
+def test_an_unload_while_a_large_input_is_made_frees_the_model(default_dir):
+    """The thread making a large input held its session, so its engine: an unload_model meanwhile found the
+    model still referred to, froze it with the heap, and its memory never came back."""
+    peer = Peer(SERVER, stderr=subprocess.PIPE)
+    try:
+        text = "héllo wörld, the quick brown fox " * 29_000  # about a second of the tokenizer
+        peer.send_bytes(b"".join(frame(pack(m)) for m in (
+            {"id": 1, "op": "load_model", "name": "second"},
+            {"id": 2, "op": "open_session", "model": "second", "session": "s"},
+            {"id": 3, "op": "generate", "session": "s", "prompt": text, "max_new_tokens": 1},
+            {"id": 4, "op": "unload_model", "model": "second"})))
+        replies = {m["id"]: m for m in (peer.read_message() for _ in range(4))}
+        assert replies[3]["error"]["code"] == "session_closed" and replies[4]["result"] == {"closed_sessions": ["s"]}
+    finally:
+        assert peer.close() == 0
+    stderr = peer.process.stderr.read().decode()
+    assert "still referred to" not in stderr and "Traceback" not in stderr, stderr

@@ -342,6 +342,36 @@ def test_ctrl_c_while_sessions_join_the_decode_group_leaves_no_part_of_it(engine
         assert [[event.token_id for event in stream] for stream in streams] == solo
 
 
+def test_ctrl_c_as_a_prompt_takes_its_first_chunk_cancels_it_alone(engine, monkeypatch):
+    """The run a Ctrl-C cancelled in the middle of a step stayed among the running ones until the next step,
+    which planned its prompt again into a cache put back to nothing: that step's forward pass failed, and
+    with it every other generation of the step."""
+    from sidecar.generation import Run
+
+    prompts = [tokens(n, seed=72 + n) for n in (9, 11, 14)]
+    solo = [solo_tokens(engine, p, 6) for p in prompts]
+    sessions = [engine.session() for _ in prompts]
+    try:
+        streams = [s.stream(token_ids=p, max_new_tokens=6, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
+        accept = Run.accept
+
+        def interrupted_once(run, fed, logits):
+            if run is streams[0]._run and not run.stats.prefill_tokens:
+                raise KeyboardInterrupt  # as a signal landing as it takes its first chunk's logits
+            return accept(run, fed, logits)
+
+        monkeypatch.setattr(Run, "accept", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            next(streams[0])
+        assert [event.token_id for event in streams[1]] == solo[1]
+        assert [event.token_id for event in streams[2]] == solo[2]
+        assert list(streams[0]) == [] and streams[0].result.finish_reason == "cancelled"
+        assert sessions[0].history == [] and not sessions[0].busy  # it ran nothing: as before the call
+    finally:
+        for session in sessions:
+            session.close()
+
+
 def test_a_stream_whose_processor_init_raised_ctrl_c_ends_cancelled_on_the_next_call(engine):
     """`next()` again after a KeyboardInterrupt out of a processor's `init` was an AttributeError from a
     run that had started decoding without rows."""

@@ -1,0 +1,62 @@
+"""A generate call's input made into token ids: a prompt, chat messages, token ids or a sequence to continue.
+
+Apart from the engine so that the server can make a large input on another thread from the tokenizer and
+the vocabulary's size alone: a thread holding the engine kept an unloaded model's memory for good.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral
+
+from . import chat, sequences
+from .errors import EmptyInput, InvalidArgument, TokenOutOfRange
+from .sequences import Continuable
+from .text import check_unicode
+
+
+class InputIds(tuple):
+    """Ids that `input_ids` made and checked, taken as they are when given back as `token_ids`: checking
+    262,144 ids again took the server's main thread 50 ms. Immutable, and never kept: a call's input is a
+    list made from it."""
+
+
+def input_ids(tokenizer, vocab_size: int, prompt=None, *, token_ids=None, messages=None, chat_template=None,
+              add_generation_prompt=None, continue_final_message=False) -> list[int]:
+    """The input as token ids, checked. Tokenizing a prompt of a megabyte takes a second (the fast tokenizers
+    let go of the GIL meanwhile)."""
+    if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
+        raise InvalidArgument("give exactly one of prompt, token_ids and messages", option="prompt")
+    if messages is None and (chat_template is not None or add_generation_prompt is not None or continue_final_message):
+        raise InvalidArgument("chat_template, add_generation_prompt and continue_final_message go with messages",
+                              option="messages")
+    if messages is not None:
+        ids = chat.render(tokenizer, messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                          continue_final_message=continue_final_message)
+    elif isinstance(prompt, Continuable):
+        ids = sequences.input_ids(tokenizer, prompt)
+    elif prompt is not None:
+        if not isinstance(prompt, str):
+            raise InvalidArgument(f"prompt must be a string, got {type(prompt).__name__}", option="prompt")
+        check_unicode(prompt, "prompt")
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+    elif isinstance(token_ids, InputIds) and token_ids:
+        return list(token_ids)
+    else:
+        if not isinstance(token_ids, (list, tuple)) or not all(_is_int(t) for t in token_ids):
+            raise InvalidArgument("token_ids must be a list of integers", option="token_ids")
+        ids = [int(t) for t in token_ids]
+    if not ids:
+        raise EmptyInput("the input is empty: give at least one token")
+    check_token_ids(ids, vocab_size)
+    return ids
+
+
+def check_token_ids(token_ids, vocab_size: int, what: str = "token ids") -> None:
+    """Raises `TokenOutOfRange` naming the ids outside the vocabulary (the first five)."""
+    outside = [t for t in token_ids if not 0 <= t < vocab_size][:5]
+    if outside:
+        raise TokenOutOfRange(f"{what} {outside} are outside the vocabulary [0, {vocab_size})", token_ids=outside)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
