@@ -247,10 +247,6 @@ class KVStore:
         (an entry some evictable session continues is evicted after that session)."""
         return set(_chains([*keep, *(c for c in self._caches.values() if c.pinned)]))
 
-    def _account(self, delta: int) -> None:
-        self.caches_bytes += delta
-        self.note_peak()
-
     def note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
@@ -325,8 +321,10 @@ class KVCache:
 
     def clear(self) -> None:
         """Frees its buffers and its link: it holds nothing."""
-        self.store._account(-self.nbytes)
-        self.keys, self.values, self.capacity, self.length = [], [], 0, 0
+        store = self.store
+        counted = store.caches_bytes - self.nbytes
+        # one statement with no call in it (a signal lands only after calls): held and counted change together
+        self.keys, self.values, self.capacity, self.length, store.caches_bytes = [], [], 0, 0, counted
         self.approximate_from = None
         self.store.unlink(self)
 
@@ -373,8 +371,9 @@ class KVCache:
                 if old and length:
                     buffer[:, :, :length] = kept(old[layer])[:, :, :length]
                 new_list.append(buffer)
-        store._account(self.bytes_for(rows, capacity) - self.nbytes)
-        self.keys, self.values, self.rows, self.capacity = keys, values, rows, capacity
+        counted = store.caches_bytes + self.bytes_for(rows, capacity) - self.nbytes
+        self.keys, self.values, self.rows, self.capacity, store.caches_bytes = keys, values, rows, capacity, counted
+        store.note_peak()
 
     def write(self, layer: int, row: int, start: int, keys: torch.Tensor, values: torch.Tensor, links=()):
         """Writes one row's new keys/values ([heads, n, head_dim]) at `start`; returns the row's keys and

@@ -130,8 +130,8 @@ class Scheduler:
             if run.done:
                 self.waiting.popleft()
                 continue
-            self.current = run  # from here until it runs, fails or waits on (`_interrupted`)
             if run.cancelled:
+                self.current = run  # from before it leaves the queue until it is over or running (`_interrupted`)
                 self.waiting.popleft()
                 run.finish("cancelled")
                 self.current = None
@@ -146,8 +146,8 @@ class Scheduler:
             if not fits:
                 value = min(f.needed_bytes + store.alone_bytes(f.held) for f in tried)  # with nothing else cached
                 if self.running and value <= store.budget_bytes:
-                    self.current = None
                     return  # running generations will free memory: wait for them (and hold back those behind)
+                self.current = run
                 self.waiting.popleft()
                 run.fail(CacheBudgetExceeded(
                     f"this generation needs {value} bytes of KV cache with every other cache evicted, more than "
@@ -155,6 +155,7 @@ class Scheduler:
                     limit="cache_budget_bytes", max=store.budget_bytes, value=value))
                 self.current = None
                 continue
+            self.current = run
             self.waiting.popleft()
             try:
                 run.admit(footprint)

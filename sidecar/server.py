@@ -585,6 +585,7 @@ class Server:
         if job.input_failure is not None:
             raise job.input_failure
         input_ids = _input_ids(*_input_source(session), p) if job.input_ids is None else job.input_ids
+        job.input_ids = None  # the generation holds them now
         job.generation = session.stream(
             token_ids=input_ids, max_new_tokens=p["max_new_tokens"], strategy=p["strategy"],
             seed=p["seed"], processors=job.processors, stop=p["stop"],

@@ -372,6 +372,28 @@ def test_ctrl_c_as_a_prompt_takes_its_first_chunk_cancels_it_alone(engine, monke
             session.close()
 
 
+def test_ctrl_c_as_a_cache_grows_leaves_its_bytes_counted_right(engine, monkeypatch):
+    """The store counted a cache's new buffers before it took them: a Ctrl-C between the two (where the
+    count noted its peak) left the count off by them for good, and the budget with it."""
+    from sidecar.kv import KVStore
+
+    store, note_peak, raised = engine.store, KVStore.note_peak, []
+
+    def interrupted_once(self):
+        if not raised:
+            raised.append(True)
+            raise KeyboardInterrupt
+        note_peak(self)
+
+    with engine.session() as session:
+        monkeypatch.setattr(KVStore, "note_peak", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            session.generate(token_ids=tokens(12, seed=80), max_new_tokens=4, eos_token_ids=[])
+        monkeypatch.undo()
+        assert raised and store.used_bytes == sum(c.nbytes for c in store._caches.values()) + store.group.nbytes
+        assert equals_a_fresh_session(engine, session)
+
+
 def test_a_stream_whose_processor_init_raised_ctrl_c_ends_cancelled_on_the_next_call(engine):
     """`next()` again after a KeyboardInterrupt out of a processor's `init` was an AttributeError from a
     run that had started decoding without rows."""
