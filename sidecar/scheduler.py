@@ -40,7 +40,7 @@ class Scheduler:
         self.ticking = False
         self.ticks = 0
         self.group = engine.store.group  # the sessions decoding together (`_forward`)
-        self.current: Run | None = None  # the run being admitted, or taking its logits
+        self.current: Run | None = None  # the run whose own part of the step runs now (`_interrupted`)
 
     @property
     def busy(self) -> bool:
