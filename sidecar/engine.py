@@ -188,9 +188,9 @@ class Engine:
         if unknown:
             name = next(iter(unknown))
             raise InvalidArgument(f"generate has no option {name!r}; valid: {', '.join(generate_options())}", option=name)
-        input_ids = self.input_ids(prompt, token_ids=token_ids, messages=messages, chat_template=chat_template,
-                                   add_generation_prompt=add_generation_prompt,
-                                   continue_final_message=continue_final_message)
+        input_ids = inputs.input_ids(self.tokenizer, self.vocab_size, prompt, token_ids=token_ids, messages=messages,
+                                     chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message)
         if not _is_int(max_new_tokens) or max_new_tokens < 0:
             raise InvalidArgument(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}", option="max_new_tokens")
         if self.max_context is not None and len(input_ids) + max_new_tokens > self.max_context:
@@ -249,10 +249,6 @@ class Engine:
         seed = None if seed is None else int(seed)  # numpy's integers too: torch's generator takes only int
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows,
                        shift_keep=shift_keep)
-
-    def input_ids(self, prompt=None, **given) -> list[int]:
-        """A generate call's input as token ids, checked: what `validate` takes first (`inputs.input_ids`)."""
-        return inputs.input_ids(self.tokenizer, self.vocab_size, prompt, **given)
 
     @functools.cached_property
     def fingerprint(self) -> str:

@@ -833,3 +833,33 @@ def test_an_unload_while_a_large_input_is_made_frees_the_model(default_dir):
         assert peer.close() == 0
     stderr = peer.process.stderr.read().decode()
     assert "still referred to" not in stderr and "Traceback" not in stderr, stderr
+
+
+def test_a_large_tokenize_or_detokenize_that_fails_is_answered_aside_in_its_turn(peer, engine):
+    """Answered on a thread of its own, a refusal is still one typed reply, before what was sent after it."""
+    many = [5] * 20_000 + [engine.vocab_size]  # past 16,384 ids, the last outside the vocabulary
+    peer.send_bytes(b"".join(frame(pack(m)) for m in (
+        {"id": 1, "op": "detokenize", "token_ids": many},
+        {"id": 2, "op": "tokenize", "text": "x" * 20_000, "model": "nobody"},
+        {"id": 3, "op": "ping"})))
+    replies = [peer.read_message() for _ in range(3)]
+    assert [m["id"] for m in replies] == [1, 2, 3]
+    assert replies[0]["error"]["code"] == "token_out_of_range" and replies[0]["error"]["token_ids"] == [engine.vocab_size]
+    assert replies[1]["error"]["code"] == "unknown_model" and replies[2]["ok"]
+
+
+def test_a_cancel_behind_a_large_input_being_made_answers_it_and_changes_nothing(peer):
+    """The cancel arrives while the configuring thread tokenizes (about a second): the generate is answered
+    cancelled, with nothing run; the input made after is dropped, and the session serves on as it was."""
+    peer.call("open_session", session="c")
+    first = peer.call("generate", session="c", token_ids=[5, 6, 7], max_new_tokens=2, eos_token_ids=[])["result"]
+    text = "héllo wörld, the quick brown fox " * 29_000
+    peer.send_bytes(b"".join(frame(pack(m)) for m in (
+        {"id": 10, "op": "generate", "session": "c", "prompt": text, "max_new_tokens": 1},
+        {"id": 11, "op": "cancel", "target": 10})))
+    replies = {m["id"]: m for m in (peer.read_message() for _ in range(2))}
+    assert replies[10]["error"]["code"] == "cancelled" and replies[11]["result"] == {"cancelled": True}
+    info = peer.call("session_info", session="c")["result"]
+    assert info["history_tokens"] == 3 + len(first["token_ids"])
+    again = peer.call("generate", session="c", token_ids=[5, 6, 7], max_new_tokens=2, eos_token_ids=[])["result"]
+    assert again["token_ids"] == first["token_ids"] and again["stats"]["reused_tokens"] == 2
