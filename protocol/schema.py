@@ -85,6 +85,8 @@ OPS: dict[str, dict[str, Param]] = {
         "dtype": Param("str|null", doc="f32 | f16 | bf16 (default: as saved)"),
         "device": Param("str|null", doc="cpu | cuda | cuda:N | mps (default: the server's)"),
         "trust_remote_code": Param("bool", default=False, doc="allow code shipped inside the model directory"),
+        "prefill_chunk": Param("uint|null", doc="prompt tokens per forward pass for this model, at least 1 "
+                               "(default and most: the server's)"),
     },
     "unload_model": {"model": Param("str", required=True, doc="the model name")},
     "models": {},
@@ -123,7 +125,7 @@ OPS: dict[str, dict[str, Param]] = {
         "stop": Param("list[str]", default=[], doc="stop strings, trimmed from the text"),
         "eos_token_ids": Param("list[uint]|null", doc="default: the model's EOS ids"),
         "stream": Param("bool", default=False, doc="emit a token event per generated token (beam search emits none)"),
-        "num_samples": Param("uint", default=1, doc="with sample: sequences drawn from one prefill of the prompt"),
+        "num_samples": Param("uint|null", default=1, doc="with sample: sequences drawn from one prefill of the prompt"),
         "num_beams": Param("uint|null", doc=f"with beam: beams kept at each step (default {DEFAULT_NUM_BEAMS})"),
         "num_return_sequences": Param("uint|null", doc="with beam: the best finished beams returned (default 1)"),
         "length_penalty": Param("number|null", doc="with beam: scores are divided by length ** this (default 1.0)"),
@@ -204,7 +206,8 @@ def parse_request(message, limits: Limits = DEFAULT_LIMITS) -> Request:
         shallow = (lambda v: isinstance(v, CONTAINERS[kind])) if kind in CONTAINERS else CHECKS[kind]
         if not (shallow(value) or (nullable and value is None)):
             raise _mistyped(op, key, param, value, rid)
-        params[key] = value
+        if value is not None or param.default is None:  # nil for an option with a default: that default
+            params[key] = value
     for key, value in params.items():
         if "map" in schema[key].kind:
             check_depth(value, limits.max_depth, rid, key, start=2)  # the request map itself is level 1

@@ -44,7 +44,7 @@ from protocol import errors as codes
 from protocol.schema import request_id_of
 
 from . import __version__, inputs
-from .engine import Engine
+from .engine import DEFAULT_PREFILL_CHUNK, Engine
 from .errors import InvalidArgument, InvalidProcessor, InvalidSessionFile, ReplyTooLarge, SessionClosed, SidecarError
 from .generation import Generation
 from .inputs import InputIds
@@ -709,7 +709,8 @@ class Server:
 
     def load_model(self, params: dict) -> dict:
         """Loads a model here and now, as a load_model with these params would: the CLI's startup model, before
-        serving. Returns its model info."""
+        serving. Returns its model info. What `params` leaves out takes its protocol default."""
+        params = {key: param.default for key, param in OPS["load_model"].items()} | params
         engine = Engine.load(**self._load_arguments(params, None))
         return self._add_model(params["name"], engine)
 
@@ -739,8 +740,23 @@ class Server:
         options = dict(self.engine_options)
         if params["device"] is not None:
             options["device"] = params["device"]
+        if params["prefill_chunk"] is not None:
+            options["prefill_chunk"] = self._prefill_chunk(params["prefill_chunk"], rid)
         return {"path": params["path"], "dtype": params["dtype"], "trust_remote_code": params["trust_remote_code"],
                 **options}
+
+    def _prefill_chunk(self, chunk: int, rid) -> int:
+        """A model's own chunk, checked before it loads: smaller than the server's lets a large model's prompts
+        hold the other models' streams for less time each tick; never larger, since a pass's memory grows
+        with it (its attention scores, chunk x context) and the operator's flag bounds it."""
+        most = self.engine_options.get("prefill_chunk", DEFAULT_PREFILL_CHUNK)
+        if chunk < 1:
+            raise InvalidArgument(f"prefill_chunk must be at least 1, got {chunk}", option="prefill_chunk")
+        if chunk > most:
+            raise ProtocolError(codes.LIMIT_EXCEEDED, f"prefill_chunk {chunk} is over the server's prefill chunk of "
+                                f"{most} tokens (--prefill-chunk), which bounds a model's own", rid,
+                                limit="prefill_chunk", max=most, value=chunk)
+        return chunk
 
     def _load(self, request: Request, arguments: dict) -> None:
         """The loading thread. A daemon: a server whose input ends does not wait for a load."""
@@ -1083,4 +1099,4 @@ def model_info(name: str, engine: Engine) -> dict:
     return {"name": name, "path": str(engine.path), "architecture": type(engine.model).__name__,
             "vocab_size": engine.vocab_size, "max_context": engine.max_context, "chat_templates": engine.chat_templates,
             "device": str(engine.model.device), "dtype": str(engine.model.dtype).removeprefix("torch."),
-            "eos_token_ids": sorted(engine.default_eos_token_ids)}
+            "eos_token_ids": sorted(engine.default_eos_token_ids), "prefill_chunk": engine.prefill_chunk}

@@ -491,7 +491,7 @@ defmodule Sidecar do
   Loads a model into the sidecar and returns its model info (string keys, as the protocol gives it:
   `"name"`, `"path"`, `"architecture"`, `"vocab_size"`, `"max_context"`, `"eos_token_ids"`,
   `"chat_templates"`, `"device"` such as `"cpu"` or `"cuda:0"`, `"dtype"` in torch's spelling such
-  as `"float32"` or `"bfloat16"`). Open sessions on it with `open_session(conn, model: name)`.
+  as `"float32"` or `"bfloat16"`, `"prefill_chunk"`). Open sessions on it with `open_session(conn, model: name)`.
   Options:
 
     * `:name` - the name to refer to it by (default `"default"`, which the sidecar started with
@@ -505,6 +505,10 @@ defmodule Sidecar do
       whose `details["available"]` lists the ones it has
     * `:trust_remote_code` - run code shipped in the model directory (default `false`; needs a
       sidecar started with `--trust-remote-code`)
+    * `:prefill_chunk` - prompt tokens per forward pass of this model (default `nil`: the sidecar's
+      `--prefill-chunk`, 512 unless given, which is also the most). The models take their forward
+      passes in turn, so a large model given fewer holds the other models' streams for less time
+      each pass; more than the sidecar's is `reason: :limit_exceeded`
     * `:timeout` - milliseconds to wait (default: the connection's `:call_timeout`)
 
   Bad option names or types raise `ArgumentError`. Load failures are errors such as
@@ -582,7 +586,8 @@ defmodule Sidecar do
     {:path, &Options.path_or_nil?/1, "a directory path or nil"},
     {:dtype, &Options.name_or_nil?/1, "a string, an atom or nil"},
     {:device, &Options.name_or_nil?/1, "a string, an atom or nil"},
-    {:trust_remote_code, &is_boolean/1, "true or false"}
+    {:trust_remote_code, &is_boolean/1, "true or false"},
+    {:prefill_chunk, &Options.positive_or_nil?/1, "a positive integer or nil"}
   ]
 
   defp load_model_params(opts) do

@@ -893,6 +893,31 @@ defmodule SidecarTest do
     end
   end
 
+  test "load_model takes a prefill_chunk up to the sidecar's", %{conn: conn} do
+    assert {:ok, %{"name" => "chunked", "prefill_chunk" => 8}} =
+             Sidecar.load_model(conn, name: "chunked", prefill_chunk: 8)
+
+    {:ok, session} = Sidecar.open_session(conn, model: "chunked")
+
+    assert {:ok, %{token_ids: [_, _]}} =
+             Sidecar.generate(conn, session, Enum.to_list(5..40), max_new_tokens: 2, eos_token_id: [])
+
+    assert :ok = Sidecar.unload_model(conn, "chunked")
+
+    assert {:error, %Error{reason: :limit_exceeded, details: %{"limit" => "prefill_chunk", "max" => 512}}} =
+             Sidecar.load_model(conn, name: "over", prefill_chunk: 513)
+
+    for bad <- [0, -1, 1.5, "8"] do
+      assert_raise ArgumentError,
+                   ~r/load_model option :prefill_chunk must be a positive integer or nil/,
+                   fn ->
+                     Sidecar.load_model(conn, name: "bad", prefill_chunk: bad)
+                   end
+    end
+
+    assert {:ok, [%{"name" => "default", "prefill_chunk" => 512}]} = Sidecar.models(conn)
+  end
+
   test "the sidecar's stderr goes to Logger" do
     log =
       ExUnit.CaptureLog.capture_log(fn ->

@@ -33,6 +33,16 @@ def test_defaults_are_filled_and_fresh():
     assert one.params["stop"] == [] and one.params["stop"] is not two.params["stop"]
 
 
+def test_nil_for_an_option_with_a_default_is_that_default():
+    """Section 5: the options of a strategy may be sent as nil, num_samples among them (found from outside:
+    `num_samples: nil` was invalid_params, the other strategies' options were not)."""
+    for given in ({}, {"num_samples": None}):
+        request = parse_request({"id": 1, "op": "generate", "session": "s", "prompt": "a", "strategy": "sample", **given})
+        assert request.params["num_samples"] == 1
+    problem = refused({"prompt": "a", "strategy": "sample", "num_samples": -1})
+    assert (problem.code, problem.details["param"]) == ("invalid_params", "num_samples")
+
+
 def test_error_names_the_parameter_and_the_expected_type():
     with pytest.raises(ProtocolError, match=r"tokenize: parameter 'text' must be str, got int 5"):
         parse_request({"id": 1, "op": "tokenize", "text": 5})

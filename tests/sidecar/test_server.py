@@ -863,3 +863,36 @@ def test_a_cancel_behind_a_large_input_being_made_answers_it_and_changes_nothing
     assert info["history_tokens"] == 3 + len(first["token_ids"])
     again = peer.call("generate", session="c", token_ids=[5, 6, 7], max_new_tokens=2, eos_token_ids=[])["result"]
     assert again["token_ids"] == first["token_ids"] and again["stats"]["reused_tokens"] == 2
+
+
+def test_a_model_loaded_with_a_smaller_prefill_chunk_lets_the_other_models_stream_between_its_chunks(peer):
+    """The loaded models take their ticks in turn, so one tick of a model's prompt held every other model's
+    stream (a large model's 512-token chunk: 0.8-1.7 s between another's tokens). A model's own smaller
+    `prefill_chunk` splits its prompts into more ticks, with the other models' steps between them; more
+    than the server's is refused before anything loads, since it bounds a pass's memory."""
+    assert peer.call("load_model", name="chunked", prefill_chunk=8)["result"]["prefill_chunk"] == 8
+    assert peer.call("load_model", name="whole")["result"]["prefill_chunk"] == 512  # the server's
+    refused = peer.call("load_model", name="over", prefill_chunk=513)["error"]
+    assert (refused["code"], refused["limit"], refused["max"], refused["value"]) == ("limit_exceeded", "prefill_chunk", 512, 513)
+    refused = peer.call("load_model", name="zero", prefill_chunk=0)["error"]
+    assert (refused["code"], refused["option"]) == ("invalid_argument", "prefill_chunk")
+    assert [m["name"] for m in peer.call("models")["result"]["models"]] == ["default", "chunked", "whole"]
+
+    peer.call("open_session", session="streaming")
+    generate(peer, 100, session="streaming", token_ids=[5, 6], max_new_tokens=2000, eos_token_ids=[], stream=True)
+    assert peer.next_for(100)["event"] == "token"
+    between = {}
+    for rid, model in ((101, "whole"), (102, "chunked")):
+        peer.call("open_session", model=model, session=model)
+        generate(peer, rid, session=model, token_ids=list(range(5, 69)), max_new_tokens=1, eos_token_ids=[])
+        between[model] = 0
+        while True:  # the stream's tokens until the 64-token prompt's reply
+            message = peer.read_message()
+            if message["id"] == rid:
+                assert message["ok"] and len(message["result"]["token_ids"]) == 1
+                break
+            assert message["id"] == 100 and message["event"] == "token"
+            between[model] += 1
+    assert between["chunked"] >= 7 > between["whole"], between  # its 8 ticks, with the stream's steps between
+    peer.send({"id": 103, "op": "cancel", "target": 100})
+    assert peer.reply_for(100)[1]["error"]["code"] == "cancelled"

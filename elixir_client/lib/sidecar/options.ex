@@ -162,6 +162,9 @@ defmodule Sidecar.Options do
   def path_or_nil?(v), do: is_nil(v) or is_binary(v)
 
   @doc false
+  def positive_or_nil?(v), do: is_nil(v) or (is_integer(v) and v > 0)
+
+  @doc false
   # The command-line flags of the start options that become flags of `python -m sidecar` (their `flag:`).
   @spec flags(keyword()) :: [String.t()]
   def flags(opts) do
