@@ -36,8 +36,8 @@ def test_defaults_are_filled_and_fresh():
 def test_nil_for_an_option_with_a_default_is_that_default():
     """Section 5: the options of a strategy may be sent as nil, num_samples among them (found from outside:
     `num_samples: nil` was invalid_params, the other strategies' options were not)."""
-    for given in ({}, {"num_samples": None}):
-        request = parse_request({"id": 1, "op": "generate", "session": "s", "prompt": "a", "strategy": "sample", **given})
+    for left in ({}, {"num_samples": None}):
+        request = parse_request({"id": 1, "op": "generate", "session": "s", "prompt": "a", "strategy": "sample", **left})
         assert request.params["num_samples"] == 1
     problem = refused({"prompt": "a", "strategy": "sample", "num_samples": -1})
     assert (problem.code, problem.details["param"]) == ("invalid_params", "num_samples")
