@@ -21,6 +21,9 @@ copy) leaves the step through the thread that runs it, after `_interrupted` has 
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from collections import deque
 
 import torch
@@ -107,7 +110,7 @@ class Scheduler:
         The runs before it took their step, those after it did not and run it again: planning changes
         nothing, and the keys a forward pass wrote past a run's length are written again alike."""
         run, self.current = self.current, None
-        with torch.inference_mode():
+        with torch.inference_mode(), _ctrl_c_held():
             self.group.dissolve()
             if run is not None and not run.done:
                 try:
@@ -207,6 +210,24 @@ class Scheduler:
             except Exception as error:
                 run.fail(error)
             self.current = None
+
+
+@contextlib.contextmanager
+def _ctrl_c_held():
+    """Holds off Ctrl-C while a step that one stopped is made whole: a second one there (a user pressing it
+    twice) stopped the mending part-way, a run left half-stepped among the running ones. Python handles
+    signals in the main thread alone, so only there can one arrive, and only its default handler raises
+    (another is the application's, left alone); meanwhile SIGINT is noted and dropped, the step leaving
+    with an exception already."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _prefill_shares(prefilling: list[Run], budget: int, odd: int) -> list[tuple[Run, int]]:

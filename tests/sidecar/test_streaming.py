@@ -2,6 +2,9 @@
 
 import contextlib
 import gc
+import os
+import signal
+import time
 import weakref
 
 import pytest
@@ -306,6 +309,38 @@ def test_ctrl_c_in_another_streams_step_cancels_that_stream_where_it_stood(engin
         assert victim.result.finish_reason == "cancelled" and victim.result.token_ids == solo[1][:3]
         assert second.history == prompts[1] + solo[1][:3] and not second.busy
         assert equals_a_fresh_session(engine, second) and equals_a_fresh_session(engine, first)
+
+
+def test_a_second_ctrl_c_while_a_step_is_made_whole_does_not_stop_the_mending(engine):
+    """Pressed twice, Ctrl-C landed in `_interrupted` too, here as the stopped stream is cancelled: that
+    stream was left half-stepped among the running ones, its session busy, and the next step fed its last
+    token again. A real SIGINT, sent to this process from inside the mending, is held off until it ends."""
+    steps, signalled = [], []
+    prompts = [tokens(7, seed=71), tokens(11, seed=72)]
+    solo = [solo_tokens(engine, p, 10) for p in prompts]
+    with engine.session() as first, engine.session() as second:
+        ticking = first.stream(token_ids=prompts[0], max_new_tokens=10, eos_token_ids=[])
+        victim = second.stream(token_ids=prompts[1], max_new_tokens=10, eos_token_ids=[],
+                               processors=[interrupting(at=4, steps=steps)])
+        finish = victim._run.finish
+
+        def finish_with_a_second_ctrl_c(reason):
+            if not signalled:
+                signalled.append(reason)
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler runs in between (or, held off, does nothing)
+            return finish(reason)
+
+        victim._run.finish = finish_with_a_second_ctrl_c
+        got = []
+        with pytest.raises(KeyboardInterrupt):
+            for _ in range(10):
+                got.append(next(ticking).token_id)
+        assert signalled == ["cancelled"] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        got += [event.token_id for event in ticking]
+        assert got == solo[0]
+        assert victim.result.finish_reason == "cancelled" and victim.result.token_ids == solo[1][:3]
+        assert not second.busy and equals_a_fresh_session(engine, second) and equals_a_fresh_session(engine, first)
 
 
 def test_ctrl_c_while_sessions_join_the_decode_group_leaves_no_part_of_it(engine, monkeypatch):
