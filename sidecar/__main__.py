@@ -83,6 +83,9 @@ def parse_args(argv=None):
     parser.add_argument("--constraint-budget-bytes", type=_whole(1),
                         help="memory of the compiled constraints (tables and masks) that running generations hold "
                              "together; a generate whose constraints would pass it is refused (default 2 GiB)")
+    parser.add_argument("--constraint-cache-bytes", type=_whole(0),
+                        help="memory of the compiled constraints kept for later generations with the same constraint, "
+                             "the least recently used dropped first; the last compiled is always kept (default 512 MiB)")
     parser.add_argument("--grammar-step-ms", type=_whole(1),
                         help="most time the grammar constraints of one generation may take in one step (every "
                              "row's token and mask); a generation whose grammars take longer stops with "
@@ -232,6 +235,10 @@ def main(argv=None) -> int:
         from processors.structured import budget
 
         budget.set_budget_bytes(args.constraint_budget_bytes)
+    if args.constraint_cache_bytes is not None:
+        from processors.structured import compile as structured_compile
+
+        structured_compile.set_cache_bytes(args.constraint_cache_bytes)
     if args.grammar_step_ms is not None:
         from processors.structured import grammar
 

@@ -33,6 +33,7 @@ import torch
 
 import processors as proc
 from processors.structured import budget, forget_vocabulary, grammar
+from processors.structured import compile as structured_compile
 from processors.structured.compile import CompileCancelled
 from processors.structured.constraints import Constraint
 from processors.structured.grammar import llguidance_checks_deferred
@@ -689,9 +690,9 @@ class Server:
                              "strategies": list(STRATEGIES), "trust_remote_code": self.trust_remote_code},
             "processor_options": {name: [{k: o[k] for k in ("name", "required", "default", "schema", "doc")} for o in options]
                                   for name, options in proc.catalogue().items()},
-            # the protocol's limits, and the two the processors keep for the whole process
+            # the protocol's limits, and the three the processors keep for the whole process
             "limits": {**self.limits.as_dict(), "constraint_budget_bytes": budget.budget_bytes(),
-                       "grammar_step_ms": grammar.step_limit_ms()},
+                       "constraint_cache_bytes": structured_compile.cache_bytes(), "grammar_step_ms": grammar.step_limit_ms()},
             "models": list(self.engines),
         }
 
@@ -949,9 +950,11 @@ class Server:
         return {"text": engine.tokenizer.decode(params["token_ids"], skip_special_tokens=params["skip_special_tokens"])}
 
     def op_stats(self, params, rid):
+        compiled, compiled_bytes = structured_compile.cached()
         return {"models": {name: engine.stats() for name, engine in self.engines.items()},
                 "sessions": len(self.sessions), "in_flight": len(self.in_flight),
-                "active_generations": len(self.active), "uptime_s": time.time() - self.started}
+                "active_generations": len(self.active), "uptime_s": time.time() - self.started,
+                "constraints": {"compiled": compiled, "compiled_bytes": compiled_bytes, "bound_bytes": budget.held_bytes()}}
 
     def op_shutdown(self, params, rid):
         self._cancel_all(reply=True)

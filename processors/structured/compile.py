@@ -29,9 +29,10 @@ from .lazy import LazyAutomaton
 from .locks import ForkSafeLock
 from .vocabulary import Vocabulary
 
-CACHE_BYTES = 512 * 2**20  # compiled automata kept for reuse, least recently used dropped first
+DEFAULT_CACHE_BYTES = 512 * 2**20  # compiled automata kept for reuse, least recently used dropped first
 MAX_FAILURES = 1024  # constraints remembered as impossible to compile
 
+_cache_bytes = DEFAULT_CACHE_BYTES
 _cache: OrderedDict[tuple, TokenAutomaton] = OrderedDict()
 _failures: OrderedDict[tuple, tuple[InvalidOption, float]] = OrderedDict()  # (the error, the timeout it had)
 _cache_lock = ForkSafeLock()
@@ -93,6 +94,26 @@ def compile_regex(source: tuple[str, str], vocabulary: Vocabulary, timeout_s: fl
     return automaton
 
 
+def set_cache_bytes(cache_bytes: int) -> None:
+    """Sets how much the compile cache of the whole process keeps; 512 MiB unless set."""
+    if not isinstance(cache_bytes, int) or isinstance(cache_bytes, bool) or cache_bytes < 0:
+        raise ValueError(f"the compile cache's size is a number of bytes >= 0, got {cache_bytes!r}")
+    global _cache_bytes
+    with _cache_lock:
+        _cache_bytes = cache_bytes
+        _within_budget()
+
+
+def cache_bytes() -> int:
+    return _cache_bytes
+
+
+def cached() -> tuple[int, int]:
+    """The automata the compile cache keeps, and their bytes (tables, and the masks made so far)."""
+    with _cache_lock:
+        return len(_cache), sum(a.nbytes for a in _cache.values())
+
+
 def is_cached(automaton) -> bool:
     """Whether the cache keeps `automaton` (so that it stays in memory whether or not a generation uses it)."""
     with _cache_lock:
@@ -108,7 +129,7 @@ def forget(fingerprint: str) -> None:
 
 
 def _store(key: tuple, automaton: TokenAutomaton) -> None:
-    """Caches an automaton as the most recently used, within `CACHE_BYTES` (the least recently used go)."""
+    """Caches an automaton as the most recently used, within `cache_bytes()` (the least recently used go)."""
     with _cache_lock:
         _cache[key] = automaton
         _cache.move_to_end(key)
@@ -116,10 +137,10 @@ def _store(key: tuple, automaton: TokenAutomaton) -> None:
 
 
 def _within_budget() -> None:
-    """Drops the least recently used automata until the rest hold `CACHE_BYTES` at most (the last used
+    """Drops the least recently used automata until the rest hold `cache_bytes()` at most (the last used
     stays): at each compile and each use, since a lazily compiled automaton grows as generations reach
     its states. One dropped stays alive while generations use it; later ones compile it again."""
-    while sum(a.nbytes for a in _cache.values()) > CACHE_BYTES and len(_cache) > 1:
+    while sum(a.nbytes for a in _cache.values()) > _cache_bytes and len(_cache) > 1:
         _cache.popitem(last=False)
 
 

@@ -413,11 +413,11 @@ def test_lazy_masks_made_by_threads_at_once_are_those_made_by_one(vocab, monkeyp
 
 def test_the_compile_cache_weighs_its_automata_again_when_one_is_used(vocab, monkeypatch, forks_here):
     """A lazy automaton grows after it was cached, as generations reach its states: using any cached
-    constraint weighs the cache again, and the least recently used go past `CACHE_BYTES`."""
+    constraint weighs the cache again, and the least recently used go past `cache_bytes()`."""
     grows, other = configure(JsonSchema, schema=NESTED), configure(Regex, pattern="[0-9]+")
     grown = grows.bind(vocab, [EOS])
     other.bind(vocab, [EOS])
-    monkeypatch.setattr(structured_compile, "CACHE_BYTES", sum(a.nbytes for a in structured_compile._cache.values()) + 4096)
+    monkeypatch.setattr(structured_compile, "_cache_bytes", structured_compile.cached()[1] + 4096)
     before = grown.automaton.nbytes
     grown.masks.rows(torch.arange(grown.automaton.dead + 1))  # every state reached
     assert grown.automaton.nbytes > before + 8 * 4096 and len(structured_compile._cache) == 2

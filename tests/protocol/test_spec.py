@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 from processors.structured import budget, grammar
+from processors.structured import compile as structured_compile
 from protocol import Limits
 from protocol import errors as protocol_errors
 from sidecar import errors as engine_errors
@@ -19,8 +20,9 @@ def section(number: int) -> str:
 def test_every_limit_is_in_the_spec_with_its_default():
     rows = dict(re.findall(r"^\| `(\w+)` \| (\d+) \|", section(7), re.M))
     declared = {f.name: str(f.default) for f in dataclasses.fields(Limits)}
-    # the two the processors keep for the whole process, which hello reports beside the protocol's
+    # the three the processors keep for the whole process, which hello reports beside the protocol's
     declared |= {"constraint_budget_bytes": str(budget.DEFAULT_BUDGET_BYTES),
+                 "constraint_cache_bytes": str(structured_compile.DEFAULT_CACHE_BYTES),
                  "grammar_step_ms": str(round(grammar.DEFAULT_STEP_LIMIT_S * 1000))}
     assert rows == declared
 

@@ -532,6 +532,33 @@ def test_the_constraints_running_generations_hold_are_bounded(default_dir):
         assert "on its own" not in alone["error"]["message"]  # its first dfa is bound: it counts
 
 
+def test_the_compile_cache_is_bounded_by_its_flag_and_shown_in_stats(default_dir):
+    """A server that compiles constraint after constraint keeps them (found from outside: 157 MB more after a
+    soak of 550 constrained generates, which nothing reported): within `--constraint-cache-bytes`, in
+    `stats.constraints`, with the constraints running generations hold beside them."""
+    limit = 400_000
+    with Peer(SERVER + ["--constraint-cache-bytes", str(limit)], stderr=subprocess.DEVNULL) as peer:
+        assert peer.call("hello")["result"]["limits"]["constraint_cache_bytes"] == limit
+        peer.call("open_session", session="s")
+        assert peer.call("stats")["result"]["constraints"] == {"compiled": 0, "compiled_bytes": 0, "bound_bytes": 0}
+        endless = {"name": "regex", "options": {"pattern": "[a-z]{5000,}"}}  # it cannot end within 300 tokens
+        peer.send({"id": 1, "op": "generate", "session": "s", "token_ids": [5], "max_new_tokens": 300,
+                   "stream": True, "processors": [endless]})
+        assert peer.next_for(1)["event"] == "token"
+        running = peer.call("stats")["result"]["constraints"]
+        assert running["compiled"] == 1 and running["bound_bytes"] >= running["compiled_bytes"] > 0, running
+        peer.send({"id": 2, "op": "cancel", "target": 1})
+        assert peer.reply_for(1)[1]["error"]["code"] == "cancelled"
+        kept = []
+        for n in range(12):
+            done = peer.call("generate", session="s", prompt="x", max_new_tokens=4,
+                             processors=[{"name": "regex", "options": {"pattern": f"(id|key){n}-[a-f0-9]{{2,9}}"}}])
+            assert done["ok"], done
+            kept.append(peer.call("stats")["result"]["constraints"])
+        assert all(c["compiled_bytes"] <= limit and c["bound_bytes"] == 0 for c in kept), kept
+        assert 1 < kept[-1]["compiled"] < 13, kept  # some kept, the least recently used dropped
+
+
 LONG_TEXT = "hello world " * 1200  # 2,400 tokens, over the default model's 2,048
 
 
