@@ -172,7 +172,7 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
     window = kv_plan.windows[layer]  # a query reads the last `window` keys, itself included
     segments, lanes = kv_plan.segments, kv_plan.lanes
     if lanes and len(lanes) == len(segments):  # a step of sessions decoding alone: the common tick
-        return _decode_lanes(kv_plan, layer, query, key, value, scaling, gqa, scoring, window).transpose(1, 2), None
+        return _decode_lanes(kv_plan, layer, query, key, value, scaling, gqa, scoring, window).transpose(1, 2).contiguous(), None
     if len(segments) == 1:
         parts = [(segments[0], query, key, value)]
     else:  # one split a tensor, not three slices a segment: a decode step of many sessions has dozens a layer
@@ -199,7 +199,9 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
                 continue
             out, _ = sdpa_attention_forward(module, q, keys, values, mask, scaling=scaling, dropout=dropout)
             outputs[i] = out.transpose(1, 2)
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)).transpose(1, 2), None
+    # contiguous, as transformers' own attention returns it: models that `view` it (Afmoe, Dory) failed, and
+    # the `reshape` of the others copies it anyway
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)).transpose(1, 2).contiguous(), None
 
 
 def _decode_lanes(plan: Plan, layer: int, query, key, value, scaling, gqa: bool, scoring: Scoring | None,

@@ -20,7 +20,7 @@ from processors.structured import Vocabulary
 from processors.structured.constraints import Compiled, Constraint
 from protocol.schema import DEFAULT_NUM_BEAMS
 
-from . import attention, chat, inputs, models, persist, shift
+from . import attention, chat, fidelity, inputs, models, persist, shift
 from .errors import (
     ContextOverflow,
     InvalidArgument,
@@ -99,6 +99,7 @@ class Engine:
         attention.install(model)
         try:
             self._probe()
+            fidelity.check(model, self.store, self.windows)
         except InvalidModel:  # a model refused is given back as it came: its own calls stay transformers'
             model.set_attn_implementation(previous)
             raise

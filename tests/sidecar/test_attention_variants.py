@@ -9,7 +9,8 @@ import copy
 
 import pytest
 import torch
-from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+from transformers import (AfmoeConfig, AfmoeForCausalLM, BlenderbotConfig, BlenderbotForCausalLM, DeepseekV3Config,
+                          DeepseekV3ForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
                           GptOssForCausalLM, Llama4ForCausalLM, Llama4TextConfig, MistralConfig, MistralForCausalLM,
                           PhimoeConfig, PhimoeForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM)
@@ -188,6 +189,47 @@ def test_a_model_whose_attention_masks_are_not_causal_windows_is_refused_at_load
     with pytest.raises(InvalidModel, match=refusal.replace("(", r"\(").replace(")", r"\)")):
         Engine(model, engine.tokenizer)
     assert model.config._attn_implementation == before != "sidecar_rows"
+
+
+@pytest.mark.parametrize("model, refusal", [
+    # its attention is called twice a layer, with two halves of its values: the cache kept the second
+    (lambda: DiffLlamaForCausalLM(DiffLlamaConfig(**SHAPE)), "DiffLlamaForCausalLM computes other logits in the batched engine"),
+    # its learned positions count from transformers' cache, which the engine does not use
+    (lambda: BlenderbotForCausalLM(BlenderbotConfig(vocab_size=1024, d_model=64, decoder_layers=2, decoder_attention_heads=4,
+                                                    decoder_ffn_dim=128, max_position_embeddings=1024, pad_token_id=0)),
+     "BlenderbotForCausalLM computes other logits in the batched engine"),
+    # multi-head latent attention: values narrower than keys, which the KV store does not hold
+    (lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)),
+     "DeepseekV3ForCausalLM cannot run in the batched engine: its forward pass failed with RuntimeError"),
+], ids=["diffllama", "blenderbot", "deepseek-v3"])
+def test_a_model_the_engine_would_compute_otherwise_is_refused_at_load(engine, model, refusal):
+    """Found from outside (a sweep of 75 architectures): DiffLlama and Blenderbot loaded and gave other tokens
+    than transformers from the first or second on, silently; DeepSeek's MLA raised an untyped RuntimeError at
+    its second prefill chunk. At load the engine's paths are checked against transformers' own forward pass."""
+    torch.manual_seed(0)
+    model = model().eval()
+    with pytest.raises(InvalidModel, match=refusal):
+        Engine(model, engine.tokenizer)
+    assert model.config._attn_implementation != "sidecar_rows"
+
+
+def test_a_model_that_views_its_attention_output_runs_batched_as_alone(engine):
+    """Afmoe `view`s what its attention returns, which transformers returns contiguous and the engine did not:
+    every step of two sessions decoding together raised a RuntimeError."""
+    torch.manual_seed(0)
+    model = AfmoeForCausalLM(AfmoeConfig(**SHAPE, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                         num_shared_experts=1, num_dense_layers=1, sliding_window=32)).eval()
+    for parameter in model.parameters():
+        parameter.data.normal_(0.0, 0.2)  # transformers' initialisation leaves some of its weights at zero
+    reference = copy.deepcopy(model)
+    afmoe = Engine(model, engine.tokenizer, prefill_chunk=16)
+    prompts = [tokens(n, seed=80 + n) for n in (5, 23, 40)]
+    sessions = [afmoe.session() for _ in prompts]
+    generations = [s.stream(token_ids=p, max_new_tokens=8, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
+    assert drain(generations, afmoe) == [greedy(reference, p, 8) for p in prompts]
 
 
 @pytest.mark.parametrize("window", [0, -3])

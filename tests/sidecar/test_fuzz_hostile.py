@@ -478,7 +478,14 @@ class Fuzz:
 
     def request(self, op: str, hostile_param: str | None = None, value=None, hostility: float = 0.0) -> dict:
         """A request for `op` with every parameter drawn: `hostile_param` gets `value`, the others are hostile
-        with probability `hostility`, else valid or left to their default."""
+        with probability `hostility`, else valid or left to their default; drawn again while its frame would
+        pass `MAX_FRAME` (values at their edges add up: three options of 100,000 characters)."""
+        while True:
+            message = self._drawn(op, hostile_param, value, hostility)
+            if len(pack(message)) < MAX_FRAME:
+                return message
+
+    def _drawn(self, op: str, hostile_param: str | None, value, hostility: float) -> dict:
         rng = self.rng
         params = {}
         for name, param in OPS[op].items():

@@ -1,0 +1,75 @@
+"""A model is served only if the engine's forward passes give transformers' logits for it.
+
+The engine runs a model with its own attention (`attention.rows_attention`) and its own positions, which
+reproduce transformers' computation only for models that take their keys, values and positions the way
+the attention interface hands them over. A model that does otherwise gave other tokens, silently (found
+from outside: DiffLlama calls the attention twice a layer with two halves of its values, and the cache
+kept the second; Blenderbot's learned positions count from transformers' cache, which the engine does not
+use). So at load, a short sequence goes through the engine's paths (a first chunk, a chunk after it, one
+decode step beside another cache's chunk, in one pass) and through the model as transformers runs it,
+without a cache; a model whose logits differ by more than its dtype's rounding is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import Plan, Segment
+from .decode import forward
+from .errors import InvalidModel
+
+TOKENS = 12  # the sequence checked: chunks of 7 and 4, then one decode step
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}  # of the largest logit; half precision: HALF_TOLERANCE
+HALF_TOLERANCE = 0.1
+
+
+def check(model, store, windows) -> None:
+    """Raises `InvalidModel` unless the engine's paths give the logits of transformers' uncached forward pass,
+    up to the dtype's rounding. Its caches are the store's, released before it returns."""
+    vocab_size = model.get_input_embeddings().num_embeddings
+    context = getattr(model.config, "max_position_embeddings", None) or TOKENS
+    tokens = min(TOKENS, context)
+    if tokens < 4:
+        return
+    ids = [(7919 * i + 104729) % vocab_size for i in range(1, tokens + 1)]
+    try:
+        with torch.inference_mode():
+            reference = model(input_ids=torch.tensor([ids], device=model.device), use_cache=False).logits[0].float()
+            reference = torch.cat([reference, reference[:4]])  # the second cache's chunk: the first four again
+            ours = _engine_logits(model, store, windows, ids)
+    except Exception as error:  # its code assumes what the engine's attention does not give (a shape, a layout)
+        raise InvalidModel(f"{type(model).__name__} cannot run in the batched engine: its forward pass failed "
+                           f"with {type(error).__name__}: {str(error)[:300]}") from error
+    if not bool(reference.isfinite().all()):  # a half-precision model that overflows: its generations say so
+        return
+    scale = float(reference.abs().max()) or 1.0
+    difference = float((ours - reference).abs().max())
+    if not difference <= TOLERANCE.get(model.dtype, HALF_TOLERANCE) * max(scale, 1.0):  # NaN fails too
+        raise InvalidModel(
+            f"{type(model).__name__} computes other logits in the batched engine than in transformers (by up to "
+            f"{difference:.3g}, its largest logit being {scale:.3g}): its attention or positions do not go through "
+            "transformers' attention interface as the engine runs it, and its tokens would not be transformers'")
+
+
+def _engine_logits(model, store, windows, ids: list[int]) -> torch.Tensor:
+    """The logits of every position of `ids`, then of its first four again, from the engine's paths:
+    `ids[:first]` as one chunk from position 0, the rest but the last as a chunk after it (a masked
+    attention over the cache), then the last as a decode step, in one pass with a second cache's chunk
+    of the first four tokens (a batch of two segments)."""
+    first, last = 7 * len(ids) // 12, len(ids) - 1
+    main, other, peak = store.cache(), store.cache(), store.peak_bytes
+    try:
+        for cache in (main, other):
+            cache.reserve(len(ids))
+        parts = []
+        for start, end in ((0, first), (first, last)):
+            plan = Plan([Segment(main, 0, start, end - start)], windows)
+            parts.append(forward(model, ids[start:end], list(range(start, end)), plan, list(range(end - start))))
+            main.length = end
+        plan = Plan([Segment(main, 0, last, 1), Segment(other, 0, 0, 4)], windows)
+        both = forward(model, [ids[last], *ids[:4]], [last, 0, 1, 2, 3], plan, list(range(5)))
+        return torch.cat([*parts, both])
+    finally:  # no trace in the store: its peak is the generations'
+        store.release(main)
+        store.release(other)
+        store.peak_bytes = peak
