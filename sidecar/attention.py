@@ -163,7 +163,7 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
             return _scored(query, key, value, scaling, _causal(attention_mask, query, key), scoring).transpose(1, 2), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if isinstance(kv_plan, Probe):
-        kv_plan.store.learn(module.layer_idx, key.shape[1], key.shape[3], key.dtype)
+        kv_plan.store.learn(module.layer_idx, key.shape[1], key.shape[3], value.shape[3], key.dtype)
         kv_plan.windows[module.layer_idx] = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         kv_plan.unrun.update(unrun_keywords({"is_causal": getattr(module, "is_causal", True), **kwargs}))
         return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout)
@@ -310,7 +310,7 @@ def _decode_after_prefix(spans, layer: int, query, keys, values, scaling, scorin
                 parts.append((out.masked_fill(unread[:, None], 0.0), lse.masked_fill(unread, float("-inf"))))
         position += end - start
     if rows > 1:  # back to one row per query
-        parts = [(out.view(kv_heads, rows, group, dim).transpose(0, 1), lse.view(kv_heads, rows, group).transpose(0, 1))
+        parts = [(out.view(kv_heads, rows, group, -1).transpose(0, 1), lse.view(kv_heads, rows, group).transpose(0, 1))
                  for out, lse in parts]
     parts.append(_attend(q, keys, values, scale, mask, softcap))  # [rows, kv_heads, group, ...]
     if scoring is not None and scoring.sinks is not None:
@@ -319,15 +319,16 @@ def _decode_after_prefix(spans, layer: int, query, keys, values, scaling, scorin
         parts.append((torch.zeros_like(out), sinks))
     weights = torch.stack([lse for _, lse in parts]).softmax(dim=0).unsqueeze(-1)  # each part's share of the softmax
     out = (torch.stack([out for out, _ in parts]) * weights).sum(dim=0)
-    return out.to(query.dtype).reshape(1, rows, heads, dim)
+    return out.to(query.dtype).reshape(1, rows, heads, -1)  # the values' width: the keys' but in MLA
 
 
 def _attend(q, k, v, scale: float, mask=None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of `q` [b, h, n, d] over `k`/`v` [b, h, m, d], `mask` (if any) added to the scores (or, bool,
     the keys each query sees): the output and each query's log-sum-exp of scores ([b, h, n], float32),
     which let attention over parts of the keys be merged. On CPU, the fused kernel SDPA itself runs (it
-    returns both); elsewhere, or with a `softcap`, the same in plain ops."""
-    if q.device.type == "cpu" and softcap is None:
+    returns both); elsewhere, with a `softcap`, or with values narrower than the keys (MLA), which that
+    kernel refuses, the same in plain ops."""
+    if q.device.type == "cpu" and softcap is None and v.shape[-1] == q.shape[-1]:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
                                                                                scale=scale)
         return out, lse
@@ -359,7 +360,7 @@ def _scored(q, k, v, scaling, mask, scoring: Scoring) -> torch.Tensor:
     if scoring.sinks is not None:  # exp(lse) / (exp(lse) + exp(sink)): the share the keys keep
         sinks = scoring.sinks.to(torch.float32).view(kv_heads, group, 1).expand(-1, -1, n).reshape(kv_heads, group * n)
         out = out * torch.sigmoid(lse - sinks).unsqueeze(-1).to(out.dtype)
-    return out.reshape(b, heads, n, dim)
+    return out.reshape(b, heads, n, -1)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

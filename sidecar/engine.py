@@ -109,9 +109,12 @@ class Engine:
         """One throw-away forward pass that tells the store each layer's key/value shape, and this engine each
         layer's sliding window (`windows`); refuses a model whose attention this engine's would not reproduce."""
         probe = attention.Probe(self.store)
-        with torch.inference_mode():
-            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.model.device), use_cache=False,
-                       kv_plan=probe)
+        try:
+            with torch.inference_mode():
+                self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.model.device), use_cache=False,
+                           kv_plan=probe)
+        except Exception as error:  # a model whose own code fails on one token (an inconsistent config, say)
+            raise fidelity.failed(self.model, error) from error
         if not self.store.layers or None in self.store.layers:
             raise InvalidModel(f"{type(self.model).__name__}'s attention does not go through transformers' "
                                "attention interface, which the batched engine needs")

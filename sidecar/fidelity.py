@@ -38,8 +38,7 @@ def check(model, store, windows) -> None:
             reference = torch.cat([reference, reference[:4]])  # the second cache's chunk: the first four again
             ours = _engine_logits(model, store, windows, ids)
     except Exception as error:  # its code assumes what the engine's attention does not give (a shape, a layout)
-        raise InvalidModel(f"{type(model).__name__} cannot run in the batched engine: its forward pass failed "
-                           f"with {type(error).__name__}: {str(error)[:300]}") from error
+        raise failed(model, error) from error
     if not bool(reference.isfinite().all()):  # a half-precision model that overflows: its generations say so
         return
     scale = float(reference.abs().max()) or 1.0
@@ -49,6 +48,12 @@ def check(model, store, windows) -> None:
             f"{type(model).__name__} computes other logits in the batched engine than in transformers (by up to "
             f"{difference:.3g}, its largest logit being {scale:.3g}): its attention or positions do not go through "
             "transformers' attention interface as the engine runs it, and its tokens would not be transformers'")
+
+
+def failed(model, error: Exception) -> InvalidModel:
+    """The refusal of a model whose forward pass raised `error` in the engine."""
+    return InvalidModel(f"{type(model).__name__} cannot run in the batched engine: its forward pass failed with "
+                        f"{type(error).__name__}: {str(error)[:300]}")
 
 
 def _engine_logits(model, store, windows, ids: list[int]) -> torch.Tensor:

@@ -49,7 +49,12 @@ MAX_IDLE_SHARED = 256
 @dataclass(frozen=True)
 class LayerShape:
     kv_heads: int
-    head_dim: int
+    head_dim: int  # of the keys
+    value_dim: int  # of the values: narrower than the keys' in multi-head latent attention (DeepSeek V2, V3)
+
+    def dim(self, kind: str) -> int:
+        """The width of the keys ("keys") or the values ("values")."""
+        return self.head_dim if kind == "keys" else self.value_dim
 
 
 class KVStore:
@@ -76,12 +81,12 @@ class KVStore:
     def bytes_per_token(self) -> int:
         """Bytes one token of one row takes over every layer (keys and values)."""
         size = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * shape.kv_heads * shape.head_dim * size for shape in self.layers)
+        return sum(shape.kv_heads * (shape.head_dim + shape.value_dim) * size for shape in self.layers)
 
-    def learn(self, layer: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    def learn(self, layer: int, kv_heads: int, head_dim: int, value_dim: int, dtype: torch.dtype) -> None:
         while len(self.layers) <= layer:
             self.layers.append(None)
-        self.layers[layer] = LayerShape(kv_heads, head_dim)
+        self.layers[layer] = LayerShape(kv_heads, head_dim, value_dim)
         self.dtype = dtype
 
     def cache(self, rows: int = 1) -> "KVCache":
@@ -366,8 +371,8 @@ class KVCache:
         store, length = self.store, self.length
         keys, values = [], []
         for layer, shape in enumerate(store.layers):
-            for old, new_list in ((self.keys, keys), (self.values, values)):
-                buffer = torch.empty(rows, shape.kv_heads, capacity, shape.head_dim, dtype=store.dtype, device=store.device)
+            for old, new_list, dim in ((self.keys, keys, shape.head_dim), (self.values, values, shape.value_dim)):
+                buffer = torch.empty(rows, shape.kv_heads, capacity, dim, dtype=store.dtype, device=store.device)
                 if old and length:
                     buffer[:, :, :length] = kept(old[layer])[:, :, :length]
                 new_list.append(buffer)
@@ -488,8 +493,8 @@ class DecodeGroup:
             return False
         all_keys, all_values = [], []  # made aside: a copy stopped part-way (Ctrl-C, no memory) leaves no group
         for layer, shape in enumerate(store.layers):
-            keys, values = (torch.zeros(len(caches), shape.kv_heads, capacity, shape.head_dim, dtype=store.dtype,
-                                        device=store.device) for _ in range(2))
+            keys, values = (torch.zeros(len(caches), shape.kv_heads, capacity, dim, dtype=store.dtype,
+                                        device=store.device) for dim in (shape.head_dim, shape.value_dim))
             for lane, cache in enumerate(caches):
                 keys[lane, :, : cache.length] = cache.keys[layer][0, :, : cache.length]
                 values[lane, :, : cache.length] = cache.values[layer][0, :, : cache.length]

@@ -66,7 +66,7 @@ def save(session, path) -> None:
         spans = cache.span(layer) if cache.end else None
         for kind, index in (("keys", 0), ("values", 1)):
             tensors[f"{kind}.{layer}"] = (spans[index].contiguous().cpu() if spans is not None else
-                                          torch.empty(shape.kv_heads, 0, shape.head_dim, dtype=engine.store.dtype))
+                                          torch.empty(shape.kv_heads, 0, shape.dim(kind), dtype=engine.store.dtype))
     metadata = {"format": FORMAT, "model": engine.fingerprint, "dtype": str(engine.store.dtype),
                 "history": session.history, "cached": cache.end, "exact": cache.exact}
     metadata["digest"] = _digest(metadata, tensors)
@@ -276,7 +276,7 @@ def _check_header(engine, metadata, name: str) -> tuple[list[int], int]:
 
 def _check_layout(engine, header: dict, cached: int, name: str) -> None:
     """The file holds exactly this model's keys and values for `cached` tokens (read from its header only)."""
-    expected = {f"{kind}.{layer}": [shape.kv_heads, cached, shape.head_dim]
+    expected = {f"{kind}.{layer}": [shape.kv_heads, cached, shape.dim(kind)]
                 for layer, shape in enumerate(engine.store.layers) for kind in ("keys", "values")}
     dtype = SAFETENSORS_DTYPES.get(engine.store.dtype)
     if set(header) - {"__metadata__"} != set(expected) or any(

@@ -26,6 +26,10 @@ SHAPE = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_
              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
              eos_token_id=2)
 ALTERNATING = ["sliding_attention", "full_attention"]
+MLA = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+           num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+           first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+           v_head_dim=16, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 MODELS = {  # what transformers loads each with: SDPA, or eager where SDPA cannot run its scores
     "mistral, window 24": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=24), "sdpa"),
     "mistral, window 64": (MistralForCausalLM, MistralConfig(**SHAPE, sliding_window=64), "sdpa"),
@@ -45,6 +49,8 @@ MODELS = {  # what transformers loads each with: SDPA, or eager where SDPA canno
                                                               query_pre_attn_scalar=16), "sdpa"),
     "gpt-oss, sinks, window 24": (GptOssForCausalLM, GptOssConfig(**SHAPE, sliding_window=24, num_local_experts=2,
                                                                   num_experts_per_tok=1, layer_types=ALTERNATING), "eager"),
+    # multi-head latent attention: keys of 24 dimensions (16 + 8 rotated), values of 16
+    "deepseek-v3, values narrower than keys": (DeepseekV3ForCausalLM, DeepseekV3Config(**MLA), "sdpa"),
 }
 
 
@@ -198,16 +204,14 @@ def test_a_model_whose_attention_masks_are_not_causal_windows_is_refused_at_load
     (lambda: BlenderbotForCausalLM(BlenderbotConfig(vocab_size=1024, d_model=64, decoder_layers=2, decoder_attention_heads=4,
                                                     decoder_ffn_dim=128, max_position_embeddings=1024, pad_token_id=0)),
      "BlenderbotForCausalLM computes other logits in the batched engine"),
-    # multi-head latent attention: values narrower than keys, which the KV store does not hold
-    (lambda: DeepseekV3ForCausalLM(DeepseekV3Config(
-        vocab_size=1024, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-        kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)),
+    # multi-head latent attention with fewer key/value heads than heads: its keys come expanded to every head,
+    # so the repetition of a masked pass doubles them (transformers' own masked SDPA fails alike)
+    (lambda: DeepseekV3ForCausalLM(DeepseekV3Config(**{**MLA, "num_key_value_heads": 2})),
      "DeepseekV3ForCausalLM cannot run in the batched engine: its forward pass failed with RuntimeError"),
-], ids=["diffllama", "blenderbot", "deepseek-v3"])
+], ids=["diffllama", "blenderbot", "deepseek-v3 with grouped heads"])
 def test_a_model_the_engine_would_compute_otherwise_is_refused_at_load(engine, model, refusal):
     """Found from outside (a sweep of 75 architectures): DiffLlama and Blenderbot loaded and gave other tokens
-    than transformers from the first or second on, silently; DeepSeek's MLA raised an untyped RuntimeError at
+    than transformers from the first or second on, silently; a DeepSeek model raised an untyped RuntimeError at
     its second prefill chunk. At load the engine's paths are checked against transformers' own forward pass."""
     torch.manual_seed(0)
     model = model().eval()
@@ -239,3 +243,17 @@ def test_a_sliding_window_that_is_no_number_of_tokens_is_refused_at_load(engine,
     model = MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=window)).eval()
     with pytest.raises(InvalidModel, match=f"MistralForCausalLM's sliding window {window} is not a number of tokens"):
         Engine(model, engine.tokenizer)
+
+
+def test_a_session_of_a_model_whose_values_are_narrower_than_its_keys_saves_and_restores(engine, tmp_path):
+    """The saved layout names each kind's own width: MLA's values (16) are not its keys' (24)."""
+    torch.manual_seed(0)
+    mla = Engine(DeepseekV3ForCausalLM(DeepseekV3Config(**MLA)).eval(), engine.tokenizer)
+    prompt = tokens(40, seed=90)
+    with mla.session() as session:
+        first = session.generate(token_ids=prompt, max_new_tokens=5, eos_token_ids=[])
+        session.save(tmp_path / "mla")
+    longer = prompt + first.token_ids + [7]
+    restored = mla.restore(tmp_path / "mla")
+    again = restored.generate(token_ids=longer, max_new_tokens=5, eos_token_ids=[])
+    assert again.stats.reused_tokens == len(prompt) + 4 and again.token_ids == greedy(mla.model, longer, 5)
