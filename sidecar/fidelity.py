@@ -8,6 +8,11 @@ kept the second; Blenderbot's learned positions count from transformers' cache, 
 use). So at load, a short sequence goes through the engine's paths (a first chunk, a chunk after it, one
 decode step beside another cache's chunk, in one pass) and through the model as transformers runs it,
 without a cache; a model whose logits differ by more than its dtype's rounding is refused.
+
+The difference is measured as the error of each position's logits relative to their spread (the norm
+of the logits less their mean, which softmax ignores): rounding makes it grow with depth in half
+precision (measured on random Llamas in bfloat16: 0.7% at 2 layers, 9-13% at 24-64; float16 under 2%),
+while a model computed otherwise gives 50% and more (DiffLlama 91%, Blenderbot 141%, in any dtype).
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from .decode import forward
 from .errors import InvalidModel
 
 TOKENS = 12  # the sequence checked: chunks of 7 and 4, then one decode step
-TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-3}  # of the largest logit; half precision: HALF_TOLERANCE
-HALF_TOLERANCE = 0.1
+TOLERANCE = {torch.float32: 0.002, torch.float64: 0.002}  # relative error of a position's logits (see above)
+HALF_TOLERANCE = 0.5  # float16, bfloat16: rounding alone reaches 13% in a deep model
 
 
 def check(model, store, windows) -> None:
@@ -41,13 +46,15 @@ def check(model, store, windows) -> None:
         raise failed(model, error) from error
     if not bool(reference.isfinite().all()):  # a half-precision model that overflows: its generations say so
         return
-    scale = float(reference.abs().max()) or 1.0
-    difference = float((ours - reference).abs().max())
-    if not difference <= TOLERANCE.get(model.dtype, HALF_TOLERANCE) * max(scale, 1.0):  # NaN fails too
+    spread = reference - reference.mean(dim=-1, keepdim=True)
+    error = (ours - ours.mean(dim=-1, keepdim=True) - spread).norm(dim=-1) / spread.norm(dim=-1).clamp(min=1e-30)
+    worst = float(error.max())
+    if not worst <= TOLERANCE.get(model.dtype, HALF_TOLERANCE):  # NaN fails too
         raise InvalidModel(
-            f"{type(model).__name__} computes other logits in the batched engine than in transformers (by up to "
-            f"{difference:.3g}, its largest logit being {scale:.3g}): its attention or positions do not go through "
-            "transformers' attention interface as the engine runs it, and its tokens would not be transformers'")
+            f"{type(model).__name__} computes other logits in the batched engine than in transformers (off by "
+            f"{worst:.1%} of their spread, where {model.dtype} rounding allows {TOLERANCE.get(model.dtype, HALF_TOLERANCE):.1%}): "
+            "its attention or positions do not go through transformers' attention interface as the engine runs it, "
+            "and its tokens would not be transformers'")
 
 
 def failed(model, error: Exception) -> InvalidModel:

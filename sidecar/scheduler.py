@@ -95,29 +95,29 @@ class Scheduler:
                             self.current = run
                             run.finish("cancelled")
                             self.current = None
-            except BaseException:
-                self._interrupted()
+            except BaseException as stopping:
+                self._interrupted(stopping)
                 raise
             finally:
                 self.ticking = False
                 self.ticks += 1
             self._forget_done()
 
-    def _interrupted(self) -> None:
+    def _interrupted(self, stopping: BaseException) -> None:
         """Makes whole a step that an exception stopped part-way: the decode group is let go (its members'
         own buffers catch up), and the run it stopped in its admission or in taking its logits, whichever
         thread's call that is, is cancelled, since its step is half taken (going on, it fed a token twice).
         The runs before it took their step, those after it did not and run it again: planning changes
         nothing, and the keys a forward pass wrote past a run's length are written again alike."""
         run, self.current = self.current, None
-        with torch.inference_mode(), _ctrl_c_held():
+        with torch.inference_mode(), _ctrl_c_held(stopping):
             self.group.dissolve()
             if run is not None and not run.done:
                 try:
                     run.finish("cancelled")
                 except Exception as error:  # its rows stopped mid-change: put the session back instead
                     run.fail(error)
-        self._forget_done()  # before the next step plans: a run ended here is planned no more
+            self._forget_done()  # before the next step plans: a run ended here is planned no more
 
     def _forget_done(self) -> None:
         self.running = [run for run in self.running if not run.done]
@@ -213,21 +213,25 @@ class Scheduler:
 
 
 @contextlib.contextmanager
-def _ctrl_c_held():
-    """Holds off Ctrl-C while a step that one stopped is made whole: a second one there (a user pressing it
-    twice) stopped the mending part-way, a run left half-stepped among the running ones. Python handles
-    signals in the main thread alone, so only there can one arrive, and only its default handler raises
-    (another is the application's, left alone); meanwhile SIGINT is noted and dropped, the step leaving
-    with an exception already."""
+def _ctrl_c_held(stopping: BaseException):
+    """Holds off Ctrl-C while a step that `stopping` stopped is made whole: a second one there (a user
+    pressing it twice) stopped the mending part-way, a run left half-stepped among the running ones.
+    Python handles signals in the main thread alone, so only there can one arrive, and only its default
+    handler raises (another is the application's, left alone). One that arrives meanwhile is raised once
+    the step is whole, unless the step is leaving with a KeyboardInterrupt already. (One that arrives
+    before the hold, in the few instructions between the first exception and it, still lands there.)"""
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
         return
-    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    noted = []
+    signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    if noted and not isinstance(stopping, KeyboardInterrupt):
+        raise KeyboardInterrupt
 
 
 def _prefill_shares(prefilling: list[Run], budget: int, odd: int) -> list[tuple[Run, int]]:

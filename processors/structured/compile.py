@@ -109,8 +109,10 @@ def cache_bytes() -> int:
 
 
 def cached() -> tuple[int, int]:
-    """The automata the compile cache keeps, and their bytes (tables, and the masks made so far)."""
+    """The automata the compile cache keeps, and their bytes (tables, and the masks made so far), weighed
+    again first: lazily made masks grow between compiles."""
     with _cache_lock:
+        _within_budget()
         return len(_cache), sum(a.nbytes for a in _cache.values())
 
 

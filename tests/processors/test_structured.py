@@ -427,6 +427,18 @@ def test_the_compile_cache_weighs_its_automata_again_when_one_is_used(vocab, mon
     assert grows.bind(vocab, [EOS]).automaton is not grown.automaton and len(forks_here.pids) == 3
 
 
+def test_what_the_compile_cache_holds_is_weighed_again_when_asked(vocab, monkeypatch, forks_here):
+    """`cached()` (the server's `stats.constraints`) reported two automata past the cache's size after one grew
+    (a generation reaching its states): it weighs the cache first, as a compile or a use does."""
+    grows, other = configure(JsonSchema, schema=NESTED), configure(Regex, pattern="[0-9]+")
+    grown = grows.bind(vocab, [EOS])
+    other.bind(vocab, [EOS])
+    monkeypatch.setattr(structured_compile, "_cache_bytes", structured_compile.cached()[1] + 4096)
+    grown.masks.rows(torch.arange(grown.automaton.dead + 1))  # every state reached
+    count, held = structured_compile.cached()
+    assert count == 1 and held <= structured_compile.cache_bytes(), (count, held)
+
+
 def run_chain(chain: Chain, rows: int, steps: int, vocab_size: int, seed: int = 0, reorder=None, every_row_ends=True):
     """Samples from random logits through `chain`; returns each row's tokens up to EOS (EOS excluded).
     Every row must end with EOS within `steps`, or, if not `every_row_ends`, only the rows that did are

@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 from transformers import (AfmoeConfig, AfmoeForCausalLM, BlenderbotConfig, BlenderbotForCausalLM, DeepseekV3Config,
-                          DeepseekV3ForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+                          DeepseekV3ForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, Gemma2Config, Gemma2ForCausalLM,
+                          LlamaConfig, LlamaForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
                           GptOssForCausalLM, Llama4ForCausalLM, Llama4TextConfig, MistralConfig, MistralForCausalLM,
                           PhimoeConfig, PhimoeForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM)
@@ -243,6 +244,28 @@ def test_a_sliding_window_that_is_no_number_of_tokens_is_refused_at_load(engine,
     model = MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=window)).eval()
     with pytest.raises(InvalidModel, match=f"MistralForCausalLM's sliding window {window} is not a number of tokens"):
         Engine(model, engine.tokenizer)
+
+
+def test_a_correct_model_is_not_refused_for_its_half_precision_rounding(engine):
+    """32 layers in bfloat16: its logits differ by path by 11% of the largest (transformers' own differ from
+    float32 as much); the check's first measure (0.1 of the largest logit) refused it (helper-61)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**SHAPE, "num_hidden_layers": 32, "hidden_size": 256, "intermediate_size": 512,
+                            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "initializer_range": 0.15})
+    deep = Engine(LlamaForCausalLM(config).eval().to(torch.bfloat16), engine.tokenizer)
+    with deep.session() as session:
+        assert len(session.generate(token_ids=[5, 6, 7], max_new_tokens=3, eos_token_ids=[]).token_ids) == 3
+
+
+def test_a_model_built_in_training_mode_runs_in_eval_mode(engine):
+    """Dropout left on made the check compare two random passes (and generations draw at random): the engine
+    runs the model in eval mode, as from_pretrained gives it."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE, attention_dropout=0.5)).train()
+    trained = Engine(model, engine.tokenizer)
+    assert not model.training
+    with trained.session() as session:
+        assert session.generate(token_ids=[5, 6, 7], max_new_tokens=4, eos_token_ids=[]).token_ids == greedy(model, [5, 6, 7], 4)
 
 
 def test_a_session_of_a_model_whose_values_are_narrower_than_its_keys_saves_and_restores(engine, tmp_path):

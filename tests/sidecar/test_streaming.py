@@ -343,6 +343,41 @@ def test_a_second_ctrl_c_while_a_step_is_made_whole_does_not_stop_the_mending(en
         assert not second.busy and equals_a_fresh_session(engine, second) and equals_a_fresh_session(engine, first)
 
 
+def test_a_ctrl_c_while_a_step_stopped_otherwise_is_mended_is_raised_after(engine, monkeypatch):
+    """The mending holds Ctrl-C off; when the step was stopped by something else (here the decode group's copy
+    failing to allocate), a Ctrl-C pressed meanwhile is the user's only one: it was dropped, now it is raised
+    once the step is whole, and the streams go on exactly."""
+    import sidecar.kv
+
+    signalled, dissolve = [], sidecar.kv.DecodeGroup.dissolve
+
+    def out_of_memory(group, caches, chain=()):
+        raise MemoryError("the group's copy could not allocate (simulated)")
+
+    def dissolve_with_a_ctrl_c(group):
+        if not signalled:
+            signalled.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # the handler runs in between, held off
+        return dissolve(group)
+
+    prompts = [tokens(6, seed=73), tokens(9, seed=74)]
+    solo = [solo_tokens(engine, p, 8) for p in prompts]
+    with engine.session() as first, engine.session() as second:
+        streams = [s.stream(token_ids=p, max_new_tokens=8, eos_token_ids=[]) for s, p in zip((first, second), prompts)]
+        got = [[next(stream).token_id] for stream in streams]
+        monkeypatch.setattr(sidecar.kv.DecodeGroup, "update", out_of_memory)
+        monkeypatch.setattr(sidecar.kv.DecodeGroup, "dissolve", dissolve_with_a_ctrl_c)
+        with pytest.raises(KeyboardInterrupt) as caught:
+            got[0].append(next(streams[0]).token_id)
+        monkeypatch.undo()
+        assert signalled and isinstance(caught.value.__context__, MemoryError)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        for stream, ids in zip(streams, got):  # no run was taking its own part of the step: both go on, exact
+            ids += [event.token_id for event in stream]
+        assert got == solo
+
+
 def test_ctrl_c_while_sessions_join_the_decode_group_leaves_no_part_of_it(engine, monkeypatch):
     """The group's copy stopped part-way left some layers' buffers behind: the next group had more buffers
     than layers, and every later step of sessions decoding together failed with an IndexError."""
