@@ -253,12 +253,13 @@ def _decode(segment: Segment, layer: int, query, key, value, scaling, gqa: bool,
     return out.transpose(0, 2)
 
 
-def layer_windows(config, told: list[int | None]) -> tuple[int | None, ...]:
-    """Each layer's sliding window: what its attention is told (`Probe.windows`), else what transformers'
-    masks give it, which this attention does not read: the config's `sliding_window` on its layers of
-    `layer_types` "sliding_attention", or on every layer when it has no `layer_types` (Qwen2-MoE and
-    PhiMoE apply their windows through the mask alone)."""
-    window, kinds = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+def layer_windows(config, told: list[int | None], masked: bool = True) -> tuple[int | None, ...]:
+    """Each layer's sliding window: what its attention is told (`Probe.windows`), else, if the model's masks
+    read the config's window (`masked`: `fidelity.reads_config_window`), what they give it, which this
+    attention does not read: the config's `sliding_window` on its layers of `layer_types`
+    "sliding_attention", or on every layer when it has no `layer_types` (Qwen2-MoE and PhiMoE apply their
+    windows through the mask alone)."""
+    window, kinds = getattr(config, "sliding_window", None) if masked else None, getattr(config, "layer_types", None)
     masked = [window if kinds is None or kinds[i] == "sliding_attention" else None for i in range(len(told))]
     return tuple(mine if mine is not None else theirs for mine, theirs in zip(told, masked))
 

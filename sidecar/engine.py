@@ -85,7 +85,7 @@ class Engine:
         self.prefill_chunk = int(prefill_chunk)
         self.max_rows = int(max_rows)  # num_beams and num_samples at most
         self.share_prefixes = share_prefixes
-        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.vocab_size = models.vocab_size(model)
         # the bytes each token id writes: what constraints are compiled against, and what tells a generation's
         # text when a character is incomplete (`text.Detokenizer`). Made here, on a loading thread for a
         # load_model (0.09 s at 32k tokens), not by a request on the server's main thread.
@@ -118,7 +118,10 @@ class Engine:
         if not self.store.layers or None in self.store.layers:
             raise InvalidModel(f"{type(self.model).__name__}'s attention does not go through transformers' "
                                "attention interface, which the batched engine needs")
-        self.windows = attention.layer_windows(self.model.config, [probe.windows[i] for i in range(len(self.store.layers))])
+        told = [probe.windows[i] for i in range(len(self.store.layers))]
+        self.windows = attention.layer_windows(self.model.config, told)
+        if self.windows != tuple(told) and not fidelity.reads_config_window(self.model):  # a window it never applies
+            self.windows = attention.layer_windows(self.model.config, told, masked=False)
         for window in self.windows:  # 0 attends nothing (transformers' own masks fail on it)
             if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
                 raise InvalidModel(f"{type(self.model).__name__}'s sliding window {window!r} is not a number of "

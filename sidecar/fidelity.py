@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from . import models
 from .attention import Plan, Segment
 from .decode import forward
 from .errors import InvalidModel
@@ -31,7 +32,7 @@ HALF_TOLERANCE = 0.5  # float16, bfloat16: rounding alone reaches 13% in a deep 
 def check(model, store, windows) -> None:
     """Raises `InvalidModel` unless the engine's paths give the logits of transformers' uncached forward pass,
     up to the dtype's rounding. Its caches are the store's, released before it returns."""
-    vocab_size = model.get_input_embeddings().num_embeddings
+    vocab_size = models.vocab_size(model)
     context = getattr(model.config, "max_position_embeddings", None) or TOKENS
     tokens = min(TOKENS, context)
     if tokens < 4:
@@ -55,6 +56,27 @@ def check(model, store, windows) -> None:
             f"{worst:.1%} of their spread, where {model.dtype} rounding allows {TOLERANCE.get(model.dtype, HALF_TOLERANCE):.1%}): "
             "its attention or positions do not go through transformers' attention interface as the engine runs it, "
             "and its tokens would not be transformers'")
+
+
+def reads_config_window(model) -> bool:
+    """Whether the model's own forward pass reads `config.sliding_window`, the window the engine gives the layers
+    whose attention is told none (`attention.layer_windows`: Qwen2-MoE and PhiMoE apply theirs through the
+    mask alone). Some configs carry one the model never applies (Moshi's): its logits over a short sequence
+    are the same under a window of 2 tokens and one of a million, and the engine then applies none either
+    (it cut their context to the window, silently: the check's short sequence is within any real window)."""
+    ids = torch.arange(TOKENS, device=model.device).remainder(models.vocab_size(model))[None]
+    saved, config = model.config.sliding_window, model.config
+    passes = []
+    try:
+        with torch.inference_mode():
+            for window in (2, 10**6):
+                config.sliding_window = window
+                passes.append(model(input_ids=ids, use_cache=False).logits)
+    except Exception as error:
+        raise failed(model, error) from error
+    finally:
+        config.sliding_window = saved
+    return not torch.equal(*passes)
 
 
 def failed(model, error: Exception) -> InvalidModel:

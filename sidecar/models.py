@@ -110,6 +110,16 @@ def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remo
     return model.to(device).eval(), tokenizer, path
 
 
+def vocab_size(model) -> int:
+    """The token ids the model both reads and predicts: its input embeddings' rows, or its output layer's
+    width where that is smaller (Moshi embeds 1,025 ids and predicts 1,024: an id past the logits was taken
+    in a prompt, and its generation failed naming a processor it did not have)."""
+    size = model.get_input_embeddings().num_embeddings
+    output = model.get_output_embeddings()
+    width = getattr(output, "out_features", None)
+    return min(size, width) if isinstance(width, int) and width > 0 else size
+
+
 def _brief(error: BaseException) -> str:
     """An exception as one short line: transformers' messages run to several paragraphs."""
     text = " ".join(f"{type(error).__name__}: {error}".split())

@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import (AfmoeConfig, AfmoeForCausalLM, BlenderbotConfig, BlenderbotForCausalLM, DeepseekV3Config,
                           DeepseekV3ForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, Gemma2Config, Gemma2ForCausalLM,
-                          LlamaConfig, LlamaForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+                          LlamaConfig, LlamaForCausalLM, MoshiConfig, MoshiForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
                           GptOssForCausalLM, Llama4ForCausalLM, Llama4TextConfig, MistralConfig, MistralForCausalLM,
                           PhimoeConfig, PhimoeForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM)
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from sidecar import Engine
-from sidecar.errors import InvalidModel
+from sidecar.errors import InvalidModel, TokenOutOfRange
 
 from .conftest import tokens
 from .test_batching import drain
@@ -280,3 +280,25 @@ def test_a_session_of_a_model_whose_values_are_narrower_than_its_keys_saves_and_
     restored = mla.restore(tmp_path / "mla")
     again = restored.generate(token_ids=longer, max_new_tokens=5, eos_token_ids=[])
     assert again.stats.reused_tokens == len(prompt) + 4 and again.token_ids == greedy(mla.model, longer, 5)
+
+
+def test_a_window_the_config_names_and_the_model_never_applies_is_not_applied(engine):
+    """Moshi's config carries a sliding window (32 here, 3,000 as published) that its attention is never told
+    and its masks never apply: the engine applied it to every layer, and every prompt past it gave other tokens
+    (a sweep of the remaining architectures, helper-60). Its embeddings hold one id more than its logits: that
+    id was taken in a prompt, and the generation failed naming a processor it did not have."""
+    torch.manual_seed(0)
+    model = MoshiForCausalLM(MoshiConfig(vocab_size=1024, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=32,
+                                         max_position_embeddings=1024)).eval()
+    moshi = Engine(model, engine.tokenizer)
+    assert moshi.windows == (None, None) and moshi.vocab_size == 1024 < model.get_input_embeddings().num_embeddings
+    prompt = tokens(100, seed=95)
+    with moshi.session() as session:
+        expected = list(prompt)  # the uncached argmax: transformers' own cached generate differs from it here
+        with torch.no_grad():
+            for _ in range(4):
+                expected.append(int(model(torch.tensor([expected]), use_cache=False).logits[0, -1].argmax()))
+        assert session.generate(token_ids=prompt, max_new_tokens=4, eos_token_ids=[]).token_ids == expected[100:]
+        with pytest.raises(TokenOutOfRange):
+            session.generate(token_ids=[5, 1024], max_new_tokens=1, eos_token_ids=[])
