@@ -288,17 +288,23 @@ def equals_a_fresh_session(engine, session, max_new_tokens=4):
     return got == solo_tokens(engine, prompt, max_new_tokens)
 
 
+def ticking_beside_a_victim(engine, first, second, seeds):
+    """Two streams of 10 tokens: `first`'s, and `second`'s whose processor raises KeyboardInterrupt at its fourth
+    step; returns their prompts, their solo tokens and the two streams."""
+    prompts = [tokens(7, seed=seeds[0]), tokens(11, seed=seeds[1])]
+    solo = [solo_tokens(engine, p, 10) for p in prompts]
+    ticking = first.stream(token_ids=prompts[0], max_new_tokens=10, eos_token_ids=[])
+    victim = second.stream(token_ids=prompts[1], max_new_tokens=10, eos_token_ids=[],
+                           processors=[interrupting(at=4, steps=[])])
+    return prompts, solo, ticking, victim
+
+
 def test_ctrl_c_in_another_streams_step_cancels_that_stream_where_it_stood(engine):
     """Ctrl-C lands in whatever the step runs, here another stream's processors: that stream's step is half
     taken (its token fed, the next not chosen), so it is cancelled where it stood; going on, it fed its
     last token a second time, one position on, and every token after was wrong."""
-    steps = []
-    prompts = [tokens(7, seed=61), tokens(11, seed=62)]
-    solo = [solo_tokens(engine, p, 10) for p in prompts]
     with engine.session() as first, engine.session() as second:
-        ticking = first.stream(token_ids=prompts[0], max_new_tokens=10, eos_token_ids=[])
-        victim = second.stream(token_ids=prompts[1], max_new_tokens=10, eos_token_ids=[],
-                               processors=[interrupting(at=4, steps=steps)])
+        prompts, solo, ticking, victim = ticking_beside_a_victim(engine, first, second, seeds=(61, 62))
         got = []
         with pytest.raises(KeyboardInterrupt):  # out of the step `ticking` runs, in the victim's processors
             for _ in range(10):
@@ -315,13 +321,9 @@ def test_a_second_ctrl_c_while_a_step_is_made_whole_does_not_stop_the_mending(en
     """Pressed twice, Ctrl-C landed in `_interrupted` too, here as the stopped stream is cancelled: that
     stream was left half-stepped among the running ones, its session busy, and the next step fed its last
     token again. A real SIGINT, sent to this process from inside the mending, is held off until it ends."""
-    steps, signalled = [], []
-    prompts = [tokens(7, seed=71), tokens(11, seed=72)]
-    solo = [solo_tokens(engine, p, 10) for p in prompts]
+    signalled = []
     with engine.session() as first, engine.session() as second:
-        ticking = first.stream(token_ids=prompts[0], max_new_tokens=10, eos_token_ids=[])
-        victim = second.stream(token_ids=prompts[1], max_new_tokens=10, eos_token_ids=[],
-                               processors=[interrupting(at=4, steps=steps)])
+        prompts, solo, ticking, victim = ticking_beside_a_victim(engine, first, second, seeds=(71, 72))
         finish = victim._run.finish
 
         def finish_with_a_second_ctrl_c(reason):
