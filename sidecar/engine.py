@@ -74,7 +74,7 @@ class Engine:
         if not all(_is_int(e) and e >= 0 for e in _end_tokens(eos)):
             raise InvalidModel(f"the model's generation config has eos_token_id {str(eos)[:100]}, which is not a token "
                                "id or a list of them")
-        self.model = model.eval()  # dropout off, as from_pretrained leaves it: a model built in training mode drew at random
+        training, self.model = model.training, model.eval()  # dropout off, as from_pretrained leaves it (or it drew at random)
         self.tokenizer = tokenizer
         # transformers warns once per tokenizer of a text tokenized past the model's context, "Running this
         # sequence through the model will result in indexing errors": the engine runs none (context_overflow
@@ -102,6 +102,7 @@ class Engine:
             fidelity.check(model, self.store, self.windows)
         except InvalidModel:  # a model refused is given back as it came: its own calls stay transformers'
             model.set_attn_implementation(previous)
+            model.train(training)
             raise
         self.scheduler = Scheduler(self)
 

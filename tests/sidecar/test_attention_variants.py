@@ -216,9 +216,10 @@ def test_a_model_the_engine_would_compute_otherwise_is_refused_at_load(engine, m
     its second prefill chunk. At load the engine's paths are checked against transformers' own forward pass."""
     torch.manual_seed(0)
     model = model().eval()
+    model.train()
     with pytest.raises(InvalidModel, match=refusal):
         Engine(model, engine.tokenizer)
-    assert model.config._attn_implementation != "sidecar_rows"
+    assert model.config._attn_implementation != "sidecar_rows" and model.training  # given back as it came
 
 
 def test_a_model_that_views_its_attention_output_runs_batched_as_alone(engine):
