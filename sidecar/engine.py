@@ -112,8 +112,8 @@ class Engine:
         probe = attention.Probe(self.store)
         try:
             with torch.inference_mode():
-                self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.model.device), use_cache=False,
-                           kv_plan=probe)
+                one = torch.zeros(1, 1, dtype=torch.long, device=self.model.device)  # masked: id 0 may be its padding
+                self.model(input_ids=one, attention_mask=torch.ones_like(one), use_cache=False, kv_plan=probe)
         except Exception as error:  # a model whose own code fails on one token (an inconsistent config, say)
             raise fidelity.failed(self.model, error) from error
         if not self.store.layers or None in self.store.layers:

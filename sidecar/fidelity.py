@@ -38,9 +38,10 @@ def check(model, store, windows) -> None:
     if tokens < 4:
         return
     ids = [(7919 * i + 104729) % vocab_size for i in range(1, tokens + 1)]
-    try:
+    try:  # a mask given: transformers warns of padding (GPT-2's pad id may be among the ids) without one
         with torch.inference_mode():
-            reference = model(input_ids=torch.tensor([ids], device=model.device), use_cache=False).logits[0].float()
+            given = torch.tensor([ids], device=model.device)
+            reference = model(input_ids=given, attention_mask=torch.ones_like(given), use_cache=False).logits[0].float()
             reference = torch.cat([reference, reference[:4]])  # the second cache's chunk: the first four again
             ours = _engine_logits(model, store, windows, ids)
     except Exception as error:  # its code assumes what the engine's attention does not give (a shape, a layout)
@@ -71,7 +72,7 @@ def reads_config_window(model) -> bool:
         with torch.inference_mode():
             for window in (2, 10**6):
                 config.sliding_window = window
-                passes.append(model(input_ids=ids, use_cache=False).logits)
+                passes.append(model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits)
     except Exception as error:
         raise failed(model, error) from error
     finally:

@@ -49,6 +49,19 @@ def test_a_dropped_engine_is_freed_by_a_collection(kind, default_dir, gpt2_dir):
     assert dropped() is None and model() is None
 
 
+def test_loading_a_model_whose_padding_is_id_0_warns_of_no_padding(engine, monkeypatch):
+    """The engine's own passes at load (one token of id 0, then the check's twelve) went without a mask:
+    transformers warned on the server's log that the input "may be padded" for every such model."""
+    import transformers.modeling_utils
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    warned = []
+    monkeypatch.setattr(transformers.modeling_utils.logger, "warning_once", lambda *args, **kwargs: warned.append(args))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=1024, n_positions=256, n_embd=64, n_layer=2, n_head=4, pad_token_id=0))
+    Engine(model.eval(), engine.tokenizer)
+    assert warned == []
+
+
 def test_dtype_option(default_dir):
     import torch
 
