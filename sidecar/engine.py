@@ -62,14 +62,8 @@ class Engine:
     def __init__(self, model, tokenizer, *, path: Path | None = None,
                  cache_budget_bytes: int = DEFAULT_CACHE_BUDGET, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                  max_rows: int = DEFAULT_MAX_ROWS, share_prefixes: bool = True):
-        if not _is_int(prefill_chunk) or prefill_chunk < 1:
-            raise InvalidArgument(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}", option="prefill_chunk")
-        if not _is_int(cache_budget_bytes) or cache_budget_bytes < 0:
-            raise InvalidArgument(f"cache_budget_bytes must be an integer >= 0, got {cache_budget_bytes!r}", option="cache_budget_bytes")
-        if not _is_int(max_rows) or max_rows < 1:
-            raise InvalidArgument(f"max_rows must be an integer >= 1, got {max_rows!r}", option="max_rows")
-        if not isinstance(share_prefixes, bool):
-            raise InvalidArgument(f"share_prefixes must be True or False, got {share_prefixes!r}", option="share_prefixes")
+        _check_options(cache_budget_bytes=cache_budget_bytes, prefill_chunk=prefill_chunk, max_rows=max_rows,
+                       share_prefixes=share_prefixes)
         eos = model.generation_config.eos_token_id
         if not all(_is_int(e) and e >= 0 for e in _end_tokens(eos)):
             raise InvalidModel(f"the model's generation config has eos_token_id {str(eos)[:100]}, which is not a token "
@@ -140,10 +134,11 @@ class Engine:
     def load(cls, path=None, *, dtype=None, device: str = "cpu", trust_remote_code: bool = False, **options) -> "Engine":
         """Loads a local Hugging Face directory; with no path, the embedded default model (random weights)."""
         accepted = [name for name in inspect.signature(cls).parameters if name not in ("model", "tokenizer", "path")]
-        for name in options:  # checked before the model loads
+        for name in options:  # checked before the model loads, and so are their values
             if name not in accepted:
                 raise InvalidArgument(f"Engine.load has no option {name!r}; valid: dtype, device, trust_remote_code, "
                                       f"{', '.join(accepted)}", option=name)
+        _check_options(**options)
         model, tokenizer, resolved = models.load(path, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
         return cls(model, tokenizer, path=resolved, **options)
 
@@ -348,6 +343,21 @@ def _finite(number: Real) -> bool:
         return math.isfinite(number)
     except OverflowError:
         return False
+
+
+
+def _check_options(*, cache_budget_bytes=DEFAULT_CACHE_BUDGET, prefill_chunk=DEFAULT_PREFILL_CHUNK,
+                   max_rows=DEFAULT_MAX_ROWS, share_prefixes=True) -> None:
+    """Raises `InvalidArgument` naming an engine option of a value it cannot take: before a model loads
+    (`Engine.load`: a bad `prefill_chunk` was refused only after the weights were read), and in `Engine`."""
+    if not _is_int(prefill_chunk) or prefill_chunk < 1:
+        raise InvalidArgument(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}", option="prefill_chunk")
+    if not _is_int(cache_budget_bytes) or cache_budget_bytes < 0:
+        raise InvalidArgument(f"cache_budget_bytes must be an integer >= 0, got {cache_budget_bytes!r}", option="cache_budget_bytes")
+    if not _is_int(max_rows) or max_rows < 1:
+        raise InvalidArgument(f"max_rows must be an integer >= 1, got {max_rows!r}", option="max_rows")
+    if not isinstance(share_prefixes, bool):
+        raise InvalidArgument(f"share_prefixes must be True or False, got {share_prefixes!r}", option="share_prefixes")
 
 
 def _is_int(value) -> bool:

@@ -50,11 +50,11 @@ def check(model, store, windows) -> None:
         return
     spread = reference - reference.mean(dim=-1, keepdim=True)
     error = (ours - ours.mean(dim=-1, keepdim=True) - spread).norm(dim=-1) / spread.norm(dim=-1).clamp(min=1e-30)
-    worst = float(error.max())
-    if not worst <= TOLERANCE.get(model.dtype, HALF_TOLERANCE):  # NaN fails too
+    worst, allowed = float(error.max()), TOLERANCE.get(model.dtype, HALF_TOLERANCE)
+    if not worst <= allowed:  # NaN fails too
         raise InvalidModel(
             f"{type(model).__name__} computes other logits in the batched engine than in transformers (off by "
-            f"{worst:.1%} of their spread, where {model.dtype} rounding allows {TOLERANCE.get(model.dtype, HALF_TOLERANCE):.1%}): "
+            f"{worst:.1%} of their spread, where {model.dtype} rounding allows {allowed:.1%}): "
             "its attention or positions do not go through transformers' attention interface as the engine runs it, "
             "and its tokens would not be transformers'")
 

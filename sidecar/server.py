@@ -747,12 +747,10 @@ class Server:
                 **options}
 
     def _prefill_chunk(self, chunk: int, rid) -> int:
-        """A model's own chunk, checked before it loads: smaller than the server's lets a large model's prompts
-        hold the other models' streams for less time each tick; never larger, since a pass's memory grows
-        with it (its attention scores, chunk x context) and the operator's flag bounds it."""
+        """A model's own chunk, at most the server's: smaller lets a large model's prompts hold the other models'
+        streams for less time each tick; never larger, since a pass's memory grows with it (its attention
+        scores, chunk x context) and the operator's flag bounds it. (`Engine.load` refuses 0 before it loads.)"""
         most = self.engine_options.get("prefill_chunk", DEFAULT_PREFILL_CHUNK)
-        if chunk < 1:
-            raise InvalidArgument(f"prefill_chunk must be at least 1, got {chunk}", option="prefill_chunk")
         if chunk > most:
             raise ProtocolError(codes.LIMIT_EXCEEDED, f"prefill_chunk {chunk} is over the server's prefill chunk of "
                                 f"{most} tokens (--prefill-chunk), which bounds a model's own", rid,

@@ -19,7 +19,7 @@ import torch
 
 from protocol.peer import Peer
 from sidecar import Engine
-from sidecar.errors import SidecarError
+from sidecar.errors import InvalidArgument, SidecarError
 
 FAST_S = 5.0  # refusing remote code needs no download and no weights: anything slower is waiting on something
 LLAMA = "LlamaForCausalLM"
@@ -393,3 +393,13 @@ def test_importing_the_library_imports_no_transformers():
     code = "import sys, sidecar; print(sorted(m for m in ('transformers', 'huggingface_hub') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=without_offline_settings())
     assert done.stdout.strip() == "[]", done.stderr
+
+
+@pytest.mark.parametrize("option, value", [("prefill_chunk", 0), ("cache_budget_bytes", -1), ("max_rows", 0),
+                                           ("share_prefixes", "yes")])
+def test_an_engine_option_of_a_bad_value_is_refused_before_the_model_is_read(tmp_path, option, value):
+    """`Engine.load` checked its options' names first, their values only once the model had loaded (seconds of
+    reading weights for a `prefill_chunk` of 0): a directory that holds no model is not even looked at."""
+    with pytest.raises(InvalidArgument) as caught:
+        Engine.load(tmp_path / "no model here", **{option: value})
+    assert caught.value.details == {"option": option}
