@@ -1,10 +1,10 @@
 """The attention function that lets one forward pass serve many sequences with their own caches.
 
 The scheduler calls the model on a flattened batch of one: the new tokens of every row side by side,
-`[1, T]`, with their positions, `use_cache=False`, and a `Plan` keyword saying which slice of the T
-tokens belongs to which row of which `KVCache`, starting at which position. transformers hands every
-attention layer's fresh keys and values to the function registered for the model's attention
-implementation, with the extra keywords of the call. This one writes each row's keys and values into
+`[1, T]`, with their positions, `use_cache=False`, inside `planned(plan)`: a `Plan` saying which slice
+of the T tokens belongs to which row of which `KVCache`, starting at which position. transformers hands
+every attention layer's fresh keys and values to the function registered for the model's attention
+implementation. This one writes each row's keys and values into
 its cache and runs the stock SDPA attention of the row's queries against the row's cached keys, with a
 causal mask offset by what the row already holds, and within the layer's sliding window if it has one
 (the window's keys stay in the cache). A decode step of several rows that share one cache (beams,
@@ -19,7 +19,9 @@ Called without a plan (`model.generate`, a plain forward), it is transformers' S
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +33,20 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from .kv import DecodeGroup, KVCache, KVStore
 
 NAME = "sidecar_rows"
+
+# The plan of the forward pass running in this thread. Not a keyword of the model's call: some decoder
+# layers hand their attention only the arguments they name (Nemotron's), and the plan never reached it.
+_plan: ContextVar[Plan | Probe | None] = ContextVar("kv_plan", default=None)
+
+
+@contextlib.contextmanager
+def planned(plan: Plan | Probe):
+    """Runs the model's forward passes inside with `plan`: its attention layers serve the plan's rows."""
+    token = _plan.set(plan)
+    try:
+        yield
+    finally:
+        _plan.reset(token)
 
 
 @dataclass(frozen=True)
@@ -145,6 +161,7 @@ class Scoring:
 # sliding window, `Scoring`'s). Any other, unless None or False (`is_causal`: unless True), is a computation
 # this attention would leave out: the model is refused at load rather than give other tokens.
 INERT_KEYWORDS = frozenset({"position_ids", "use_cache", "output_router_logits", "output_attentions", "cache_position",
+                            "logits_to_keep",  # which positions the output layer keeps (got_ocr2 passes it on)
                             "position_embeddings"})
 RUN_KEYWORDS = frozenset({"sliding_window", "softcap", "s_aux"})
 
@@ -156,8 +173,9 @@ def unrun_keywords(keywords: dict) -> set[str]:
                 name not in INERT_KEYWORDS | RUN_KEYWORDS and value is not None and value is not False)}
 
 
-def rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, kv_plan=None, **kwargs):
+def rows_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     scoring = Scoring.of(kwargs)
+    kv_plan = _plan.get()
     if kv_plan is None:
         if scoring is not None:  # transformers' SDPA refuses a softcap, and has no sinks
             return _scored(query, key, value, scaling, _causal(attention_mask, query, key), scoring).transpose(1, 2), None

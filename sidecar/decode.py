@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention import planned
 from .errors import InvalidLogits
 
 
@@ -14,16 +15,16 @@ def forward(model, token_ids: list[int], positions: list[int], plan, keep: list[
     them from a cache it does not have here.
     """
     device, n = model.device, len(token_ids)
-    return model(
-        input_ids=torch.tensor([token_ids], device=device),
-        position_ids=torch.tensor([positions], device=device),
-        # A 4-D mask is taken as already built, so the model skips building (and checking) its own, which
-        # the plan makes useless; this one is a view of one element, never read.
-        attention_mask=torch.ones((), dtype=torch.bool, device=device).expand(1, 1, n, n),
-        use_cache=False,
-        kv_plan=plan,
-        logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-    ).logits[0].float()
+    with planned(plan):
+        return model(
+            input_ids=torch.tensor([token_ids], device=device),
+            position_ids=torch.tensor([positions], device=device),
+            # A 4-D mask is taken as already built, so the model skips building (and checking) its own, which
+            # the plan makes useless; this one is a view of one element, never read.
+            attention_mask=torch.ones((), dtype=torch.bool, device=device).expand(1, 1, n, n),
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+        ).logits[0].float()
 
 
 def check_logits(logits, chain, shape: torch.Size, device: torch.device) -> None:

@@ -105,9 +105,9 @@ class Engine:
         layer's sliding window (`windows`); refuses a model whose attention this engine's would not reproduce."""
         probe = attention.Probe(self.store)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), attention.planned(probe):
                 one = torch.zeros(1, 1, dtype=torch.long, device=self.model.device)  # masked: id 0 may be its padding
-                self.model(input_ids=one, attention_mask=torch.ones_like(one), use_cache=False, kv_plan=probe)
+                self.model(input_ids=one, attention_mask=torch.ones_like(one), use_cache=False)
         except Exception as error:  # a model whose own code fails on one token (an inconsistent config, say)
             raise fidelity.failed(self.model, error) from error
         if not self.store.layers or None in self.store.layers:

@@ -1,7 +1,8 @@
 """Attention that is not plain causal SDPA: sliding windows (Mistral, Qwen2's upper layers, the local layers
 of Gemma 2 and GPT-OSS), Gemma 2's soft-capping and GPT-OSS's sinks, on every path of the engine's attention
 (prefill chunks, prefixes reused and shared in place, decode rows, decode groups), against transformers' own
-attention over the same weights, with its own cache; and a model whose attention takes a keyword the engine
+attention over the same weights, with its own cache; models whose layers hand their attention fewer keywords
+(Nemotron) or more (GOT-OCR2) than the engine's; and a model whose attention takes a keyword the engine
 does not run, refused at load. Each of these models once gave other tokens than transformers, or (windows)
 had its context cut to the window."""
 
@@ -10,8 +11,9 @@ import copy
 import pytest
 import torch
 from transformers import (AfmoeConfig, AfmoeForCausalLM, BlenderbotConfig, BlenderbotForCausalLM, DeepseekV3Config,
-                          DeepseekV3ForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, Gemma2Config, Gemma2ForCausalLM,
-                          LlamaConfig, LlamaForCausalLM, MoshiConfig, MoshiForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+                          DeepseekV3ForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, GotOcr2Config,
+                          GotOcr2ForConditionalGeneration, Gemma2Config, Gemma2ForCausalLM,
+                          LlamaConfig, LlamaForCausalLM, MoshiConfig, NemotronConfig, NemotronForCausalLM, MoshiForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
                           GptOssForCausalLM, Llama4ForCausalLM, Llama4TextConfig, MistralConfig, MistralForCausalLM,
                           PhimoeConfig, PhimoeForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM)
@@ -52,6 +54,8 @@ MODELS = {  # what transformers loads each with: SDPA, or eager where SDPA canno
                                                                   num_experts_per_tok=1, layer_types=ALTERNATING), "eager"),
     # multi-head latent attention: keys of 24 dimensions (16 + 8 rotated), values of 16
     "deepseek-v3, values narrower than keys": (DeepseekV3ForCausalLM, DeepseekV3Config(**MLA), "sdpa"),
+    # its decoder layer hands the attention only the arguments it names: the plan is not a keyword of the call
+    "nemotron, a layer that drops the call's keywords": (NemotronForCausalLM, NemotronConfig(**SHAPE), "sdpa"),
 }
 
 
@@ -236,6 +240,25 @@ def test_a_model_that_views_its_attention_output_runs_batched_as_alone(engine):
     sessions = [afmoe.session() for _ in prompts]
     generations = [s.stream(token_ids=p, max_new_tokens=8, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
     assert drain(generations, afmoe) == [greedy(reference, p, 8) for p in prompts]
+
+
+def test_a_model_that_hands_its_attention_the_positions_to_keep_runs_batched_as_alone(engine):
+    """GOT-OCR2's language model passes `logits_to_keep` (which positions its output layer keeps) on to its
+    attention, which never reads it: it was refused as a keyword the engine does not run."""
+    torch.manual_seed(0)
+    model = GotOcr2ForConditionalGeneration(GotOcr2Config(
+        text_config=dict(model_type="qwen2", **SHAPE), image_token_index=1000,
+        vision_config=dict(hidden_size=32, output_channels=16, num_hidden_layers=1, num_attention_heads=2, image_size=64,
+                           patch_size=16, mlp_dim=64, global_attn_indexes=[0]))).eval()
+    for parameter in model.parameters():
+        parameter.data.normal_(0.0, 0.2)  # tokens that vary
+    reference = copy.deepcopy(model)
+    got = Engine(model, engine.tokenizer, prefill_chunk=16)
+    prompts = [tokens(n, seed=90 + n) for n in (5, 23, 40)]
+    sessions = [got.session() for _ in prompts]
+    generations = [s.stream(token_ids=p, max_new_tokens=8, eos_token_ids=[]) for s, p in zip(sessions, prompts)]
+    expected = [greedy(reference, p, 8) for p in prompts]
+    assert drain(generations, got) == expected and len({tuple(e) for e in expected}) == 3
 
 
 @pytest.mark.parametrize("window", [0, -3])
