@@ -2,7 +2,7 @@
 of Gemma 2 and GPT-OSS), Gemma 2's soft-capping and GPT-OSS's sinks, on every path of the engine's attention
 (prefill chunks, prefixes reused and shared in place, decode rows, decode groups), against transformers' own
 attention over the same weights, with its own cache; models whose layers hand their attention fewer keywords
-(Nemotron) or more (GOT-OCR2) than the engine's; and a model whose attention takes a keyword the engine
+(Nemotron, StableLM) or more (GOT-OCR2) than the engine's; and a model whose attention takes a keyword the engine
 does not run, refused at load. Each of these models once gave other tokens than transformers, or (windows)
 had its context cut to the window."""
 
@@ -16,7 +16,7 @@ from transformers import (AfmoeConfig, AfmoeForCausalLM, BlenderbotConfig, Blend
                           LlamaConfig, LlamaForCausalLM, MoshiConfig, NemotronConfig, NemotronForCausalLM, MoshiForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
                           GptOssForCausalLM, Llama4ForCausalLM, Llama4TextConfig, MistralConfig, MistralForCausalLM,
                           PhimoeConfig, PhimoeForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
-                          Qwen2MoeForCausalLM)
+                          Qwen2MoeForCausalLM, StableLmConfig, StableLmForCausalLM)
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from sidecar import Engine
@@ -56,6 +56,7 @@ MODELS = {  # what transformers loads each with: SDPA, or eager where SDPA canno
     "deepseek-v3, values narrower than keys": (DeepseekV3ForCausalLM, DeepseekV3Config(**MLA), "sdpa"),
     # its decoder layer hands the attention only the arguments it names: the plan is not a keyword of the call
     "nemotron, a layer that drops the call's keywords": (NemotronForCausalLM, NemotronConfig(**SHAPE), "sdpa"),
+    "stablelm, a layer that drops the call's keywords": (StableLmForCausalLM, StableLmConfig(**SHAPE), "sdpa"),
 }
 
 
