@@ -83,7 +83,7 @@ def _top_p_sorted(logits: torch.Tensor, p: float, min_keep: int) -> torch.Tensor
     ascending, order = logits.sort(dim=-1)
     low_mass = ascending.softmax(dim=-1).cumsum(dim=-1)
     drop = low_mass <= 1 - p
-    drop[:, -min_keep:] = False
+    drop[:, -min(min_keep, drop.shape[-1]):] = False  # past 2**63 torch warns on the log that it truncates the slice
     return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), NEG_INF)
 
 
@@ -348,5 +348,5 @@ class TypicalP(StatelessProcessor):
         mass = logits.gather(1, order).softmax(dim=-1).cumsum(dim=-1)
         last = (mass < self.p).sum(dim=-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
         drop = distance > distance.gather(1, last)
-        drop[:, : self.min_tokens_to_keep] = False
+        drop[:, : min(self.min_tokens_to_keep, drop.shape[-1])] = False
         return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), NEG_INF)

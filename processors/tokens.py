@@ -201,8 +201,8 @@ class NoBadWords(StatelessProcessor):
         banned = {seq: NEG_INF for seq in self.bad_words_ids if not (len(seq) == 1 and seq[0] in eos)}
         object.__setattr__(self, "_table", _BiasTable(banned))
 
-    def max_token_id(self):
-        return max(t for seq in self.bad_words_ids for t in seq)
+    def max_token_id(self):  # an EOS id exempts only what it names, but it is a token id like the others
+        return max(t for ids in (*self.bad_words_ids, self.eos_token_ids or ()) for t in ids)
 
     def transform(self, logits, context):
         return self._table.apply(logits, context.tokens)

@@ -1,5 +1,7 @@
 """Each built-in against its transformers counterpart: identical outputs, bit for bit."""
 
+import warnings
+
 import pytest
 import torch
 from transformers.generation import logits_process as hf
@@ -122,6 +124,19 @@ def test_top_p_stress_against_transformers():
         keep = (1, 3)[case % 3 == 0]
         got = P.TopP(p, min_tokens_to_keep=keep).transform(logits, None)
         assert torch.equal(got, hf.TopPLogitsWarper(p, min_tokens_to_keep=keep)(None, logits.clone())), (case, p)
+
+
+@pytest.mark.parametrize("ours, theirs", [(P.TopP(0.5, min_tokens_to_keep=2**63), hf.TopPLogitsWarper),
+                                          (P.TypicalP(0.5, min_tokens_to_keep=2**63), hf.TypicalLogitsWarper)],
+                         ids=["top_p", "typical_p"])
+def test_min_tokens_to_keep_past_the_vocabulary_keeps_every_token_and_warns_nothing(ours, theirs):
+    """Found from outside: top_p with min_tokens_to_keep >= 2**63 (its schema's bound is the uint's) was right
+    but had torch warn on the server's log that it truncated a slice."""
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = ours.transform(logits.clone(), None)
+    assert torch.equal(got, logits) and torch.equal(got, theirs(0.5, min_tokens_to_keep=50)(None, logits.clone()))
 
 
 def test_top_p_ties_straddling_the_cut_follow_the_sort():

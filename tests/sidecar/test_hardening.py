@@ -369,6 +369,9 @@ def test_an_out_of_vocabulary_processor_option_names_its_index_and_option(engine
         assert caught.value.details["index"] == 1
         assert str(caught.value) == ("processors[1] (suppress_tokens): option 'token_ids' names token id 5000, outside "
                                      "the vocabulary of 1024")
+        with pytest.raises(errors.InvalidProcessor, match=r"^processors\[0\] \(no_bad_words\): option 'eos_token_ids' names "
+                                                          r"token id 5000"):  # found from outside: it was accepted
+            session.generate(token_ids=[5], processors=[P.configure(P.NoBadWords, bad_words_ids=[[7]], eos_token_ids=[5000])])
         with pytest.raises(errors.InvalidProcessor, match=r"^processors\[0\] \(sequence_bias\): option 'sequence_bias' names"):
             session.generate(token_ids=[5], processors=[P.configure(P.SequenceBias, sequence_bias=[[[7, 4000], 1.0]])])
         large = [[state, 5, state + 1] for state in range(1500)] + [[1500, 3000, 0]]  # compiled apart by the server
