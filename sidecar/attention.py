@@ -134,11 +134,13 @@ class Plan:
 class Probe:
     """A plan for one throw-away forward pass that teaches the store each layer's key/value shape, and
     collects each layer's sliding window as its attention is told it (`windows`: the call's keyword, or
-    the module's own attribute) and the keywords of the calls that this attention does not run (`unrun`)."""
+    the module's own attribute), the keywords of the calls that this attention does not run (`unrun`), and
+    the modules that call it with no layer index, whose keys no cache could hold (`unplaced`)."""
 
     store: KVStore
     windows: dict[int, int | None] = field(default_factory=dict)
     unrun: set[str] = field(default_factory=set)
+    unplaced: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,9 @@ def rows_attention(module, query, key, value, attention_mask, scaling=None, drop
             return _scored(query, key, value, scaling, _causal(attention_mask, query, key), scoring).transpose(1, 2), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if isinstance(kv_plan, Probe):
+        if not isinstance(getattr(module, "layer_idx", None), int):  # a cache is a layer's: this call has none
+            kv_plan.unplaced.add(type(module).__name__)
+            return sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=dropout)
         kv_plan.store.learn(module.layer_idx, key.shape[1], key.shape[3], value.shape[3], key.dtype)
         kv_plan.windows[module.layer_idx] = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         kv_plan.unrun.update(unrun_keywords({"is_causal": getattr(module, "is_causal", True), **kwargs}))

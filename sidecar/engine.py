@@ -110,6 +110,10 @@ class Engine:
                 self.model(input_ids=one, attention_mask=torch.ones_like(one), use_cache=False)
         except Exception as error:  # a model whose own code fails on one token (an inconsistent config, say)
             raise fidelity.failed(self.model, error) from error
+        if probe.unplaced:  # Inkling2's block-attention residual: refused for it, not for a failure it leads to
+            raise InvalidModel(f"{type(self.model).__name__} calls attention outside its layers "
+                               f"({', '.join(sorted(probe.unplaced))}, with no layer index), which the batched "
+                               "engine cannot give a cache: its tokens would not be transformers'")
         if not self.store.layers or None in self.store.layers:
             raise InvalidModel(f"{type(self.model).__name__}'s attention does not go through transformers' "
                                "attention interface, which the batched engine needs")

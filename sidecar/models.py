@@ -114,7 +114,10 @@ def vocab_size(model) -> int:
     """The token ids the model both reads and predicts: its input embeddings' rows, or its output layer's
     width where that is smaller (Moshi embeds 1,025 ids and predicts 1,024: an id past the logits was taken
     in a prompt, and its generation failed naming a processor it did not have)."""
-    size = model.get_input_embeddings().num_embeddings
+    size = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    if not isinstance(size, int):  # MusicGen embeds a list of codebooks
+        raise InvalidModel(f"{type(model).__name__} has no single token embedding (its input embeddings are a "
+                           f"{type(model.get_input_embeddings()).__name__}): not a text model the engine can run")
     output = model.get_output_embeddings()
     width = getattr(output, "out_features", None)
     return min(size, width) if isinstance(width, int) and width > 0 else size

@@ -7,13 +7,14 @@ does not run, refused at load. Each of these models once gave other tokens than 
 had its context cut to the window."""
 
 import copy
+import re
 
 import pytest
 import torch
 from transformers import (AfmoeConfig, AfmoeForCausalLM, BlenderbotConfig, BlenderbotForCausalLM, DeepseekV3Config,
                           DeepseekV3ForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, GotOcr2Config,
                           GotOcr2ForConditionalGeneration, Gemma2Config, Gemma2ForCausalLM,
-                          LlamaConfig, LlamaForCausalLM, MoshiConfig, NemotronConfig, NemotronForCausalLM, MoshiForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
+                          LlamaConfig, LlamaForCausalLM, MoshiConfig, MusicgenDecoderConfig, MusicgenForCausalLM, NemotronConfig, NemotronForCausalLM, MoshiForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig,
                           GptOssForCausalLM, Llama4ForCausalLM, Llama4TextConfig, MistralConfig, MistralForCausalLM,
                           PhimoeConfig, PhimoeForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
                           Qwen2MoeForCausalLM, StableLmConfig, StableLmForCausalLM)
@@ -225,6 +226,28 @@ def test_a_model_the_engine_would_compute_otherwise_is_refused_at_load(engine, m
     with pytest.raises(InvalidModel, match=refusal):
         Engine(model, engine.tokenizer)
     assert model.config._attn_implementation != "sidecar_rows" and model.training  # given back as it came
+
+
+def _attention_outside_its_layers():
+    """A Llama whose second layer's attention has no layer index, as Inkling2's block-attention residual (an
+    attention call beside the layers) has none: with the plan a context of the whole pass, that call got it."""
+    model = LlamaForCausalLM(LlamaConfig(**SHAPE))
+    del model.model.layers[1].self_attn.layer_idx
+    return model
+
+
+@pytest.mark.parametrize("model, refusal", [
+    (_attention_outside_its_layers, "LlamaForCausalLM calls attention outside its layers (LlamaAttention, with no "
+                                    "layer index)"),
+    (lambda: MusicgenForCausalLM(MusicgenDecoderConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2,
+                                                       num_attention_heads=4, ffn_dim=128, num_codebooks=2)),
+     "MusicgenForCausalLM has no single token embedding (its input embeddings are a ModuleList)"),
+], ids=["attention outside the layers", "codebooks (MusicGen)"])
+def test_a_model_the_engine_cannot_place_is_refused_at_load_naming_why(engine, model, refusal):
+    """Found from outside (a sweep of 196 types): Inkling2 was refused for an AttributeError its block residual
+    led to, MusicGen raised an untyped AttributeError from `Engine(...)`."""
+    with pytest.raises(InvalidModel, match=re.escape(refusal)):
+        Engine(model().eval(), engine.tokenizer)
 
 
 def test_a_model_that_views_its_attention_output_runs_batched_as_alone(engine):
