@@ -81,8 +81,8 @@ class Engine:
         self.share_prefixes = share_prefixes
         self.vocab_size = models.vocab_size(model)
         # the bytes each token id writes: what constraints are compiled against, and what tells a generation's
-        # text when a character is incomplete (`text.Detokenizer`). Made here, on a loading thread for a
-        # load_model (0.09 s at 32k tokens), not by a request on the server's main thread.
+        # text (`text.detokenizer`). Made here, on a loading thread for a
+        # load_model (0.1 s at 32k tokens), not by a request on the server's main thread.
         self.vocabulary = Vocabulary.from_tokenizer(tokenizer, self.vocab_size)
         self.max_context = getattr(model.config, "max_position_embeddings", None)
         self._sessions: OrderedDict[int, Session] = OrderedDict()  # least recently used first

@@ -31,7 +31,7 @@ from .beams import BeamSearch
 from .decode import check_logits, pick
 from .errors import SidecarError, refusal_of
 from .session import Result, Sequence, Stats, TokenEvent
-from .text import Detokenizer, StopMatcher
+from .text import StopMatcher, detokenizer, generated_text
 
 # Rows share the prompt's cache (instead of each holding a copy) once the copies would hold this many
 # tokens: attention over a shared prefix costs a dozen small operations a layer, which pays only when
@@ -68,11 +68,11 @@ class Feed:
 class _Row:
     """One sequence being sampled: its tokens, its text so far, and its stop matcher."""
 
-    def __init__(self, index: int, tokenizer, token_bytes, stop):
+    def __init__(self, index: int, tokenizer, vocabulary, stop):
         self.index = index
         self.token_ids: list[int] = []
         self.pieces: list[str] = []
-        self.detokenizer = Detokenizer(tokenizer, token_bytes)
+        self.detokenizer = detokenizer(tokenizer, vocabulary)
         self.stops = StopMatcher(stop)
         self.finish: str | None = None
 
@@ -243,7 +243,7 @@ class Run:
         if request.strategy == "beam":
             self.beams = BeamSearch(width, request.max_new_tokens, request.eos_token_ids, request.length_penalty,
                                     request.early_stopping, logits.shape[-1], logits.device)
-        self.rows = self.all_rows = [_Row(i, engine.tokenizer, engine.vocabulary.token_bytes, request.stop)
+        self.rows = self.all_rows = [_Row(i, engine.tokenizer, engine.vocabulary, request.stop)
                                      for i in range(width)]
 
     def _choose(self, logits: torch.Tensor) -> None:
@@ -323,13 +323,13 @@ class Run:
 
     def finish_beams(self, cancelled: bool = False) -> None:
         """Ends a beam search with its best finished hypotheses, or, cancelled, its best running beams."""
-        request, tokenizer = self.request, self.session.engine.tokenizer
+        request, tokenizer, vocabulary = self.request, self.session.engine.tokenizer, self.session.engine.vocabulary
         count = request.num_return_sequences
         found = self.beams.running_results(count) if cancelled else self.beams.results(count)
         sequences = []
         for token_ids, score in found:
             is_eos = bool(token_ids) and token_ids[-1] in request.eos_token_ids
-            text = tokenizer.decode(token_ids[:-1] if is_eos else token_ids, skip_special_tokens=True)
+            text = generated_text(tokenizer, vocabulary, token_ids[:-1] if is_eos else token_ids)
             reason = "cancelled" if cancelled else "eos" if is_eos else "length"
             sequences.append(Sequence(text, token_ids, reason, score))
         self._settle(sequences, sequences[0].finish_reason)

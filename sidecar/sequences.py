@@ -64,7 +64,7 @@ class Tokens(Continuable):
     @property
     def text(self) -> str:
         """What the ids write, special tokens left out: what `cut` counts characters in."""
-        return self.tokenizer.decode(list(self.ids), skip_special_tokens=True)
+        return self.tokenizer.decode(list(self.ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -118,7 +118,7 @@ class Tokens(Continuable):
                                   f"got {_show(chars)}", option=option)
 
         def start(k: int) -> str:
-            return self.tokenizer.decode(list(self.ids[:k]), skip_special_tokens=True)
+            return self.tokenizer.decode(list(self.ids[:k]), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
         low, high = 0, len(self.ids)
         while low < high:

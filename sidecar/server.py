@@ -945,7 +945,8 @@ class Server:
     def op_detokenize(self, params, rid):
         engine = self._engine(params["model"], rid)
         engine.check_token_ids(params["token_ids"])
-        return {"text": engine.tokenizer.decode(params["token_ids"], skip_special_tokens=params["skip_special_tokens"])}
+        return {"text": engine.tokenizer.decode(params["token_ids"], skip_special_tokens=params["skip_special_tokens"],
+                                                clean_up_tokenization_spaces=False)}
 
     def op_stats(self, params, rid):
         compiled, compiled_bytes = structured_compile.cached()

@@ -1,9 +1,16 @@
 """Turning a growing list of token ids into text pieces for streaming.
 
-Two small state machines. `Detokenizer` gives the text each new token decides, and holds a token back
-while its bytes end in an incomplete UTF-8 sequence (decoding shows U+FFFD there). `StopMatcher` finds
-stop strings in the generated text, and holds back any tail that could still become one, so streamed
-pieces never contain text that a later stop would remove.
+Small state machines. `ByteDetokenizer` gives the text each new token decides from the tokens' bytes,
+for the tokenizers whose texts are their tokens' bytes joined (`Vocabulary.texts_join`: byte-level BPE,
+SentencePiece); `Detokenizer` from the tokenizer's decoding of a small window, for the others. Both hold
+back the bytes of a character not yet complete. `StopMatcher` finds stop strings in the generated text,
+and holds back any tail that could still become one, so streamed pieces never contain text that a later
+stop would remove.
+
+A generation's text is what its tokens add to the text before them, as vLLM gives it: a SentencePiece
+token "▁Hello" writes " Hello" (decoding the generated ids alone drops that space, as the start of a
+whole text). So the input's text and the generation's join into the sequence's, and a constraint, which
+reads each token as its bytes, matches the text the caller gets.
 """
 
 from __future__ import annotations
@@ -30,8 +37,48 @@ def check_unicode(text: str, option: str, what: str | None = None, **detail) -> 
     return text
 
 
+def detokenizer(tokenizer, vocabulary) -> "ByteDetokenizer | Detokenizer":
+    """The detokenizer of a generation's text over `vocabulary` (`processors.structured.Vocabulary`)."""
+    if vocabulary.texts_join:
+        return ByteDetokenizer(vocabulary.token_bytes)
+    return Detokenizer(tokenizer, vocabulary.token_bytes)
+
+
+def generated_text(tokenizer, vocabulary, token_ids) -> str:
+    """The whole text of generated tokens, as their streamed pieces join into it (stop strings aside)."""
+    text = detokenizer(tokenizer, vocabulary)
+    return "".join(text.push(token) for token in token_ids) + text.flush()
+
+
+class ByteDetokenizer:
+    """The tokens' bytes decoded as UTF-8 as they come: a character goes out once its last byte does, bytes
+    that can be no character's go out as U+FFFD at once (a run of SentencePiece byte tokens that is not
+    UTF-8 included, which its decoder would turn into one U+FFFD a byte only as a whole, ASCII included),
+    and tokens that write no text (special ones) write nothing. Its own state only: no re-decoding."""
+
+    def __init__(self, token_bytes):
+        self._bytes = token_bytes
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._cut = False
+
+    def push(self, token_id: int) -> str:
+        token = self._bytes[token_id] if token_id < len(self._bytes) else None
+        return self._utf8.decode(token) if token else ""
+
+    def flush(self) -> str:
+        """The bytes of a character still incomplete at the end, as U+FFFD."""
+        self._cut = bool(self._utf8.getstate()[0])
+        return self._utf8.decode(b"", final=True)
+
+    def cut(self) -> bool:
+        """Whether the tokens ended inside a character (what `flush` gave is its U+FFFD)."""
+        return self._cut
+
+
 class Detokenizer:
-    """Incremental decoding with a small window.
+    """Incremental decoding with a small window, for tokenizers whose texts are not their tokens' bytes
+    joined (WordPiece's spaces between words): the decoder's text without transformers' clean-up of
+    spaces before punctuation, which would take back spaces already streamed.
 
     Re-decoding only from the previous token onwards keeps each step O(1). Decoding a few tokens of
     context, not just the new one, keeps the tokenizer's joining rules (spaces, byte merges) right.
@@ -47,7 +94,8 @@ class Detokenizer:
     """
 
     def __init__(self, tokenizer, token_bytes=None, *, skip_special_tokens: bool = True):
-        self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                                    clean_up_tokenization_spaces=False)
         self._bytes = token_bytes
         self._ids: list[int] = []
         self._prefix = 0  # start of the decoding window

@@ -4,6 +4,11 @@ A constraint speaks about text, a model about token ids. Byte-level BPE tokenize
 default model) spell a token's bytes with printable stand-ins ("Ġ" is a space), SentencePiece ones with "▁"
 for a space and `<0xNN>` for raw bytes; matching a constraint against those surface forms would be wrong,
 so every token is mapped back to its bytes once, here. Special tokens stand for no text: `None`.
+
+That a text is its tokens' bytes joined holds for those two kinds, and is checked for each tokenizer
+(`texts_join`): every token after a plain one must decode to its bytes. Some decoders write text that is
+not there (WordPiece's spaces between words, "##" joins; BPE's "</w>" word ends): no constraint is
+matched against their tokens, since the text the model writes would not be the one matched.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ class Vocabulary:
 
     token_bytes: tuple[bytes | None, ...]
     tokenizer: Any = field(default=None, compare=False, repr=False)  # the Hugging Face tokenizer, when read from one
+    # whether the tokenizer writes each token as its bytes wherever it stands (else the name of its decoder)
+    texts_join: bool = field(default=True, compare=False)
+    decoder: str = field(default="", compare=False, repr=False)
     fingerprint: str = field(init=False)
 
     def __post_init__(self):
@@ -50,8 +58,16 @@ class Vocabulary:
     def size(self) -> int:
         return len(self.token_bytes)
 
+    def check_texts_join(self) -> None:
+        """Raises `InvalidOption` unless a text is its tokens' bytes joined: what a constraint on text needs."""
+        if not self.texts_join:
+            raise InvalidOption(f"a constraint on text cannot run over this tokenizer: its decoder ({self.decoder}) "
+                                "writes text between or in place of its tokens' own (spaces between words, joins), "
+                                "so the text the model writes would not be the one matched")
+
     def text_tokens(self) -> dict[bytes, list[int]]:
         """Every token that writes text, grouped by its bytes (several ids may write the same bytes)."""
+        self.check_texts_join()
         grouped: dict[bytes, list[int]] = {}
         for token_id, token in enumerate(self.token_bytes):
             if token:
@@ -66,7 +82,8 @@ class Vocabulary:
         special = set(tokenizer.all_special_ids)
         special.update(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
         surfaces = tokenizer.convert_ids_to_tokens(list(range(count)))
-        decode = _surface_decoder(tokenizer)
+        decoder = _decoder_config(tokenizer)
+        decode = _surface_decoder(decoder)
         added = {i for i in tokenizer.added_tokens_decoder}
         token_bytes: list[bytes | None] = []
         for token_id, surface in enumerate(surfaces):
@@ -77,20 +94,118 @@ class Vocabulary:
             else:
                 token_bytes.append(decode(surface))
         token_bytes.extend([None] * (size - count))
-        return cls(tuple(token_bytes), tokenizer)
+        return cls(tuple(token_bytes), tokenizer, texts_join=_texts_join(tokenizer, token_bytes, surfaces),
+                   decoder=_decoder_name(decoder, tokenizer))
 
     def llguidance_tokenizer(self):
-        """llguidance's view of this vocabulary (for `Grammar`), built once per vocabulary."""
+        """llguidance's view of this vocabulary (for `Grammar`), built once per vocabulary from the same bytes
+        as our automata's: llguidance's own reading of a tokenizer's configuration knows fewer decoders (a
+        plain Metaspace one, T5's and XGLM's, raised an untyped ValueError), and its text is then the
+        caller's text as `texts_join` checked it."""
+        self.check_texts_join()
         with _llguidance_lock:
             cached = _LLGUIDANCE.get(self.fingerprint)
             if cached is None:
                 if self.tokenizer is None:
                     raise InvalidOption("a grammar needs the model's tokenizer: build the vocabulary with "
                                         "Vocabulary.from_tokenizer")
-                import llguidance.hf
+                import llguidance
 
-                cached = _LLGUIDANCE[self.fingerprint] = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.size)
+                cached = _LLGUIDANCE[self.fingerprint] = llguidance.LLTokenizer(
+                    llguidance.TokenizerWrapper(_LlguidanceView(self)), n_vocab=self.size)
         return cached
+
+
+class _LlguidanceView:
+    """What `llguidance.TokenizerWrapper` reads: each token's bytes (a special token's name, which llguidance
+    marks as special) and a tokenizer of bytes. The model's tokenizer is used where its tokens spell exactly
+    the bytes given; a normalizer that lowercases, or a space it puts first, would make llguidance
+    force other bytes than the grammar's ("forced bytes: got 'P'; applying 'p'"), so those bytes are then
+    spelled one token a byte, or by the longest tokens that spell them."""
+
+    def __init__(self, vocabulary: Vocabulary):
+        tokenizer, self._bytes = vocabulary.tokenizer, vocabulary.token_bytes
+        names = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        self.tokens = [token if token is not None else (names[i] if i < len(names) and names[i] else f"<unused_{i}>")
+                       .encode("utf-8") for i, token in enumerate(self._bytes)]
+        self.special_token_ids = [i for i, token in enumerate(self._bytes) if token is None]
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self._encode = tokenizer.encode
+        self._longest: dict[bytes, int] = {}
+        for token_id, token in enumerate(self._bytes):
+            if token is not None:
+                self._longest.setdefault(token, token_id)
+        self._widest = max(map(len, self._longest), default=1)
+
+    def __call__(self, text: bytes) -> list[int]:
+        try:
+            ids = self._encode(text.decode("utf-8"), add_special_tokens=False)
+        except UnicodeDecodeError:
+            ids = None
+        if ids is not None and b"".join(self._bytes[i] or b"\xff" for i in ids) == text:
+            return ids
+        spelled, at = [], 0
+        while at < len(text):  # the longest token that spells what comes next
+            for width in range(min(self._widest, len(text) - at), 0, -1):
+                token_id = self._longest.get(text[at : at + width])
+                if token_id is not None:
+                    spelled.append(token_id)
+                    at += width
+                    break
+            else:
+                return ids or []  # a byte no token spells: nothing spells it exactly
+        return spelled
+
+
+JOIN_SAMPLE = 4096  # tokens `_texts_join` decodes, at most (and the added ones)
+
+
+def _texts_join(tokenizer, token_bytes: list[bytes | None], surfaces: list[str | None]) -> bool:
+    """Whether every token that is whole UTF-8 decodes to its bytes after a plain token (printable ASCII with
+    no space; one letter that is no `<0xNN>` byte token if there is one): then the text of any tokens is
+    their bytes joined, but where a decoder drops the space that starts a whole text (SentencePiece's).
+    Over a large vocabulary, `JOIN_SAMPLE` tokens spread over it and every added token are checked: the
+    decoders that write other text do it to most tokens (WordPiece to every word, BPE's "</w>" to every
+    word end). 4 ms at 1k tokens, 10 ms at 32k."""
+    plain = [i for i, token in enumerate(token_bytes[: len(surfaces)]) if token and len(token) <= 2
+             and surfaces[i] is not None and all(0x21 <= byte < 0x7F for byte in token)]
+    if not plain:
+        return False
+    anchor = min(plain, key=lambda i: (bool(_BYTE_FALLBACK.fullmatch(surfaces[i])), len(token_bytes[i]),
+                                       not token_bytes[i].isalpha(), i))
+    count = len(surfaces)
+    checked = range(count) if count <= JOIN_SAMPLE else sorted(
+        set(range(0, count, count // JOIN_SAMPLE)) | {i for i in tokenizer.added_tokens_decoder if i < count})
+    ids, texts = [], []
+    for token_id in checked:
+        token = token_bytes[token_id]
+        if token:
+            try:
+                texts.append(token.decode("utf-8"))
+            except UnicodeDecodeError:  # a byte of a character: decoders join runs of them
+                continue
+            ids.append(token_id)
+    head = tokenizer.decode([anchor], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    pairs = [[anchor, token_id] for token_id in ids]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # transformers' decoding less its clean-up, in Rust: a tenth of the time
+        decoded = backend.decode_batch(pairs, skip_special_tokens=True)
+    else:
+        decoded = tokenizer.batch_decode(pairs, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return all(got == head + text for got, text in zip(decoded, texts))
+
+
+def _decoder_config(tokenizer) -> dict | None:
+    """The decoder of a fast tokenizer's configuration (None for a slow tokenizer's)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return json.loads(backend.to_str()).get("decoder") if backend is not None else None
+
+
+def _decoder_name(decoder: dict | None, tokenizer) -> str:
+    if isinstance(decoder, dict) and decoder.get("type") == "Sequence":
+        return " + ".join(str(step.get("type")) for step in decoder.get("decoders") or ())
+    return str(decoder.get("type")) if isinstance(decoder, dict) else type(tokenizer).__name__
 
 
 def forget(fingerprint: str) -> None:
@@ -99,10 +214,9 @@ def forget(fingerprint: str) -> None:
         _LLGUIDANCE.pop(fingerprint, None)
 
 
-def _surface_decoder(tokenizer):
+def _surface_decoder(config: dict | None):
     """How this tokenizer spells bytes in its token strings, read from its decoder's configuration."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = json.dumps(json.loads(backend.to_str()).get("decoder")) if backend is not None else ""
+    decoder = json.dumps(config) if config is not None else ""
     if "ByteLevel" in decoder:
         return _from_byte_level
     if "Metaspace" in decoder or "\u2581" in decoder or "ByteFallback" in decoder:

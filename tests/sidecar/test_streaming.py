@@ -12,7 +12,7 @@ import torch
 
 import processors as P
 from sidecar.errors import InvalidLogits
-from sidecar.text import Detokenizer, StopMatcher
+from sidecar.text import ByteDetokenizer, Detokenizer, StopMatcher
 
 from .conftest import tokens
 
@@ -70,11 +70,14 @@ class ByteTokenizer:
     def __init__(self, table: dict[int, bytes | None]):
         self.table = table  # None: a special token, skipped
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
         return b"".join(self.table[i] or b"" for i in ids).decode("utf-8", "replace")
 
-    def detokenizer(self):
-        return Detokenizer(self, [self.table[i] for i in range(len(self.table))])
+    def detokenizer(self, kind="window"):
+        """The tokenizer's decoding of a window (tokenizers whose texts are not their tokens' bytes joined), or
+        the bytes decoded as they come (`texts_join`, which these are): the same text."""
+        token_bytes = [self.table[i] for i in range(len(self.table))]
+        return Detokenizer(self, token_bytes) if kind == "window" else ByteDetokenizer(token_bytes)
 
 
 BYTES = ByteTokenizer({0: b"\x80", 1: b"\xe4", 2: b"\xb8", 3: b"\xad", 4: b"x", 5: None, 6: b" ab\xe4\xba", 7: b"\xba",
@@ -82,35 +85,38 @@ BYTES = ByteTokenizer({0: b"\x80", 1: b"\xe4", 2: b"\xb8", 3: b"\xad", 4: b"x", 
 
 
 @pytest.mark.parametrize("before", [[0] * 30, [0] * 31, [5] * 30, [9] * 10, [5] * 29 + [0]])
-def test_a_character_after_many_held_tokens_is_not_lost(before):
+@pytest.mark.parametrize("kind", ["window", "bytes"])
+def test_a_character_after_many_held_tokens_is_not_lost(before, kind):
     """Read from the text alone, tokens were held while it ended in U+FFFD, and let go at MAX_HELD with
     the U+FFFD of 中's first bytes in it: its last byte then decoded to no new text, and 中 was lost (found
     from outside: 30 invalid bytes, real U+FFFD or skipped special tokens, then 中)."""
     ids = before + [1, 2, 3, 4]
-    detokenizer = BYTES.detokenizer()
+    detokenizer = BYTES.detokenizer(kind)
     pieces = [detokenizer.push(t) for t in ids]
     assert "".join(pieces) + detokenizer.flush() == BYTES.decode(ids)
     assert BYTES.decode(ids).endswith("中x")
 
 
-def test_the_text_a_token_decided_goes_out_with_it_even_when_it_ends_inside_a_character():
+@pytest.mark.parametrize("kind", ["window", "bytes"])
+def test_the_text_a_token_decided_goes_out_with_it_even_when_it_ends_inside_a_character(kind):
     """The token " ab" with the first two bytes of 人: its piece was '' (held whole), so a stop inside it
     was found a token late, and a cancel then dropped text the token had decided."""
-    detokenizer = BYTES.detokenizer()
+    detokenizer = BYTES.detokenizer(kind)
     assert [detokenizer.push(t) for t in (6, 7, 4)] == [" ab", "人", "x"]
     matcher = StopMatcher(("b",))
-    assert matcher.feed(BYTES.detokenizer().push(6)) == " a" and matcher.stopped
+    assert matcher.feed(BYTES.detokenizer(kind).push(6)) == " a" and matcher.stopped
 
 
-def test_a_replacement_character_the_model_wrote_is_text_and_stops():
+@pytest.mark.parametrize("kind", ["window", "bytes"])
+def test_a_replacement_character_the_model_wrote_is_text_and_stops(kind):
     """U+FFFD written whole (EF BF BD) was held back like the bytes of a character still incomplete, found
     by a stop string a token late, and never at the end, where every trailing U+FFFD was taken for cut bytes."""
-    detokenizer = BYTES.detokenizer()
+    detokenizer = BYTES.detokenizer(kind)
     assert [detokenizer.push(t) for t in (8, 9)] == ["a", "\ufffd"] and not detokenizer.cut()
     assert detokenizer.flush() == ""
     matcher = StopMatcher(("\ufffd",))
     assert matcher.feed("a") + matcher.feed_last("\ufffd", cut=False) == "a" and matcher.stopped
-    cut = BYTES.detokenizer()
+    cut = BYTES.detokenizer(kind)
     assert [cut.push(t) for t in (8, 1)] == ["a", ""] and cut.flush() == "\ufffd" and cut.cut()
 
 
