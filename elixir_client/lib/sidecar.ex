@@ -162,33 +162,41 @@ defmodule Sidecar do
   starting (as while its supervisor restarts it) has not answered within 5 s.
   """
   @spec info(conn()) :: {:ok, map()} | {:error, Error.t()}
-  def info(conn) do
-    case whereis(conn, 5_000) do
+  def info(conn), do: info(conn, 5_000, System.monotonic_time(:millisecond))
+
+  defp info(conn, limit, started) do
+    case whereis(conn, left(limit, started)) do
       nil -> lost(nil)
       pid -> {:ok, GenServer.call(pid, :info)}
     end
   catch
-    :exit, _ -> lost(nil)
+    :exit, _ -> if again?(conn, nil, limit, started), do: info(conn, limit, started), else: lost(nil)
   end
 
   # The connection's incarnation (the sessions it opens carry it), within a call's timeout.
   defp incarnation(conn, timeout) do
     Options.timeout!(timeout)
-    limit = hand_over_limit(timeout)
-
-    try do
-      case whereis(conn, limit) do
-        nil -> lost(nil)
-        pid -> {:ok, GenServer.call(pid, :info, limit)["incarnation"]}
-      end
-    catch
-      :exit, {:timeout, _} ->
-        {:error, Error.new(:timeout, "the connection did not answer within #{limit} ms")}
-
-      :exit, _ ->
-        lost(nil)
-    end
+    incarnation(conn, hand_over_limit(timeout), System.monotonic_time(:millisecond))
   end
+
+  defp incarnation(conn, limit, started) do
+    case whereis(conn, left(limit, started)) do
+      nil -> lost(nil)
+      pid -> {:ok, GenServer.call(pid, :info, max(left(limit, started), 1))["incarnation"]}
+    end
+  catch
+    :exit, {:timeout, _} ->
+      {:error, Error.new(:timeout, "the connection did not answer within #{limit} ms")}
+
+    :exit, _ ->
+      if again?(conn, nil, limit, started), do: incarnation(conn, limit, started), else: lost(nil)
+  end
+
+  # Whether a call that found the connection under `conn` as it stopped (its sidecar exited: it answers
+  # its pending callers, then drains its stderr before it goes) looks the name up again, for the one its
+  # supervisor starts next: while `limit` lasts, and only for a call that names no session of it.
+  defp again?(conn, incarnation, limit, started),
+    do: incarnation == nil and not is_pid(conn) and left(limit, started) > 0
 
   @doc """
   Opens a session on `model` (default `\"default\"`); `name:` lets you choose its name, `timeout:`
@@ -750,10 +758,19 @@ defmodule Sidecar do
   # the sidecar to read), or to start (a restart under way); a connection that does not take it within
   # the call's own timeout, or @hand_over_ms, is given up on, the request withdrawn.
   defp request(conn, op, params, incarnation, timeout, session_owner \\ nil) do
-    limit = hand_over_limit(timeout)
-    handing = System.monotonic_time(:millisecond)
+    hand_over(
+      conn,
+      op,
+      params,
+      incarnation,
+      hand_over_limit(timeout),
+      System.monotonic_time(:millisecond),
+      session_owner
+    )
+  end
 
-    case whereis(conn, limit) do
+  defp hand_over(conn, op, params, incarnation, limit, handing, session_owner) do
+    case whereis(conn, left(limit, handing)) do
       nil ->
         lost(incarnation)
 
@@ -763,7 +780,8 @@ defmodule Sidecar do
         ref = :erlang.monitor(:process, pid, alias: :demonitor)
 
         try do
-          with {:ok, body} <- Connection.encode_params(GenServer.call(pid, :encoding, limit), params),
+          with {:ok, body} <-
+                 Connection.encode_params(GenServer.call(pid, :encoding, left(limit, handing)), params),
                {:ok, id, call_timeout} <-
                  GenServer.call(
                    pid,
@@ -783,7 +801,11 @@ defmodule Sidecar do
             {:error, Error.new(:timeout, "the connection did not take the request within #{limit} ms")}
 
           :exit, _ ->
-            Process.demonitor(ref, [:flush]) && lost(incarnation)
+            Process.demonitor(ref, [:flush])
+
+            if again?(conn, incarnation, limit, handing),
+              do: hand_over(conn, op, params, incarnation, limit, handing, session_owner),
+              else: lost(incarnation)
         end
     end
   end

@@ -16,13 +16,20 @@ defmodule Sidecar.SupervisionTest do
 
     task =
       Task.async(fn ->
-        Sidecar.generate(:crashing_sidecar, session, [5, 6], max_new_tokens: 1_900, eos_token_id: [])
+        failed = Sidecar.generate(:crashing_sidecar, session, [5, 6], max_new_tokens: 1_900, eos_token_id: [])
+        # at once, as a caller retries: the connection that failed it has not stopped yet (found from
+        # outside: it drains the sidecar's stderr first, and the call got :not_running at once)
+        {failed, Sidecar.open_session(:crashing_sidecar, timeout: 60_000), Sidecar.info(:crashing_sidecar)}
       end)
 
     assert eventually(fn -> match?({:ok, %{"active_generations" => 1}}, Sidecar.stats(:crashing_sidecar)) end)
 
     System.cmd("kill", ["-9", Integer.to_string(old_os_pid)])
-    assert {:error, %Error{reason: :sidecar_exited}} = Task.await(task, 10_000)
+
+    assert {{:error, %Error{reason: :sidecar_exited}}, {:ok, %Sidecar.Session{}},
+            {:ok, %{"os_pid" => os_pid}}} = Task.await(task, 60_000)
+
+    assert os_pid != old_os_pid
 
     # While its supervisor restarts it, info and ping answer, if only with an error.
     assert eventually(
