@@ -218,10 +218,31 @@ defmodule Sidecar do
     started = System.monotonic_time(:millisecond)
 
     with :ok <- owner_alive(owner),
-         {:ok, incarnation} <- incarnation(conn, opts[:timeout]),
-         {:ok, %{"session" => name, "model" => model}} <-
-           call(conn, "open_session", params, nil, left(opts[:timeout], started), owner),
+         {:ok, %{"session" => name, "model" => model}, incarnation} <-
+           making_session(conn, "open_session", params, opts[:timeout], started, owner),
          do: {:ok, new_session(name, model, incarnation)}
+  end
+
+  # A call that makes a session, sent to the connection whose incarnation the session will carry: one
+  # that stopped between the two (its sidecar exited) refuses it before the sidecar sees it, and it is
+  # made again on the one its supervisor started since, within the call's timeout.
+  defp making_session(conn, op, params, timeout, started, owner) do
+    Options.timeout!(timeout)
+
+    with {:ok, incarnation} <- incarnation(conn, left(timeout, started)) do
+      case call(conn, op, params, incarnation, left(timeout, started), owner) do
+        {:ok, reply} ->
+          {:ok, reply, incarnation}
+
+        {:error, %Error{reason: :session_lost}} ->
+          if again?(conn, nil, hand_over_limit(timeout), started),
+            do: making_session(conn, op, params, timeout, started, owner),
+            else: lost(nil)
+
+        error ->
+          error
+      end
+    end
   end
 
   @doc """
@@ -308,9 +329,8 @@ defmodule Sidecar do
     started = System.monotonic_time(:millisecond)
 
     with :ok <- owner_alive(owner),
-         {:ok, incarnation} <- incarnation(conn, opts[:timeout]),
-         {:ok, %{"session" => session, "model" => model}} <-
-           call(conn, "restore_session", params, nil, left(opts[:timeout], started), owner),
+         {:ok, %{"session" => session, "model" => model}, incarnation} <-
+           making_session(conn, "restore_session", params, opts[:timeout], started, owner),
          do: {:ok, new_session(session, model, incarnation)}
   end
 

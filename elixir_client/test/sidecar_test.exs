@@ -521,6 +521,18 @@ defmodule SidecarTest do
 
       assert_raise ArgumentError, ~r/owner:/, fn -> Sidecar.fork_session(conn, "any", owner: :me) end
     end
+
+    test "a session-making call's timeout is checked before anything is sent", %{conn: conn} do
+      for bad <- [-1, 1.5, "1000"] do
+        assert_raise ArgumentError, ~r/a timeout is milliseconds/, fn ->
+          Sidecar.open_session(conn, timeout: bad)
+        end
+
+        assert_raise ArgumentError, ~r/a timeout is milliseconds/, fn ->
+          Sidecar.restore_session(conn, "x", timeout: bad)
+        end
+      end
+    end
   end
 
   defp reply_waiting?(conn, id) do
