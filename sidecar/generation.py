@@ -68,11 +68,11 @@ class Feed:
 class _Row:
     """One sequence being sampled: its tokens, its text so far, and its stop matcher."""
 
-    def __init__(self, index: int, tokenizer, vocabulary, stop):
+    def __init__(self, index: int, tokenizer, vocabulary, stop, context):
         self.index = index
         self.token_ids: list[int] = []
         self.pieces: list[str] = []
-        self.detokenizer = detokenizer(tokenizer, vocabulary)
+        self.detokenizer = detokenizer(tokenizer, vocabulary, context)
         self.stops = StopMatcher(stop)
         self.finish: str | None = None
 
@@ -243,7 +243,7 @@ class Run:
         if request.strategy == "beam":
             self.beams = BeamSearch(width, request.max_new_tokens, request.eos_token_ids, request.length_penalty,
                                     request.early_stopping, logits.shape[-1], logits.device)
-        self.rows = self.all_rows = [_Row(i, engine.tokenizer, engine.vocabulary, request.stop)
+        self.rows = self.all_rows = [_Row(i, engine.tokenizer, engine.vocabulary, request.stop, request.input_ids)
                                      for i in range(width)]
 
     def _choose(self, logits: torch.Tensor) -> None:
@@ -329,7 +329,7 @@ class Run:
         sequences = []
         for token_ids, score in found:
             is_eos = bool(token_ids) and token_ids[-1] in request.eos_token_ids
-            text = generated_text(tokenizer, vocabulary, token_ids[:-1] if is_eos else token_ids)
+            text = generated_text(tokenizer, vocabulary, token_ids[:-1] if is_eos else token_ids, request.input_ids)
             reason = "cancelled" if cancelled else "eos" if is_eos else "length"
             sequences.append(Sequence(text, token_ids, reason, score))
         self._settle(sequences, sequences[0].finish_reason)

@@ -37,16 +37,20 @@ def check_unicode(text: str, option: str, what: str | None = None, **detail) -> 
     return text
 
 
-def detokenizer(tokenizer, vocabulary) -> "ByteDetokenizer | Detokenizer":
-    """The detokenizer of a generation's text over `vocabulary` (`processors.structured.Vocabulary`)."""
+CONTEXT = 4  # input tokens before a generation that a window decodes with its first tokens
+
+
+def detokenizer(tokenizer, vocabulary, context=()) -> "ByteDetokenizer | Detokenizer":
+    """The detokenizer of a generation's text over `vocabulary` (`processors.structured.Vocabulary`), after
+    the input tokens `context` (their last `CONTEXT` are read)."""
     if vocabulary.texts_join:
         return ByteDetokenizer(vocabulary.token_bytes)
-    return Detokenizer(tokenizer, vocabulary.token_bytes)
+    return Detokenizer(tokenizer, vocabulary.token_bytes, context[-CONTEXT:])
 
 
-def generated_text(tokenizer, vocabulary, token_ids) -> str:
+def generated_text(tokenizer, vocabulary, token_ids, context=()) -> str:
     """The whole text of generated tokens, as their streamed pieces join into it (stop strings aside)."""
-    text = detokenizer(tokenizer, vocabulary)
+    text = detokenizer(tokenizer, vocabulary, context)
     return "".join(text.push(token) for token in token_ids) + text.flush()
 
 
@@ -71,35 +75,35 @@ class ByteDetokenizer:
         return self._utf8.decode(b"", final=True)
 
     def cut(self) -> bool:
-        """Whether the tokens ended inside a character (what `flush` gave is its U+FFFD)."""
-        return self._cut
+        """Whether the tokens pushed end inside a character (what `flush` gave then ends in its U+FFFD)."""
+        return self._cut or bool(self._utf8.getstate()[0])
 
 
 class Detokenizer:
     """Incremental decoding with a small window, for tokenizers whose texts are not their tokens' bytes
-    joined (WordPiece's spaces between words): the decoder's text without transformers' clean-up of
-    spaces before punctuation, which would take back spaces already streamed.
+    joined (WordPiece's spaces between words): the decoder's text, without transformers' clean-up of
+    spaces before punctuation, which would take back spaces already streamed. The window starts with the
+    last input tokens (`context`), so that the first piece is what the tokens add to them: a WordPiece
+    "##3" joins the word before it, and a word is a space then the word.
 
     Re-decoding only from the previous token onwards keeps each step O(1). Decoding a few tokens of
     context, not just the new one, keeps the tokenizer's joining rules (spaces, byte merges) right.
 
-    A token is held while the text did not grow (context for the next), and while it ends inside a
-    character: with `token_bytes` (each id's bytes, `Vocabulary.token_bytes`: None for a special token),
-    exactly while the held tokens' bytes end in an incomplete UTF-8 sequence, with room for its last
-    bytes past `MAX_HELD`, and the text decided before it goes out at once; without, while the text
-    ends in U+FFFD, which may be a character the model wrote whole. Read from the text, a U+FFFD the
-    model wrote was held, and missed by stop strings at the end; and tokens held for long were let go at
-    `MAX_HELD` with the U+FFFD of a character still incomplete, whose completion then decoded to no new
-    text and was lost.
+    A token is held while the text did not grow (context for the next), and while the held tokens' bytes
+    (`token_bytes`, `Vocabulary.token_bytes`: None for a special token) end in an incomplete UTF-8
+    sequence, with room for its last bytes past `MAX_HELD`; the text decided before it goes out at once.
+    Read from the text instead, a U+FFFD the model wrote was held, and missed by stop strings at the end;
+    and tokens held for long were let go at `MAX_HELD` with the U+FFFD of a character still incomplete,
+    whose completion then decoded to no new text and was lost.
     """
 
-    def __init__(self, tokenizer, token_bytes=None, *, skip_special_tokens: bool = True):
-        self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
-                                                    clean_up_tokenization_spaces=False)
+    def __init__(self, tokenizer, token_bytes, context=()):
+        self._decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         self._bytes = token_bytes
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context)
+        self._first = len(self._ids)  # the first generated token
         self._prefix = 0  # start of the decoding window
-        self._read = 0  # tokens up to here have been turned into text
+        self._read = self._first  # tokens up to here have been turned into text
         self._sent = 0  # characters the held tokens decided, gone out already
 
     def push(self, token_id: int) -> str:
@@ -108,12 +112,10 @@ class Detokenizer:
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
         start = len(before) + self._sent
-        if self._bytes is None:
-            holding, limit = after.endswith(REPLACEMENT) or len(after) <= len(before), MAX_HELD
-        else:  # a token that wrote nothing stays too, as context: a decoder may strip a space it finds first;
-            # and a character's last bytes get room past the tokens that wrote nothing before them
-            inside = after.endswith(REPLACEMENT) and self._inside_a_character()  # bytes cut show as U+FFFD
-            holding, limit = inside or len(after) <= len(before), MAX_HELD + (4 if inside else 0)
+        # a token that wrote nothing stays too, as context: a decoder may strip a space it finds first;
+        # and a character's last bytes get room past the tokens that wrote nothing before them
+        inside = after.endswith(REPLACEMENT) and self._inside_a_character()  # bytes cut show as U+FFFD
+        holding, limit = inside or len(after) <= len(before), MAX_HELD + (4 if inside else 0)
         if holding and len(self._ids) - self._read < limit:
             end = len(after.rstrip(REPLACEMENT))  # what comes before the character still incomplete is decided
             piece = after[start:end] if end > start else ""
@@ -132,10 +134,8 @@ class Detokenizer:
         return after[start:] if len(after) > start else ""
 
     def cut(self) -> bool:
-        """Whether the tokens pushed end inside a character (what `flush` gave then ends in its U+FFFD).
-        Without `token_bytes`, nothing tells a U+FFFD the model wrote from one that stands for cut bytes:
-        taken as cut."""
-        return self._bytes is None or self._inside_a_character(since=max(0, len(self._ids) - MAX_HELD))
+        """Whether the tokens pushed end inside a character (what `flush` gave then ends in its U+FFFD)."""
+        return self._inside_a_character(since=max(self._first, len(self._ids) - MAX_HELD))
 
     def _inside_a_character(self, since: int | None = None) -> bool:
         """Whether the bytes of the tokens from `since` (the held ones by default) end in an incomplete

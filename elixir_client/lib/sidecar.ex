@@ -167,7 +167,7 @@ defmodule Sidecar do
   defp info(conn, limit, started) do
     case whereis(conn, left(limit, started)) do
       nil -> lost(nil)
-      pid -> {:ok, GenServer.call(pid, :info)}
+      pid -> {:ok, GenServer.call(pid, :info, max(left(limit, started), 1))}
     end
   catch
     :exit, _ -> if again?(conn, nil, limit, started), do: info(conn, limit, started), else: lost(nil)

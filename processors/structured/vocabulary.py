@@ -43,9 +43,8 @@ class Vocabulary:
 
     token_bytes: tuple[bytes | None, ...]
     tokenizer: Any = field(default=None, compare=False, repr=False)  # the Hugging Face tokenizer, when read from one
-    # whether the tokenizer writes each token as its bytes wherever it stands (else the name of its decoder)
-    texts_join: bool = field(default=True, compare=False)
-    decoder: str = field(default="", compare=False, repr=False)
+    texts_join: bool = field(default=True, compare=False)  # whether it writes each token as its bytes, anywhere
+    decoder: str = field(default="", compare=False, repr=False)  # its decoder's name, for a refusal
     fingerprint: str = field(init=False)
 
     def __post_init__(self):
@@ -118,10 +117,10 @@ class Vocabulary:
 
 class _LlguidanceView:
     """What `llguidance.TokenizerWrapper` reads: each token's bytes (a special token's name, which llguidance
-    marks as special) and a tokenizer of bytes. The model's tokenizer is used where its tokens spell exactly
-    the bytes given; a normalizer that lowercases, or a space it puts first, would make llguidance
-    force other bytes than the grammar's ("forced bytes: got 'P'; applying 'p'"), so those bytes are then
-    spelled one token a byte, or by the longest tokens that spell them."""
+    marks as special), an end-of-sequence token, and a tokenizer of bytes. The model's tokenizer is used
+    where its tokens spell exactly the bytes given; a normalizer that lowercases, or a space it puts first,
+    would make llguidance force other bytes than the grammar's ("forced bytes: got 'P'; applying 'p'"), so
+    those bytes are then spelled in the fewest tokens that spell them exactly."""
 
     def __init__(self, vocabulary: Vocabulary):
         tokenizer, self._bytes = vocabulary.tokenizer, vocabulary.token_bytes
@@ -129,14 +128,16 @@ class _LlguidanceView:
         self.tokens = [token if token is not None else (names[i] if i < len(names) and names[i] else f"<unused_{i}>")
                        .encode("utf-8") for i, token in enumerate(self._bytes)]
         self.special_token_ids = [i for i, token in enumerate(self._bytes) if token is None]
-        self.eos_token_id = tokenizer.eos_token_id
+        # one of the vocabulary: without, llguidance adds one past it, a column the logits do not have
+        self.eos_token_id = (tokenizer.eos_token_id if tokenizer.eos_token_id is not None
+                             else next(iter(self.special_token_ids), 0))
         self.bos_token_id = tokenizer.bos_token_id
         self._encode = tokenizer.encode
-        self._longest: dict[bytes, int] = {}
+        self._spelling: dict[bytes, int] = {}  # the bytes of a token -> its id (the first of several)
         for token_id, token in enumerate(self._bytes):
             if token is not None:
-                self._longest.setdefault(token, token_id)
-        self._widest = max(map(len, self._longest), default=1)
+                self._spelling.setdefault(token, token_id)
+        self._widest = max(map(len, self._spelling), default=1)
 
     def __call__(self, text: bytes) -> list[int]:
         try:
@@ -145,17 +146,20 @@ class _LlguidanceView:
             ids = None
         if ids is not None and b"".join(self._bytes[i] or b"\xff" for i in ids) == text:
             return ids
-        spelled, at = [], 0
-        while at < len(text):  # the longest token that spells what comes next
-            for width in range(min(self._widest, len(text) - at), 0, -1):
-                token_id = self._longest.get(text[at : at + width])
-                if token_id is not None:
-                    spelled.append(token_id)
-                    at += width
-                    break
-            else:
-                return ids or []  # a byte no token spells: nothing spells it exactly
-        return spelled
+        return self._fewest(text)
+
+    def _fewest(self, text: bytes) -> list[int]:
+        """The fewest tokens whose bytes are exactly `text` ([] when none are): a first match of the longest
+        token could leave a rest no token spells ("abc" as "ab" then "c", with no "c" but "bc")."""
+        best: list[list[int] | None] = [[]] + [None] * len(text)  # best[i]: a spelling of text[:i]
+        for at in range(len(text)):
+            if best[at] is None:
+                continue
+            for width in range(1, min(self._widest, len(text) - at) + 1):
+                token_id = self._spelling.get(text[at : at + width])
+                if token_id is not None and (best[at + width] is None or len(best[at]) + 1 < len(best[at + width])):
+                    best[at + width] = best[at] + [token_id]
+        return best[-1] or []
 
 
 JOIN_SAMPLE = 4096  # tokens `_texts_join` decodes, at most (and the added ones)
@@ -205,7 +209,9 @@ def _decoder_config(tokenizer) -> dict | None:
 def _decoder_name(decoder: dict | None, tokenizer) -> str:
     if isinstance(decoder, dict) and decoder.get("type") == "Sequence":
         return " + ".join(str(step.get("type")) for step in decoder.get("decoders") or ())
-    return str(decoder.get("type")) if isinstance(decoder, dict) else type(tokenizer).__name__
+    if isinstance(decoder, dict):
+        return str(decoder.get("type"))
+    return "none: its tokens joined by spaces" if hasattr(tokenizer, "backend_tokenizer") else type(tokenizer).__name__
 
 
 def forget(fingerprint: str) -> None:

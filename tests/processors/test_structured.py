@@ -439,7 +439,6 @@ def test_what_the_compile_cache_holds_is_weighed_again_when_asked(vocab, monkeyp
     assert count == 1 and held <= structured_compile.cache_bytes(), (count, held)
 
 
-
 def test_a_compile_cache_of_zero_bytes_keeps_the_last_compiled_only(vocab, monkeypatch, forks_here):
     """`--constraint-cache-bytes 0` (its help: "the last compiled is always kept"): each new constraint
     replaces the one before, which compiles again when asked again; the last stays, so a generation that
@@ -455,6 +454,7 @@ def test_a_compile_cache_of_zero_bytes_keeps_the_last_compiled_only(vocab, monke
     assert first.bind(vocab, [EOS]).automaton is not kept and len(forks_here.pids) == 3
     with pytest.raises(ValueError, match="bytes >= 0"):
         structured_compile.set_cache_bytes(-1)
+
 
 def run_chain(chain: Chain, rows: int, steps: int, vocab_size: int, seed: int = 0, reorder=None, every_row_ends=True):
     """Samples from random logits through `chain`; returns each row's tokens up to EOS (EOS excluded).

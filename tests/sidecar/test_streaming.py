@@ -12,7 +12,7 @@ import torch
 
 import processors as P
 from sidecar.errors import InvalidLogits
-from sidecar.text import ByteDetokenizer, Detokenizer, StopMatcher
+from sidecar.text import ByteDetokenizer, Detokenizer, StopMatcher, detokenizer
 
 from .conftest import tokens
 
@@ -22,11 +22,12 @@ TRICKY = "héllo wörld, 日本語のテキスト 🎉🎉 ok"
 def test_detokenizer_never_splits_a_character(engine):
     ids = engine.tokenizer.encode(TRICKY)
     assert len(ids) > len(TRICKY.split())  # multi-byte characters do span several tokens
-    detokenizer = Detokenizer(engine.tokenizer)
-    pieces = [detokenizer.push(t) for t in ids]
-    assert all("\ufffd" not in p for p in pieces)
-    assert "".join(pieces) + detokenizer.flush() == TRICKY
-    assert "" in pieces  # some token completed no character on its own
+    for text in (detokenizer(engine.tokenizer, engine.vocabulary),
+                 Detokenizer(engine.tokenizer, engine.vocabulary.token_bytes)):
+        pieces = [text.push(t) for t in ids]
+        assert all("\ufffd" not in p for p in pieces)
+        assert "".join(pieces) + text.flush() == TRICKY
+        assert "" in pieces  # some token completed no character on its own
 
 
 @pytest.mark.parametrize("stops, chunks", [
@@ -123,11 +124,13 @@ def test_a_replacement_character_the_model_wrote_is_text_and_stops(kind):
 @pytest.mark.parametrize("kind", ["byte-level", "sentencepiece"])
 def test_the_pieces_of_random_token_sequences_add_up_to_their_decoding(engine, kind):
     """Text tokens, special tokens (which write nothing) and, byte-level, tokens that split or break
-    characters, at random: the pieces and what `flush` gives are the tokenizer's decoding. With
-    SentencePiece's decoder a "▁" first in what is decoded loses its space: a first version here let
-    tokens that wrote nothing go, and the space after a special token was lost. (Its byte-fallback tokens
+    characters, at random, after a few input tokens. The engine's detokenizer of these tokenizers (their
+    tokens' bytes decoded) gives what the tokens add to the input's decoding; the window of the decoder's
+    text (the detokenizer of other tokenizers), the decoding of the tokens alone. With SentencePiece's
+    decoder a "▁" first in what is decoded loses its space: a first version of the window let tokens that
+    wrote nothing go, and the space after a special token was lost. (SentencePiece's byte-fallback tokens
     are left out: a run of them that is not UTF-8 decodes to one U+FFFD a byte only as a whole, its ASCII
-    bytes included, which text decided as it comes cannot follow; PROTOCOL says so.)"""
+    bytes included, where the engine's text has the bytes decoded as they come: test_tokenizers.)"""
     import random
     import re
 
@@ -135,16 +138,24 @@ def test_the_pieces_of_random_token_sequences_add_up_to_their_decoding(engine, k
     from tests.processors.test_structured import sentencepiece_tokenizer
 
     tokenizer = engine.tokenizer if kind == "byte-level" else sentencepiece_tokenizer()
-    token_bytes = Vocabulary.from_tokenizer(tokenizer).token_bytes
+    vocabulary = Vocabulary.from_tokenizer(tokenizer)
+    token_bytes = vocabulary.token_bytes
+    assert vocabulary.texts_join
     specials = sorted(tokenizer.all_special_ids)
     surfaces = tokenizer.convert_ids_to_tokens(list(range(len(token_bytes))))
     text = [i for i, b in enumerate(token_bytes) if b and not re.fullmatch(r"<0x[0-9A-F]{2}>", surfaces[i])]
     for seed in range(200):
         rng = random.Random(seed)
-        ids = [rng.choice(specials) if rng.random() < 0.2 else rng.choice(text) for _ in range(rng.randint(1, 40))]
-        detokenizer = Detokenizer(tokenizer, token_bytes)
-        pieces = [detokenizer.push(t) for t in ids]
-        assert "".join(pieces) + detokenizer.flush() == tokenizer.decode(ids, skip_special_tokens=True), ids
+        drawn = [rng.choice(specials) if rng.random() < 0.2 else rng.choice(text) for _ in range(rng.randint(4, 44))]
+        given, ids = tokenizer.encode("Once", add_special_tokens=False), drawn[3:]
+        window = Detokenizer(tokenizer, token_bytes)
+        pieces = [window.push(t) for t in ids]
+        assert "".join(pieces) + window.flush() == tokenizer.decode(ids, skip_special_tokens=True), ids
+        engines = detokenizer(tokenizer, vocabulary, given)
+        pieces = [engines.push(t) for t in ids]
+        before = tokenizer.decode(given, skip_special_tokens=True)
+        added = tokenizer.decode(given + ids, skip_special_tokens=True)[len(before):]
+        assert "".join(pieces) + engines.flush() == added, ids
 
 
 def test_a_stop_on_a_replacement_character_the_model_wrote_ends_the_generation_there(engine):

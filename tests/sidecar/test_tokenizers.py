@@ -13,7 +13,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from processors import Choice, Grammar, JsonSchema, Regex, configure
+from processors import Choice, Grammar, JsonSchema, Regex, SuppressTokens, configure
 from sidecar import Engine
 from sidecar.errors import InvalidProcessor
 
@@ -164,11 +164,81 @@ def test_constraints_are_refused_over_a_wordpiece_vocabulary(wordpiece):
         assert session.history == []
 
 
-def test_a_wordpiece_text_is_its_decoding_without_the_clean_up_of_spaces(wordpiece):
+@pytest.mark.parametrize("prompt, tokens, text", [("it", ["it", "'", "s", "1", "##3", ",", "."], " it ' s 13 , ."),
+                                                   ("1", ["##3", "2"], "3 2")],
+                         ids=["words", "a piece joining the input's last word"])
+def test_a_wordpiece_text_is_what_its_decoding_adds_to_the_input_without_the_clean_up_of_spaces(wordpiece, prompt,
+                                                                                                tokens, text):
     """transformers' clean-up (`clean_up_tokenization_spaces`) takes back spaces before punctuation, which the
-    stream has sent by then: the text is the decoding without it, whole and streamed alike."""
+    stream has sent by then: the text is the decoding without it, whole and streamed alike; and, as for any
+    tokenizer, what the tokens add to the input's text (a first "##3" wrote "##3")."""
     tokenizer = wordpiece.tokenizer
-    ids = tokenizer.convert_tokens_to_ids(["it", "'", "s", "1", "##3", ",", "."])
-    text = streamed(wordpiece, "it", ids).text
-    assert text == tokenizer.decode(ids, clean_up_tokenization_spaces=False) == "it ' s 13 , ."
-    assert tokenizer.decode(ids) == "it's 13,."  # with the clean-up
+    ids, given = tokenizer.convert_tokens_to_ids(tokens), tokenizer.encode(prompt)
+    whole = tokenizer.decode(given + ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert streamed(wordpiece, prompt, ids).text == text == whole[len(tokenizer.decode(given, skip_special_tokens=True)):]
+    if prompt == "it":
+        assert tokenizer.decode(given + ids, skip_special_tokens=True) == "it it's 13,."  # with the clean-up
+
+
+def test_every_sequence_of_samples_and_beams_writes_what_it_adds_to_the_input(llama_like):
+    """Their texts are made apart from the stream (beams stream nothing): " yes" for "▁yes" too. (Byte tokens
+    are left out: a run of them that is not UTF-8 is decoded otherwise, by design, as tested above.)"""
+    tokenizer = llama_like.tokenizer
+    given = tokenizer.encode("Answer:")
+    before = tokenizer.decode(given, skip_special_tokens=True)
+    no_bytes = configure(SuppressTokens, token_ids=tokenizer.convert_tokens_to_ids(BYTE_TOKENS))
+    with llama_like.session() as session:
+        for options in (dict(strategy="sample", seed=3, num_samples=3), dict(strategy="beam", num_beams=3,
+                                                                             num_return_sequences=3)):
+            result = session.generate(token_ids=given, max_new_tokens=6, eos_token_ids=[], processors=[no_bytes],
+                                      **options)
+            assert len({tuple(sequence.token_ids) for sequence in result.sequences}) == 3
+            for sequence in result.sequences:
+                whole = tokenizer.decode(given + sequence.token_ids, skip_special_tokens=True)
+                assert sequence.text == whole[len(before):], (options, sequence)
+
+
+def test_continuing_by_characters_counts_in_the_input_text_and_the_generated(llama_like):
+    """`continue` with `chars` counts in the text of the sequence's tokens: the input's text, then what the
+    generation added to it, as the caller got it."""
+    tokenizer = llama_like.tokenizer
+    ids = tokenizer.convert_tokens_to_ids(["\u2581yes", "\u2581no", "a"])
+    with llama_like.session() as session:
+        result = session.generate("Answer:", max_new_tokens=4, processors=[forcing(ids)])
+        seen = "Answer:" + result.text
+        assert seen == "Answer: yes noa"
+        kept = result.sequences[0].tokens.cut(len("Answer: yes"))
+        assert kept.ids == tuple(tokenizer.encode("Answer:")) + (ids[0],) and kept.text == "Answer: yes"
+
+
+def test_a_grammar_runs_over_a_tokenizer_without_an_end_of_sequence_token():
+    """llguidance, given no end token, made one past the vocabulary: its column, which the logits do not have,
+    raised an untyped IndexError."""
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>"] + BYTE_TOKENS + ["\u2581a", "a", "b"])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(x, special=True, normalized=False) for x in ["<unk>", "<s>"]])
+    engine = engine_for(PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="<unk>",
+                                                pad_token="<unk>"))
+    assert engine.tokenizer.eos_token_id is None
+    with engine.session() as session:
+        result = session.generate("a", max_new_tokens=4, eos_token_ids=[0],
+                                  processors=[configure(Grammar, grammar='start: "ab"')])
+    assert (result.text, result.finish_reason) == ("ab", "eos")
+
+
+def test_llguidance_spells_forced_text_with_tokens_that_spell_it_exactly():
+    """Its text "abc" over tokens "ab", "a", "bc" (no "c"): the longest first match left a rest no token
+    spells, and the encoder's spelling puts a space first, so llguidance gave up on a three-letter grammar."""
+    unigram = Tokenizer(models.Unigram([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0), ("ab", -2.0),
+                                        ("a", -2.0), ("bc", -2.0), ("x", -2.0), ("\u2581a", -2.0)], 2))
+    unigram.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    unigram.decoder = decoders.Metaspace(prepend_scheme="always")
+    engine = engine_for(PreTrainedTokenizerFast(tokenizer_object=unigram, eos_token="</s>", unk_token="<unk>",
+                                                pad_token="<pad>"))
+    with engine.session() as session:
+        result = session.generate("x", max_new_tokens=6, eos_token_ids=[1],
+                                  processors=[configure(Grammar, grammar='start: "abc"')])
+    assert (result.text, result.finish_reason) == ("abc", "eos")
