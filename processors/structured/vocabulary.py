@@ -97,10 +97,12 @@ class Vocabulary:
                    decoder=_decoder_name(decoder, tokenizer))
 
     def llguidance_tokenizer(self):
-        """llguidance's view of this vocabulary (for `Grammar`), built once per vocabulary from the same bytes
-        as our automata's: llguidance's own reading of a tokenizer's configuration knows fewer decoders (a
-        plain Metaspace one, T5's and XGLM's, raised an untyped ValueError), and its text is then the
-        caller's text as `texts_join` checked it."""
+        """llguidance's view of this vocabulary (for `Grammar`), built once per vocabulary. Its own reading of
+        the tokenizer's configuration (in Rust: masks a third faster) where that reads every token as our
+        bytes and the tokenizer writes text as given (byte-level BPE, Llama's SentencePiece); else one made
+        from our bytes (`_LlguidanceView`): llguidance's reading knows fewer decoders (a plain Metaspace
+        one, T5's and XGLM's, raised an untyped ValueError) and forced text through a lowercasing
+        normalizer, and its text is then the caller's as `texts_join` checked it."""
         self.check_texts_join()
         with _llguidance_lock:
             cached = _LLGUIDANCE.get(self.fingerprint)
@@ -110,9 +112,36 @@ class Vocabulary:
                                         "Vocabulary.from_tokenizer")
                 import llguidance
 
-                cached = _LLGUIDANCE[self.fingerprint] = llguidance.LLTokenizer(
+                cached = _LLGUIDANCE[self.fingerprint] = _llguidance_reading(self) or llguidance.LLTokenizer(
                     llguidance.TokenizerWrapper(_LlguidanceView(self)), n_vocab=self.size)
         return cached
+
+
+# Texts a tokenizer must write as given (but for a space first) for llguidance's own reading of it: case,
+# digits, punctuation, JSON, runs of spaces, accents and other scripts
+_WRITTEN_AS_GIVEN = ('Paulo SAID: "Hello, World!" {"a": [1, -2.5e3, true]}  \t x', "ÉtÉ naïve 東京 🙂 ﬁ")
+
+
+def _llguidance_reading(vocabulary: Vocabulary):
+    """llguidance's own view of the tokenizer, or None where it is not ours: it fails on the decoder, reads
+    a token as other bytes, or forced text would go through an encoder that writes other text."""
+    import llguidance.hf
+
+    tokenizer = vocabulary.tokenizer
+    if tokenizer.eos_token_id is None:  # it would put an end token past the vocabulary
+        return None
+    try:
+        reading = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocabulary.size)
+    except Exception:  # a decoder it cannot read ("can't determine decoder type"), or any other refusal
+        return None
+    if any(token is not None and not token.startswith(b"\xff") and reading.decode_bytes([token_id]) != token
+           for token_id, token in enumerate(vocabulary.token_bytes)):  # 0xFF is llguidance's mark of specials:
+        return None  # it reads that byte as nothing, and valid UTF-8 never holds it
+    for text in _WRITTEN_AS_GIVEN:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if b"".join(vocabulary.token_bytes[i] or b"\xff" for i in ids).removeprefix(b" ") != text.encode("utf-8"):
+            return None
+    return reading
 
 
 class _LlguidanceView:

@@ -116,6 +116,39 @@ def sentencepiece_tokenizer():
                                    bos_token="<s>", unk_token="<unk>")
 
 
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_the_llguidance_view_made_from_our_bytes_masks_as_llguidances_own_reading(kind, tokenizer):
+    """llguidance reads most tokenizers itself (faster); the others get a view made from the engine's token
+    bytes, which must mask as llguidance's own reading does where both apply: along random walks of a
+    JSON grammar, every mask equal, and so the text llguidance forces."""
+    import llguidance
+    import llguidance.hf
+    import llguidance.numpy as llg
+
+    from processors.structured.vocabulary import _LlguidanceView
+
+    tok = tokenizer if kind == "byte_level" else sentencepiece_tokenizer()
+    vocab = Vocabulary.from_tokenizer(tok)
+    own = llguidance.hf.from_tokenizer(tok, n_vocab=vocab.size)
+    ours = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_LlguidanceView(vocab)), n_vocab=vocab.size)
+    grammar = llguidance.grammar_from("json_schema", json.dumps(NESTED))
+    rng, steps = random.Random(5), 0
+    for _ in range(12):
+        matchers = [llguidance.LLMatcher(own, grammar), llguidance.LLMatcher(ours, grammar)]
+        masks = [llg.allocate_token_bitmask(1, vocab.size) for _ in matchers]
+        for _ in range(40):
+            for matcher, mask in zip(matchers, masks):
+                llg.fill_next_token_bitmask(matcher, mask, 0)
+            assert np.array_equal(masks[0], masks[1]), steps
+            allowed = np.flatnonzero(np.unpackbits(masks[0].view(np.uint8), bitorder="little")[: vocab.size])
+            if matchers[0].is_accepting() or not len(allowed):
+                break
+            token = int(rng.choice(list(allowed)))
+            assert all(matcher.consume_token(token) for matcher in matchers)
+            steps += 1
+    assert steps > 100
+
+
 TEXTS = ["Hello world", "  two  spaces", "naïve café — 東京 🙂", "tabs\tand\nnewlines", "Ġ is not a space"]
 
 
