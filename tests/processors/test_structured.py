@@ -125,12 +125,12 @@ def test_the_llguidance_view_made_from_our_bytes_masks_as_llguidances_own_readin
     import llguidance.hf
     import llguidance.numpy as llg
 
-    from processors.structured.vocabulary import _LlguidanceView
+    from processors.structured.llguidance_view import BytesView
 
     tok = tokenizer if kind == "byte_level" else sentencepiece_tokenizer()
     vocab = Vocabulary.from_tokenizer(tok)
     own = llguidance.hf.from_tokenizer(tok, n_vocab=vocab.size)
-    ours = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_LlguidanceView(vocab)), n_vocab=vocab.size)
+    ours = llguidance.LLTokenizer(llguidance.TokenizerWrapper(BytesView(vocab)), n_vocab=vocab.size)
     grammar = llguidance.grammar_from("json_schema", json.dumps(NESTED))
     rng, steps = random.Random(5), 0
     for _ in range(12):
