@@ -170,7 +170,8 @@ defmodule Sidecar do
       pid -> {:ok, GenServer.call(pid, :info, max(left(limit, started), 1))}
     end
   catch
-    :exit, _ -> if again?(conn, nil, limit, started), do: info(conn, limit, started), else: lost(nil)
+    :exit, reason ->
+      if again?(conn, nil, limit, started, reason), do: info(conn, limit, started), else: lost(nil)
   end
 
   # The connection's incarnation (the sessions it opens carry it), within a call's timeout.
@@ -188,15 +189,24 @@ defmodule Sidecar do
     :exit, {:timeout, _} ->
       {:error, Error.new(:timeout, "the connection did not answer within #{limit} ms")}
 
-    :exit, _ ->
-      if again?(conn, nil, limit, started), do: incarnation(conn, limit, started), else: lost(nil)
+    :exit, reason ->
+      if again?(conn, nil, limit, started, reason), do: incarnation(conn, limit, started), else: lost(nil)
   end
 
   # Whether a call that found the connection under `conn` as it stopped (its sidecar exited: it answers
   # its pending callers, then drains its stderr before it goes) looks the name up again, for the one its
-  # supervisor starts next: while `limit` lasts, and only for a call that names no session of it.
-  defp again?(conn, incarnation, limit, started),
-    do: incarnation == nil and not is_pid(conn) and left(limit, started) > 0
+  # supervisor starts next: while `limit` lasts, and only for a call that names no session of it. Another
+  # exit (a node down, a process under the name that is no connection) is not retried; a retry waits 2 ms.
+  defp again?(conn, incarnation, limit, started, exit_reason) do
+    retried = incarnation == nil and not is_pid(conn) and stopped?(exit_reason) and left(limit, started) > 0
+    if retried, do: Process.sleep(2)
+    retried
+  end
+
+  defp stopped?({reason, {GenServer, :call, _}}), do: stopped?(reason)
+  defp stopped?(reason) when reason in [:noproc, :normal, :shutdown], do: true
+  defp stopped?({:shutdown, _}), do: true
+  defp stopped?(_), do: false
 
   @doc """
   Opens a session on `model` (default `\"default\"`); `name:` lets you choose its name, `timeout:`
@@ -235,7 +245,7 @@ defmodule Sidecar do
           {:ok, reply, incarnation}
 
         {:error, %Error{reason: :session_lost}} ->
-          if again?(conn, nil, hand_over_limit(timeout), started),
+          if not is_pid(conn) and left(hand_over_limit(timeout), started) > 0,
             do: making_session(conn, op, params, timeout, started, owner),
             else: lost(nil)
 
@@ -820,10 +830,10 @@ defmodule Sidecar do
 
             {:error, Error.new(:timeout, "the connection did not take the request within #{limit} ms")}
 
-          :exit, _ ->
+          :exit, reason ->
             Process.demonitor(ref, [:flush])
 
-            if again?(conn, incarnation, limit, handing),
+            if again?(conn, incarnation, limit, handing, reason),
               do: hand_over(conn, op, params, incarnation, limit, handing, session_owner),
               else: lost(incarnation)
         end

@@ -1,14 +1,15 @@
-"""llguidance's view of a vocabulary: its own reading of the tokenizer where that is ours, else one made
-from the vocabulary's token bytes.
+"""llguidance's view of a vocabulary, made from the vocabulary's token bytes.
 
-llguidance reads a Hugging Face tokenizer's configuration itself, in Rust, and computes its masks a third
-faster that way than through a view whose encoder is Python (measured: 17-19 against 26-32 us a mask over
-the default vocabulary). But it knows fewer decoders than transformers (a plain Metaspace one, T5's and
-XGLM's, raised an untyped ValueError), and it spells the text a grammar forces with the tokenizer's own
-encoder, which may write other text (a lowercasing normalizer: "forced bytes: got 'P'; applying 'p'").
-So its reading is taken only where it reads every token as the engine's bytes and the tokenizer writes
-text as given; the others get the view made from the engine's bytes, whose text is then the caller's as
-`Vocabulary.texts_join` checked it.
+llguidance can read a Hugging Face tokenizer's configuration itself, in Rust, and its masks are a third
+faster that way (measured: 17-19 against 26-32 us a mask over the default vocabulary, the same masks),
+since its view of our bytes calls back into Python to spell the text a grammar forces. But its own
+reading is not ours: it knows fewer decoders (a plain Metaspace one, T5's and XGLM's, raised an untyped
+ValueError); it spells forced text with the tokenizer's encoder, which may write other text (a
+lowercasing normalizer: "forced bytes: got 'P'; applying 'p'") and turns a special token's name in a
+grammar's literal ("x</s>y") into that token, which writes no text or ends the generation; and it takes
+added tokens that are not special ("<tool_call>") for special ones, which no text may use. So every
+vocabulary gets the view of its own bytes, whose text is then the caller's as `Vocabulary.texts_join`
+checked it.
 """
 
 from __future__ import annotations
@@ -17,32 +18,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .vocabulary import Vocabulary
-
-# Texts a tokenizer must write as given (but for a space first) for llguidance's own reading of it: case,
-# digits, punctuation, JSON, runs of spaces, accents and other scripts
-_WRITTEN_AS_GIVEN = ('Paulo SAID: "Hello, World!" {"a": [1, -2.5e3, true]}  \t x', "ÉtÉ naïve 東京 🙂 ﬁ")
-
-
-def _own_reading(vocabulary: Vocabulary):
-    """llguidance's own view of the tokenizer, or None where it is not ours: it fails on the decoder, reads
-    a token as other bytes, or forced text would go through an encoder that writes other text."""
-    import llguidance.hf
-
-    tokenizer = vocabulary.tokenizer
-    if tokenizer.eos_token_id is None:  # it would put an end token past the vocabulary
-        return None
-    try:
-        reading = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocabulary.size)
-    except Exception:  # a decoder it cannot read ("can't determine decoder type"), or any other refusal
-        return None
-    if any(token is not None and not token.startswith(b"\xff") and reading.decode_bytes([token_id]) != token
-           for token_id, token in enumerate(vocabulary.token_bytes)):  # 0xFF is llguidance's mark of specials:
-        return None  # it reads that byte as nothing, and valid UTF-8 never holds it
-    for text in _WRITTEN_AS_GIVEN:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if b"".join(vocabulary.token_bytes[i] or b"\xff" for i in ids).removeprefix(b" ") != text.encode("utf-8"):
-            return None
-    return reading
 
 
 class BytesView:
@@ -96,5 +71,4 @@ def llguidance_tokenizer(vocabulary: Vocabulary):
     """An `llguidance.LLTokenizer` of `vocabulary` (see the module)."""
     import llguidance
 
-    return _own_reading(vocabulary) or llguidance.LLTokenizer(llguidance.TokenizerWrapper(BytesView(vocabulary)),
-                                                              n_vocab=vocabulary.size)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(BytesView(vocabulary)), n_vocab=vocabulary.size)

@@ -97,12 +97,8 @@ class Vocabulary:
                    decoder=_decoder_name(decoder, tokenizer))
 
     def llguidance_tokenizer(self):
-        """llguidance's view of this vocabulary (for `Grammar`), built once per vocabulary. Its own reading of
-        the tokenizer's configuration (in Rust: masks a third faster) where that reads every token as our
-        bytes and the tokenizer writes text as given (byte-level BPE, Llama's SentencePiece); else one made
-        from our bytes (`llguidance_view`): llguidance's reading knows fewer decoders (a plain Metaspace
-        one, T5's and XGLM's, raised an untyped ValueError) and forced text through a lowercasing
-        normalizer, and its text is then the caller's as `texts_join` checked it."""
+        """llguidance's view of this vocabulary (for `Grammar`), built once per vocabulary from the same bytes
+        as our automata's (`llguidance_view`: llguidance's own reading of the tokenizer is not ours)."""
         self.check_texts_join()
         with _llguidance_lock:
             cached = _LLGUIDANCE.get(self.fingerprint)

@@ -7,16 +7,18 @@ on a plain Metaspace decoder and forced "p" for "P" under a lowercasing normaliz
 vocabulary let a regex of digits write "3 3 2"."""
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from processors import Choice, Grammar, JsonSchema, Regex, SuppressTokens, configure
+from processors import Choice, Grammar, JsonSchema, Regex, SequenceBias, SuppressTokens, configure
 from sidecar import Engine
 from sidecar.errors import InvalidProcessor
 
+ROOT = Path(__file__).resolve().parents[2]
 BYTE_TOKENS = [f"<0x{b:02X}>" for b in range(256)]
 SPECIALS = ["<unk>", "<s>", "</s>"]
 
@@ -242,3 +244,20 @@ def test_llguidance_spells_forced_text_with_tokens_that_spell_it_exactly():
         result = session.generate("x", max_new_tokens=6, eos_token_ids=[1],
                                   processors=[configure(Grammar, grammar='start: "abc"')])
     assert (result.text, result.finish_reason) == ("abc", "eos")
+
+
+def test_a_grammar_writes_the_names_of_special_tokens_as_text_and_takes_added_tokens_as_text():
+    """llguidance's own reading of a tokenizer spelled a grammar's "x</s>y" with the end token itself (the text
+    stopped at "x"), and took the added token "<tool_call>" (not special) for a special one, which no text
+    may use. Over the engine's bytes, "</s>" is text, and "<tool_call>" is its token's text."""
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(ROOT / "sidecar/default_model/tokenizer.json"),
+                                        eos_token="</s>", bos_token="<s>", pad_token="<pad>")
+    tokenizer.add_tokens(["<tool_call>"])
+    engine = engine_for(tokenizer)
+    call = tokenizer.convert_tokens_to_ids("<tool_call>")
+    with engine.session() as session:
+        named = session.generate("x", max_new_tokens=16, processors=[configure(Grammar, grammar='start: "x</s>y" "."')])
+        assert (named.text, named.finish_reason) == ("x</s>y.", "eos") and 2 not in named.token_ids[:-1]
+        added = session.generate("x", max_new_tokens=16, processors=[configure(Grammar, grammar='start: "<tool_call>x" "."'),
+                                                                     configure(SequenceBias, sequence_bias=[[[call], 50.0]])])
+        assert (added.text, added.finish_reason) == ("<tool_call>x.", "eos") and call in added.token_ids
