@@ -9,8 +9,9 @@ stop would remove.
 
 A generation's text is what its tokens add to the text before them, as vLLM gives it: a SentencePiece
 token "▁Hello" writes " Hello" (decoding the generated ids alone drops that space, as the start of a
-whole text). So the input's text and the generation's join into the sequence's, and a constraint, which
-reads each token as its bytes, matches the text the caller gets.
+whole text). So the input's text and the generation's join into the sequence's (but where the input
+writes no text: that decoder drops the space there), and a constraint, which reads each token as its
+bytes, matches the text the caller gets.
 """
 
 from __future__ import annotations
