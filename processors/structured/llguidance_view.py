@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from .vocabulary import Vocabulary
 
 
+MAX_SPELLED = 4096  # texts a view keeps the spelling of (forced texts: a grammar's literals and their tails)
+
+
 class BytesView:
     """What `llguidance.TokenizerWrapper` reads: each token's bytes (a special token's name, which llguidance
     marks as special), an end-of-sequence token, and a tokenizer of bytes. The model's tokenizer is used
@@ -37,7 +40,10 @@ class BytesView:
         self.eos_token_id = (tokenizer.eos_token_id if tokenizer.eos_token_id is not None
                              else next(iter(self.special_token_ids), 0))
         self.bos_token_id = tokenizer.bos_token_id
-        self._encode = tokenizer.encode
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # transformers' encode costs ~100 us more a call
+        self._encode = ((lambda text: backend.encode(text, add_special_tokens=False).ids) if backend is not None
+                        else (lambda text: tokenizer.encode(text, add_special_tokens=False)))
+        self._spelled: dict[bytes, list[int]] = {}  # what llguidance asked already: it asks the same texts again
         self._spelling: dict[bytes, int] = {}  # the bytes of a token -> its id (the first of several)
         for token_id, token in enumerate(self._bytes):
             if token is not None:
@@ -45,8 +51,18 @@ class BytesView:
         self._widest = max(map(len, self._spelling), default=1)
 
     def __call__(self, text: bytes) -> list[int]:
+        """Called back from llguidance's threads, for the text a grammar forces (150 us a call measured
+        through transformers' encode, most of a step's cost): each text is spelled once."""
+        spelled = self._spelled.get(text)
+        if spelled is None:
+            if len(self._spelled) >= MAX_SPELLED:
+                self._spelled.clear()
+            spelled = self._spelled[text] = self._spell(text)
+        return list(spelled)
+
+    def _spell(self, text: bytes) -> list[int]:
         try:
-            ids = self._encode(text.decode("utf-8"), add_special_tokens=False)
+            ids = self._encode(text.decode("utf-8"))
         except UnicodeDecodeError:
             ids = None
         if ids is not None and b"".join(self._bytes[i] or b"\xff" for i in ids) == text:
