@@ -349,7 +349,6 @@ def _finite(number: Real) -> bool:
         return False
 
 
-
 def _check_options(*, cache_budget_bytes=DEFAULT_CACHE_BUDGET, prefill_chunk=DEFAULT_PREFILL_CHUNK,
                    max_rows=DEFAULT_MAX_ROWS, share_prefixes=True) -> None:
     """Raises `InvalidArgument` naming an engine option of a value it cannot take: before a model loads

@@ -329,8 +329,7 @@ class GrammarProcessor(LogitsProcessor):
         bias = np.take(_BYTE_BIASES, bitmask.astype("<i4", copy=False).view(np.uint8), axis=0)
         bias = bias.reshape(len(matchers), -1)[:, :logits.shape[1]]
         bias[:, self._eos_columns] = np.where(ends, np.float32(0), np.float32(NEG_INF))[:, None]
-        # where a row may end, llguidance's mask allows its own end there too
-        if self._own_end is not None and self._own_end < bias.shape[1]:
+        if self._own_end is not None:  # where a row may end, llguidance's mask allows its own end there too
             bias[ends, self._own_end] = NEG_INF
         logits = torch.from_numpy(bias).to(logits.device, logits.dtype).add_(logits)
         stuck = logits.amax(dim=1) == NEG_INF

@@ -121,7 +121,7 @@ def _texts_join(tokenizer, token_bytes: list[bytes | None], surfaces: list[str |
     their bytes joined, but where a decoder drops the space that starts a whole text (SentencePiece's).
     Over a large vocabulary, `JOIN_SAMPLE` tokens spread over it and every added token are checked: the
     decoders that write other text do it to most tokens (WordPiece to every word, BPE's "</w>" to every
-    word end). 4 ms at 1k tokens, 10 ms at 32k."""
+    word end). 1.2 ms at 1k tokens, 8 ms at 32k."""
     plain = [i for i, token in enumerate(token_bytes[: len(surfaces)]) if token and len(token) <= 2
              and surfaces[i] is not None and all(0x21 <= byte < 0x7F for byte in token)]
     if not plain:
