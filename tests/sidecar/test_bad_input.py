@@ -780,3 +780,20 @@ def test_the_input_ids_a_result_keeps_are_checked_when_given_back(engine):
         kept.append(engine.vocab_size)
         with pytest.raises(TokenOutOfRange):
             session.generate(token_ids=kept, max_new_tokens=2)
+
+
+def test_token_ids_of_any_integer_type_are_the_same_input(engine):
+    """Plain ints are checked in one pass at C speed (a list of 262,144 took 160 ms a Python step per id); numpy's
+    integers, mixed in or alone, go the per-id way and mean the same ids, and anything else among them is refused."""
+    import numpy as np
+
+    from sidecar.errors import InvalidArgument
+
+    prompt = tokens(6, seed=72)
+    with engine.session() as session:
+        expected = session.generate(token_ids=prompt, max_new_tokens=3, eos_token_ids=[]).token_ids
+        for given in ([np.int64(t) for t in prompt], prompt[:3] + [np.int32(t) for t in prompt[3:]], tuple(prompt)):
+            assert session.generate(token_ids=given, max_new_tokens=3, eos_token_ids=[]).token_ids == expected
+        for bad in (prompt + [None], prompt + [np.float32(5)], prompt + [np.bool_(True)]):
+            with pytest.raises(InvalidArgument):
+                session.generate(token_ids=bad, max_new_tokens=3)
