@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import logging
 import math
 import threading
 from collections import OrderedDict
@@ -33,6 +34,8 @@ from .kv import KVStore
 from .scheduler import Scheduler
 from .text import check_unicode
 from .session import REUSES, STRATEGIES, Request, Session
+
+log = logging.getLogger("sidecar")
 
 DEFAULT_CACHE_BUDGET = 2 * 1024**3
 DEFAULT_PREFILL_CHUNK = 512
@@ -67,7 +70,7 @@ class Engine:
         eos = model.generation_config.eos_token_id
         if not all(_is_int(e) and e >= 0 for e in _end_tokens(eos)):
             raise InvalidModel(f"the model's generation config has eos_token_id {str(eos)[:100]}, which is not a token "
-                               "id or a list of them")
+                               "id or a list of them", **({"path": str(path)} if path is not None else {}))
         training, self.model = model.training, model.eval()  # dropout off, as from_pretrained leaves it (or it drew at random)
         self.tokenizer = tokenizer
         # transformers warns once per tokenizer of a text tokenized past the model's context, "Running this
@@ -80,6 +83,7 @@ class Engine:
         self.max_rows = int(max_rows)  # num_beams and num_samples at most
         self.share_prefixes = share_prefixes
         self.vocab_size = models.vocab_size(model)
+        self._default_eos = _default_eos(model, tokenizer, self.vocab_size)
         # the bytes each token id writes: what constraints are compiled against, and what tells a generation's
         # text (`text.detokenizer`). Made here, on a loading thread for a
         # load_model (0.1 s at 32k tokens), not by a request on the server's main thread.
@@ -160,10 +164,7 @@ class Engine:
 
     @property
     def default_eos_token_ids(self) -> frozenset[int]:
-        eos = self.model.generation_config.eos_token_id
-        if eos is None:
-            eos = self.tokenizer.eos_token_id
-        return frozenset(_end_tokens(eos))
+        return self._default_eos
 
     def stats(self) -> dict:
         with self.lock:
@@ -365,6 +366,21 @@ def _check_options(*, cache_budget_bytes=DEFAULT_CACHE_BUDGET, prefill_chunk=DEF
 
 def _is_int(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _default_eos(model, tokenizer, vocab_size: int) -> frozenset[int]:
+    """The ids that end a generation unless it says otherwise: the generation config's `eos_token_id`, else the
+    tokenizer's EOS, less any id past the vocabulary. The model can never write those (transformers' `generate`
+    runs with them, never stopping on them), and a constraint, which must be able to end, was refused for them."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids = _end_tokens(eos)
+    outside = [e for e in ids if not (_is_int(e) and 0 <= e < vocab_size)]
+    if outside:
+        log.warning("the model's end-of-sequence ids %s are outside its vocabulary of %d tokens: it can never write "
+                    "them, and they are left out of its default eos_token_ids", outside[:5], vocab_size)
+    return frozenset(e for e in ids if e not in outside)
 
 
 def _end_tokens(eos) -> list:

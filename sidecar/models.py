@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
 
 from . import default_model
@@ -91,10 +92,13 @@ def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remo
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except (Exception, SystemExit) as error:  # OSError, ValueError or TypeError depending on what is missing
+        if not trust_remote_code and "trust_remote_code" in str(error):  # a tokenizer class only its own code has
+            raise _remote_code_required(path, "tokenizer_config.json") from error
         raise NoTokenizer(f"no usable tokenizer in {str(path)!r}: {_brief(error)}", path=str(path)) from error
     if tokenizer is None or not hasattr(tokenizer, "decode") or len(tokenizer) < 2:
         raise NoTokenizer(f"no usable tokenizer in {str(path)!r} (no tokenizer files, or an empty vocabulary)",
                           path=str(path))
+    _check_generation_config(path)
     try:
         model, loading = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, trust_remote_code=trust_remote_code, dtype=torch_dtype, output_loading_info=True
@@ -129,6 +133,18 @@ def _brief(error: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def _check_generation_config(path: Path) -> None:
+    """A generation_config.json that is JSON but no object failed inside transformers' loading, blamed on the
+    weights. One that is not JSON at all transformers passes over (the config's defaults serve), as we do."""
+    file = path / "generation_config.json"
+    try:
+        parsed = json.loads(file.read_text()) if file.is_file() else {}
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if not isinstance(parsed, dict):
+        raise InvalidModel(f"{str(file)!r} is not a JSON object", path=str(path))
+
+
 def _check_remote_code(path: Path, trust_remote_code: bool) -> None:
     """A config or tokenizer config that maps to code needs explicit consent before anything is imported,
     and that code must live inside the directory: an `auto_map` entry naming another repository
@@ -149,16 +165,29 @@ def _check_auto_map(path: Path, name: str, trust_remote_code: bool) -> None:
     if not auto_map:
         return
     if not trust_remote_code:
-        raise RemoteCodeRequired(
-            f"{str(path)!r} ships its own code ({name} has an auto_map); load it with trust_remote_code=True to run that code",
-            path=str(path),
-        )
+        # transformers' own classes serve a model type it knows, as from_pretrained does without trust (Phi-3's
+        # repositories ship code for a type transformers has since taken in); a tokenizer's class is looked up
+        # by AutoTokenizer itself, whose refusal `load` reports as this one
+        if name == "tokenizer_config.json" or config.get("model_type") in CONFIG_MAPPING:
+            return
+        raise _remote_code_required(path, name)
     references = auto_map.values() if isinstance(auto_map, dict) else [auto_map]
     for reference in references:
         for target in reference if isinstance(reference, list) else [reference]:
             if target is not None and not (isinstance(target, str) and INSIDE.fullmatch(target)):
                 raise InvalidModel(f"{str(path)!r}: auto_map entry {str(target)[:100]!r} is not a module of the "
                                    "directory (module.Class); code from anywhere else is never run", path=str(path))
+            module = None if target is None else path / (target.rsplit(".", 1)[0].replace(".", "/") + ".py")
+            if module is not None and not module.is_file():
+                raise InvalidModel(f"{str(path)!r}: {name}'s auto_map names {target!r}, and the directory has no "
+                                   f"{module.name}", path=str(path))
+
+
+def _remote_code_required(path: Path, name: str) -> RemoteCodeRequired:
+    unknown = "a tokenizer class" if name == "tokenizer_config.json" else "a model type"
+    return RemoteCodeRequired(f"{str(path)!r} ships its own code ({name} has an auto_map, for {unknown} transformers "
+                              "does not know): allow it with trust_remote_code (the CLI's --trust-remote-code) to run "
+                              "that code", path=str(path))
 
 
 def _has_remote_causal_lm(config) -> bool:

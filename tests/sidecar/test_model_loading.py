@@ -82,8 +82,20 @@ def malicious_pickle(default, d, markers):
 
 
 def auto_map_local(default, d, markers):
+    """A model type transformers does not know, whose code the directory ships (and does not, here)."""
     copy_model(default, d)
-    edit_json(d / "config.json", auto_map={"AutoModelForCausalLM": "modeling_x.XModel"})
+    edit_json(d / "config.json", model_type="x_llama", auto_map={"AutoModelForCausalLM": "modeling_x.XModel"})
+
+
+def auto_map_module_missing(default, d, markers):
+    """Code for a type transformers knows, named by auto_map but not shipped: trusted, there is none to run."""
+    copy_model(default, d)
+    edit_json(d / "config.json", auto_map={"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XModel"})
+
+
+def generation_config_a_list(default, d, markers):
+    copy_model(default, d)
+    (d / "generation_config.json").write_text("[2]")
 
 
 def auto_map_other_repo(default, d, markers):
@@ -150,15 +162,17 @@ BROKEN = [  # (kind, builder, trust_remote_code, code)
     ("truncated safetensors", truncated_safetensors, False, "invalid_model"),
     ("weights of another architecture than the config's", config_of_another_architecture, False, "invalid_model"),
     ("an end token in generation_config.json that is no token id", end_token_not_an_id, False, "invalid_model"),
+    ("generation_config.json a JSON list", generation_config_a_list, False, "invalid_model"),
     ("malicious pickle as pytorch_model.bin", malicious_pickle, False, "invalid_model"),
     ("auto_map without trust", auto_map_local, False, "remote_code_required"),
     ("auto_map naming another repository, trusted", auto_map_other_repo, True, "invalid_model"),
     ("tokenizer auto_map naming another repository, trusted", tokenizer_auto_map_other_repo, True, "invalid_model"),
     ("auto_map naming a module outside the directory by path, trusted", auto_map_outside_path, True, "invalid_model"),
+    ("auto_map naming a module the directory lacks, trusted", auto_map_module_missing, True, "invalid_model"),
 ]
 IDS = [getattr(row, "id", None) or row[0] for row in BROKEN]
 BUILDERS = [no_weights, config_not_json, config_a_list, truncated_safetensors, config_of_another_architecture,
-            end_token_not_an_id, malicious_pickle, auto_map_local,
+            end_token_not_an_id, generation_config_a_list, malicious_pickle, auto_map_local, auto_map_module_missing,
             auto_map_other_repo, tokenizer_auto_map_other_repo, auto_map_outside_path, shipped_code, waits_for_a_file]
 SERVER = [sys.executable, "-m", "sidecar", "--log-level", "WARNING", "--max-models", "16"]
 
@@ -223,6 +237,7 @@ def test_engine_load(dirs, no_network, kind, build, trust, code):
     with pytest.raises(SidecarError) as caught:
         Engine.load(dirs["root"] / build.__name__, trust_remote_code=trust)
     assert (caught.value.code, no_network) == (code, []), caught.value
+    assert caught.value.details.get("path") == str(dirs["root"] / build.__name__), caught.value.details
     assert not trust or time.monotonic() - started < FAST_S
     assert not list(dirs["markers"].iterdir())
 

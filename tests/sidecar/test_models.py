@@ -91,7 +91,45 @@ def test_no_tokenizer(default_dir, tmp_path):
 def test_remote_code_needs_consent(default_dir, tmp_path):
     shutil.copytree(default_dir, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomModel"}
+    config.update(model_type="custom_llama", auto_map={"AutoModelForCausalLM": "modeling_custom.CustomModel"})
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(errors.RemoteCodeRequired, match="trust_remote_code=True"):
+    with pytest.raises(errors.RemoteCodeRequired, match="trust_remote_code .the CLI's --trust-remote-code"):
         Engine.load(tmp_path / "m")
+
+
+def test_code_shipped_for_a_model_type_transformers_knows_is_not_needed(engine, default_dir, tmp_path):
+    """As Phi-3's repositories ship it: without trust, transformers' own class serves the type, as
+    `from_pretrained(trust_remote_code=False)` does, whether or not the code is there."""
+    shutil.copytree(default_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    shipped = Engine.load(tmp_path / "m")
+    assert type(shipped.model) is LlamaForCausalLM
+    with shipped.session() as theirs, engine.session() as ours:
+        assert theirs.generate("Once upon", max_new_tokens=6).token_ids == ours.generate("Once upon", max_new_tokens=6).token_ids
+
+
+def test_a_generation_config_that_is_no_object_is_named(default_dir, tmp_path):
+    shutil.copytree(default_dir, tmp_path / "m")
+    (tmp_path / "m" / "generation_config.json").write_text('["eos"]')
+    with pytest.raises(errors.InvalidModel, match="generation_config.json' is not a JSON object"):
+        Engine.load(tmp_path / "m")
+
+
+def test_an_end_token_past_the_vocabulary_is_left_out_of_the_defaults(default_dir, tmp_path, caplog):
+    """transformers' generate runs with it (never stopping on it); a constraint, which must be able to end,
+    was refused for an eos_token_ids the call never gave."""
+    from processors import configure
+    from processors.structured import Choice
+
+    shutil.copytree(default_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    config["eos_token_id"] = [2, 128009]
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps(config))
+    with caplog.at_level("WARNING", logger="sidecar"):
+        loaded = Engine.load(tmp_path / "m")
+    assert loaded.default_eos_token_ids == {2} and "[128009] are outside its vocabulary" in caplog.text
+    with loaded.session() as session:
+        result = session.generate("Is it?", processors=[configure(Choice, options=["yes", "no"])], max_new_tokens=8)
+    assert result.text in ("yes", "no") and result.token_ids[-1] == 2
