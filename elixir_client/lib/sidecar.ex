@@ -70,11 +70,18 @@ defmodule Sidecar do
   @hand_over_ms 30_000
   # The longest a name stays unregistered while its supervisor restarts the connection (see whereis/2).
   @restart_gap_ms 100
+  # A generation's stats as atoms; a key the protocol does not name stays a string (no atom is made from
+  # what the sidecar sends).
+  @stats_keys Map.new(
+                ~w(prompt_tokens reused_tokens shared_tokens shifted_tokens prefill_tokens generated_tokens ttft_s total_s),
+                &{&1, String.to_atom(&1)}
+              )
 
   @type conn :: GenServer.server()
   @typedoc """
   A generation's result: the first (or best) sequence's `text`, `token_ids` and `finish_reason`,
-  every sequence in `sequences` (one but for `num_samples:` or `num_return_sequences:`), and `stats`.
+  every sequence in `sequences` (one but for `num_samples:` or `num_return_sequences:`), and `stats`
+  (the protocol's keys as atoms, any other key as the string the sidecar sent).
   """
   @type result :: %{
           text: String.t(),
@@ -129,7 +136,12 @@ defmodule Sidecar do
   @doc "A child spec for supervision trees; see `start_link/1` for the options."
   @spec child_spec(keyword()) :: Supervisor.child_spec()
   def child_spec(opts) do
-    %{id: Keyword.get(opts, :name, __MODULE__), start: {__MODULE__, :start_link, [opts]}, type: :worker}
+    %{
+      id: Keyword.get(opts, :name, __MODULE__),
+      start: {__MODULE__, :start_link, [opts]},
+      type: :worker,
+      modules: [Sidecar.Connection]
+    }
   end
 
   @doc """
@@ -820,7 +832,9 @@ defmodule Sidecar do
                  ) do
             {:ok, %Request{conn: pid, ref: ref, id: id, timeout: call_timeout, owner: self()}}
           else
-            {:error, error} -> Process.demonitor(ref, [:flush]) && {:error, error}
+            {:error, error} ->
+              Process.demonitor(ref, [:flush])
+              {:error, error}
           end
         catch
           :exit, {:timeout, _} ->
@@ -912,7 +926,7 @@ defmodule Sidecar do
        token_ids: ids,
        finish_reason: finish,
        sequences: sequences,
-       stats: Map.new(stats, fn {k, v} -> {String.to_atom(k), v} end)
+       stats: Map.new(stats, fn {k, v} -> {Map.get(@stats_keys, k, k), v} end)
      }}
   end
 

@@ -35,6 +35,16 @@ defmodule Sidecar.ErrorTest do
     assert %Error{reason: :unknown} = Error.from_reply(%{"code" => "from_the_future", "message" => "m"})
   end
 
+  test "an error that breaks the protocol is still an error of its request, never a crash" do
+    assert %Error{reason: :internal, message: "the sidecar's error carried no message (code \"internal\")"} =
+             Error.from_reply(%{"code" => "internal"})
+
+    assert %Error{reason: :unknown, details: %{"x" => 1}} = Error.from_reply(%{"message" => 5, "x" => 1})
+
+    assert %Error{reason: :unknown, message: "the sidecar's error is not a map: [1, 2]"} =
+             Error.from_reply([1, 2])
+  end
+
   defp error_codes(%{"error" => %{"code" => code}} = map), do: [code | error_codes(Map.delete(map, "error"))]
   defp error_codes(%{} = map), do: Enum.flat_map(Map.values(map), &error_codes/1)
   defp error_codes(list) when is_list(list), do: Enum.flat_map(list, &error_codes/1)

@@ -61,6 +61,14 @@ defmodule Sidecar.MsgpackTest do
     end
   end
 
+  test "NaN and the infinities, which the BEAM has no float for, decode as atoms in their place" do
+    assert Msgpack.decode(<<0x93, 0xCB, 0x7FF8::16, 0::48, 0xCB, 0x7FF0::16, 0::48, 0xCA, 0xFF80::16, 0::16>>) ==
+             {:ok, [:nan, :infinity, :neg_infinity]}
+
+    assert Msgpack.decode(<<0x81, 0xA1, "x", 0xCA, 0x7FC0::16, 1::16>>) == {:ok, %{"x" => :nan}}
+    assert Msgpack.decode(<<0xCB, 0x7FF0::16, 0::40>>) == {:error, :truncated}
+  end
+
   test "what msgpack cannot carry is refused with where it is, never sent as another value" do
     # 2^64 once went out as one signed byte (0), 2^64 + 200 as -56
     for n <- [1 <<< 64, (1 <<< 64) + 200, -(1 <<< 63) - 1, 1 <<< 100] do

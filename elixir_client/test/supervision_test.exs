@@ -316,6 +316,28 @@ defmodule Sidecar.SupervisionTest do
       assert eventually(fn -> ours() -- before == [] end, 1_000)
     end
 
+    test "its stderr: the logger's lines at their level, any other line (an abort, a traceback) a warning" do
+      script = Path.join(System.tmp_dir!(), "noisy-#{System.unique_integer([:positive])}")
+
+      File.write!(script, """
+      #!/bin/sh
+      echo "2026-11-29 12:00:00,000 INFO sidecar: starting" >&2
+      echo "memory allocation of 1224736724 bytes failed" >&2
+      exit 3
+      """)
+
+      File.chmod!(script, 0o755)
+
+      log =
+        ExUnit.CaptureLog.capture_log(fn ->
+          assert {:error, %Error{reason: :sidecar_exited}} = Sidecar.start_link(sidecar_opts(python: script))
+        end)
+
+      File.rm!(script)
+      assert log =~ ~r/\[info\][^\n]*\[sidecar\] [^\n]*INFO sidecar: starting/
+      assert log =~ ~r/\[warning\][^\n]*\[sidecar\] memory allocation of 1224736724 bytes failed/
+    end
+
     test "a wrong executable that exits at once", %{before: before} do
       assert {:error,
               %Error{reason: :sidecar_exited, message: "the sidecar exited with status 1 during startup"}} =

@@ -569,9 +569,8 @@ defmodule Sidecar.Connection do
         {:noreply, deliver(state, id, result)}
 
       {:unattributed, error} ->
-        Logger.warning(
-          "Sidecar: the sidecar could not attribute a message: #{error["code"]}: #{error["message"]}"
-        )
+        %Error{reason: reason, message: message} = Error.from_reply(error)
+        Logger.warning("Sidecar: the sidecar could not attribute a message: #{reason}: #{message}")
 
         {:noreply, state}
 
@@ -866,7 +865,9 @@ defmodule Sidecar.Connection do
         line =~ ~r/\b(ERROR|CRITICAL)\b/ -> :error
         line =~ ~r/\bWARNING\b/ -> :warning
         line =~ ~r/\bDEBUG\b/ -> :debug
-        true -> :info
+        line =~ ~r/\bINFO\b/ -> :info
+        # not a line of the sidecar's logger: a traceback, a native library's abort, a Python warning
+        true -> :warning
       end
 
     Logger.log(level, "[sidecar] " <> line)

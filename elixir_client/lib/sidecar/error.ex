@@ -62,10 +62,27 @@ defmodule Sidecar.Error do
     cache_budget_exceeded unknown_device invalid_session_file save_failed sample_mismatch)
 
   @doc false
-  @spec from_reply(map()) :: t()
-  def from_reply(%{"code" => code, "message" => message} = error) do
+  @spec from_reply(term()) :: t()
+  def from_reply(error) when is_map(error) do
+    code = error["code"]
     reason = if code in @server_codes, do: String.to_atom(code), else: :unknown
+
+    message =
+      case error["message"] do
+        message when is_binary(message) -> message
+        _ -> "the sidecar's error carried no message (code #{inspect(code, limit: 5)})"
+      end
+
     %__MODULE__{reason: reason, message: message, details: Map.drop(error, ["code", "message"])}
+  end
+
+  # A sidecar that breaks the protocol fails the one request, not the connection.
+  def from_reply(error) do
+    %__MODULE__{
+      reason: :unknown,
+      message: "the sidecar's error is not a map: #{inspect(error, limit: 10)}",
+      details: %{}
+    }
   end
 
   @doc false

@@ -5,7 +5,8 @@ defmodule Sidecar.Msgpack do
   Encoding: `nil`, booleans, integers (smallest encoding, as the spec requires), floats (as float64),
   binaries (as str), `%Sidecar.Msgpack.Bin{}` (as bin), other atoms (as str), lists and maps (keys in
   sorted order, so bytes are reproducible). Decoding: str -> binary, bin -> `%Sidecar.Msgpack.Bin{}`,
-  float32/float64 -> float; ext types are rejected.
+  float32/float64 -> float (NaN and the infinities, which the BEAM has no float for, -> `:nan`,
+  `:infinity`, `:neg_infinity`); ext types are rejected.
 
   What msgpack cannot carry is refused, never sent as something else: an integer outside
   [-2^63, 2^64), a binary that is not UTF-8 (a str must be; send bytes as `%Sidecar.Msgpack.Bin{}`),
@@ -171,8 +172,8 @@ defmodule Sidecar.Msgpack do
   defp dec(<<0xD3, n::signed-64, rest::binary>>), do: {n, rest}
   defp dec(<<0xCA, f::float-32, rest::binary>>), do: {f, rest}
   defp dec(<<0xCB, f::float-64, rest::binary>>), do: {f, rest}
-  defp dec(<<0xCA, _::binary>>), do: throw({:invalid, :non_finite_float})
-  defp dec(<<0xCB, _::binary>>), do: throw({:invalid, :non_finite_float})
+  defp dec(<<0xCA, sign::1, 255::8, fraction::23, rest::binary>>), do: {non_finite(sign, fraction), rest}
+  defp dec(<<0xCB, sign::1, 2047::11, fraction::52, rest::binary>>), do: {non_finite(sign, fraction), rest}
   defp dec(<<0b101::3, n::5, rest::binary>>), do: take(rest, n, :str)
   defp dec(<<0xD9, n, rest::binary>>), do: take(rest, n, :str)
   defp dec(<<0xDA, n::16, rest::binary>>), do: take(rest, n, :str)
@@ -192,6 +193,12 @@ defmodule Sidecar.Msgpack do
     do: throw({:invalid, :unsupported_type})
 
   defp dec(_), do: throw({:invalid, :truncated})
+
+  # The BEAM has no NaN or infinity: a reply that carries one (the protocol says none does) keeps its
+  # place as an atom, so that its request still gets it.
+  defp non_finite(_sign, fraction) when fraction != 0, do: :nan
+  defp non_finite(0, 0), do: :infinity
+  defp non_finite(1, 0), do: :neg_infinity
 
   defp take(binary, n, kind) do
     case binary do
