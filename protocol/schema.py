@@ -119,10 +119,11 @@ OPS: dict[str, dict[str, Param]] = {
         "add_generation_prompt": Param("bool|null", doc="with messages: open an assistant turn (default: true unless continuing)"),
         "continue_final_message": Param("bool", default=False, doc="with messages: extend the last message instead"),
         "max_new_tokens": Param("uint", default=16, doc="tokens to generate at most"),
-        "strategy": Param("str", default="greedy", doc="greedy | sample | beam"),
+        "strategy": Param("str|null", doc="greedy | sample | beam (default: the model's generation_defaults.strategy)"),
         "seed": Param("uint|null", doc="seed of sampling; the same seed gives the same tokens"),
-        "processors": Param("list[map]", default=[], doc='[{"name": "top_k", "options": {"k": 50}}, ...]'),
-        "stop": Param("list[str]", default=[], doc="stop strings, trimmed from the text"),
+        "processors": Param("list[map]|null", doc='[{"name": "top_k", "options": {"k": 50}}, ...] (default: the '
+                            "model's generation_defaults; [] for none)"),
+        "stop": Param("list[str]|null", doc="stop strings, trimmed from the text (default: the model's generation_defaults.stop)"),
         "eos_token_ids": Param("list[uint]|null", doc="default: the model's EOS ids"),
         "stream": Param("bool", default=False, doc="emit a token event per generated token (beam search emits none)"),
         "num_samples": Param("uint|null", default=1, doc="with sample: sequences drawn from one prefill of the prompt"),
@@ -215,7 +216,7 @@ def parse_request(message, limits: Limits = DEFAULT_LIMITS) -> Request:
         if key not in params:
             if param.required:
                 raise ProtocolError(INVALID_PARAMS, f"{op}: missing required parameter {key!r}", rid, param=key)
-            params[key] = list(param.default) if isinstance(param.default, list) else param.default
+            params[key] = param.default
     measured = {key: MEASURED_DEFAULTS[op, key](params) if value is None and (op, key) in MEASURED_DEFAULTS else value
                 for key, value in params.items()}
     check_params(op, measured, limits, rid)  # defaults included: a limit bounds what the request will do

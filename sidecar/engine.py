@@ -21,7 +21,7 @@ from processors.structured import Vocabulary
 from processors.structured.constraints import Compiled, Constraint
 from protocol.schema import DEFAULT_NUM_BEAMS
 
-from . import attention, chat, fidelity, inputs, models, persist, shift
+from . import attention, chat, fidelity, generation_defaults, inputs, models, persist, shift
 from .errors import (
     ContextOverflow,
     InvalidArgument,
@@ -84,6 +84,7 @@ class Engine:
         self.share_prefixes = share_prefixes
         self.vocab_size = models.vocab_size(model)
         self._default_eos = _default_eos(model, tokenizer, self.vocab_size)
+        self.generation_defaults = generation_defaults.of(model.generation_config, self.vocab_size)
         # the bytes each token id writes: what constraints are compiled against, and what tells a generation's
         # text (`text.detokenizer`). Made here, on a loading thread for a
         # load_model (0.1 s at 32k tokens), not by a request on the server's main thread.
@@ -188,11 +189,12 @@ class Engine:
         return chat.template_names(self.tokenizer)
 
     def validate(self, prompt=None, *, token_ids=None, messages=None, chat_template=None, add_generation_prompt=None,
-                 continue_final_message=False, max_new_tokens=16, strategy="greedy", seed=None,
-                 processors=(), stop=(), eos_token_ids=None, num_samples=1, num_beams=None,
+                 continue_final_message=False, max_new_tokens=16, strategy=None, seed=None,
+                 processors=None, stop=None, eos_token_ids=None, num_samples=1, num_beams=None,
                  num_return_sequences=None, length_penalty=None, early_stopping=None, reuse="prefix",
                  keep=None, **unknown) -> Request:
-        """Checks a generate call completely, before anything changes; returns it in normal form."""
+        """Checks a generate call completely, before anything changes; returns it in normal form. `strategy`,
+        `processors` and `stop` left out (None) are the model's (`generation_defaults`)."""
         if unknown:
             name = next(iter(unknown))
             raise InvalidArgument(f"generate has no option {name!r}; valid: {', '.join(generate_options())}", option=name)
@@ -207,10 +209,14 @@ class Engine:
                 f"of {self.max_context} tokens (max_position_embeddings)",
                 limit="max_context", max=self.max_context, value=len(input_ids) + max_new_tokens,
             )
+        if strategy is None:
+            strategy = self.generation_defaults.strategy
         if strategy not in STRATEGIES:
             raise UnknownStrategy(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
             raise InvalidArgument(f"seed must be an integer in [0, 2^64), got {seed!r}", option="seed")
+        if stop is None:  # the model's stop strings, which beams would refuse (they are scored to their end)
+            stop = self.generation_defaults.stop if strategy != "beam" else ()
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
@@ -226,6 +232,8 @@ class Engine:
                 raise InvalidArgument("eos_token_ids must be a token id or a list of them", option="eos_token_ids")
             self.check_token_ids(eos_token_ids, "eos_token_ids")
             eos = frozenset(int(t) for t in eos_token_ids)
+        if processors is None:
+            processors = self.default_processors(strategy, eos)
         if not isinstance(processors, (list, tuple, proc.Chain)):
             raise InvalidProcessor(f"processors must be a list of processors, got {type(processors).__name__}")
         try:
@@ -257,6 +265,16 @@ class Engine:
         seed = None if seed is None else int(seed)  # numpy's integers too: torch's generator takes only int
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows,
                        shift_keep=shift_keep)
+
+    def default_processors(self, strategy: str | None, eos_token_ids=None) -> list:
+        """The processors of a call that names none: the model's generation config's for `strategy` (None: the
+        model's) ending on `eos_token_ids` (None: the model's)."""
+        strategy = self.generation_defaults.strategy if strategy is None else strategy
+        eos = self.default_eos_token_ids if eos_token_ids is None else eos_token_ids
+        try:
+            return self.generation_defaults.processors_for(strategy, eos)
+        except proc.ProcessorError as error:  # end tokens the call gave that are no ids: named by validate
+            raise refusal_of(error) from error
 
     @functools.cached_property
     def fingerprint(self) -> str:

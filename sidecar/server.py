@@ -433,12 +433,16 @@ class Server:
         if job.configure_failure is not None:
             raise job.configure_failure
         if job.processors is None:
-            specs = self._full_request(job).params["processors"]
-            if specs and len(pack(specs)) > CONFIGURE_INLINE_BYTES:
+            params = self._full_request(job).params
+            specs = params["processors"]
+            if specs is None:  # the model's own, which compile nothing
+                job.processors = session.engine.default_processors(params["strategy"], params["eos_token_ids"])
+            elif specs and len(pack(specs)) > CONFIGURE_INLINE_BYTES:
                 job.configuring = True
                 self.configures.put((self._configure, job))
                 return True
-            job.processors = configured(specs, job.request.id)
+            else:
+                job.processors = configured(specs, job.request.id)
         for index, p in enumerate(job.processors):
             if isinstance(p, Constraint) and not p.compiled_for(vocabulary):
                 key = (p.compile_key(), vocabulary.fingerprint)
@@ -1101,4 +1105,5 @@ def model_info(name: str, engine: Engine) -> dict:
     return {"name": name, "path": str(engine.path), "architecture": type(engine.model).__name__,
             "vocab_size": engine.vocab_size, "max_context": engine.max_context, "chat_templates": engine.chat_templates,
             "device": str(engine.model.device), "dtype": str(engine.model.dtype).removeprefix("torch."),
-            "eos_token_ids": sorted(engine.default_eos_token_ids), "prefill_chunk": engine.prefill_chunk}
+            "eos_token_ids": sorted(engine.default_eos_token_ids), "prefill_chunk": engine.prefill_chunk,
+            "generation_defaults": engine.generation_defaults.describe()}

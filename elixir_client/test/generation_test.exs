@@ -116,7 +116,21 @@ defmodule Sidecar.GenerationTest do
            ) ==
              default
 
-    assert %{"max_new_tokens" => 16, "strategy" => "greedy", "processors" => []} = default
+    # strategy, processors and stop left out are the model's (its generation config's), the sidecar's to fill
+    assert %{"max_new_tokens" => 16} = default
+
+    refute Map.has_key?(default, "strategy") or Map.has_key?(default, "processors") or
+             Map.has_key?(default, "stop")
+
+    assert %{"strategy" => "greedy", "processors" => [], "stop" => []} =
+             Generation.params("a", [strategy: %{type: :greedy_search}, processors: [], stop: []], nil)
+
+    # one option that makes a processor sends the processors, and no other
+    assert %{"processors" => [%{"name" => "temperature"}]} = Generation.params("a", [temperature: 0.5], nil)
+
+    assert %{"processors" => [%{"name" => "top_k"}], "strategy" => "sample"} =
+             Generation.params("a", [strategy: %{type: :multinomial_sampling, top_k: 5}], nil)
+
     # false is the sidecar's to refuse, naming the parameter
     assert %{"max_new_tokens" => false} = Generation.params("a", [max_new_tokens: false], nil)
 
@@ -188,7 +202,8 @@ defmodule Sidecar.GenerationTest do
     assert %{"strategy" => "beam", "num_beams" => 3, "early_stopping" => "never"} = beam
     # left out, the sidecar's defaults apply
     refute Map.has_key?(beam, "num_return_sequences") or Map.has_key?(beam, "length_penalty")
-    assert beam["processors"] == []
+    # and its processors are the model's
+    refute Map.has_key?(beam, "processors")
 
     assert %{"strategy" => "beam"} = Generation.params("Hi", [strategy: %{type: :beam_search}], nil)
 

@@ -251,7 +251,7 @@ API_ROWS = [
     # once raw exceptions instead of typed errors
     ("eos_token_ids a float", {"prompt": "a", "eos_token_ids": 1.5}, "invalid_argument"),
     ("processors not a list", {"prompt": "a", "processors": 42}, "invalid_processor"),
-    ("processors None", {"prompt": "a", "processors": None}, "invalid_processor"),
+    ("processors a name", {"prompt": "a", "processors": "top_k"}, "invalid_processor"),  # None: the model's own
     ("seed 2**64", {"prompt": "a", "strategy": "sample", "seed": 2**64}, "invalid_argument"),
     ("from_name with a non-str name", lambda s: P.from_name(42), "invalid_option"),
     ("from_name with options not a map", lambda s: P.from_name("top_k", "k"), "invalid_option"),

@@ -36,13 +36,18 @@ defmodule Sidecar.Generation do
   Other options:
 
     * `:max_new_tokens` (default 16), `:min_new_tokens`
-    * `:strategy` - one of the maps below (default `%{type: :greedy_search}`)
+    * `:strategy` - one of the maps below (default: the model's, `%{type: :greedy_search}` unless its
+      generation config says `do_sample`: the model info's `"generation_defaults"`)
     * `:temperature`, `:no_repeat_ngram_length`, `:suppressed_token_ids`, `:forced_bos_token_id`
     * `:eos_token_id` - an id or a list of ids (default: the model's; `[]` never stops early)
     * `:seed` - makes sampling reproducible
-    * `:stop` - stop strings, trimmed from the text (not in Bumblebee)
+    * `:stop` - stop strings, trimmed from the text (not in Bumblebee; default: the model's)
     * `:processors` - more processor structs (`Sidecar.Processors`), applied after the ones above;
-      `nil` and `false` entries are skipped, so `if(...)` may stand in the list
+      `nil` and `false` entries are skipped, so `if(...)` may stand in the list. With none of the
+      options above that make processors (nor `:top_k`/`:top_p`) and no `:processors`, the model's
+      generation config gives them, as in transformers and Bumblebee (`repetition_penalty`,
+      `temperature`... of its `generation_config.json`: the model info's `"generation_defaults"`);
+      `processors: []` is none at all, and any processor given replaces all of the model's
     * `:reuse` - how the session reuses its KV cache: `:prefix` (the default: the longest common
       prefix, exact) or `:shift` (opt-in, approximate: a window that slid reuses its cached tokens
       moved back by the number dropped; a model without rotary positions answers
@@ -59,7 +64,8 @@ defmodule Sidecar.Generation do
 
   ## Strategies
 
-    * `%{type: :greedy_search}` - the most likely token at each step (the default)
+    * `%{type: :greedy_search}` - the most likely token at each step (the default, unless the
+      model's generation config says `do_sample`)
     * `%{type: :multinomial_sampling, top_k: k, top_p: p, num_samples: n}` - sampling, each key
       optional. `:num_samples` (default 1) draws `n` sequences from one prefill of the input; one
       `:seed` reproduces all of them.
@@ -171,9 +177,9 @@ defmodule Sidecar.Generation do
       raise ArgumentError, "option #{inspect(key)} cannot be false (leave it out, or nil, for its default)"
     end
 
-    stop = List.wrap(Keyword.get(opts, :stop, []))
+    stop = opts[:stop] && List.wrap(opts[:stop])
 
-    unless Enum.all?(stop, &is_binary/1),
+    unless Enum.all?(stop || [], &is_binary/1),
       do:
         raise(
           ArgumentError,
@@ -189,9 +195,10 @@ defmodule Sidecar.Generation do
               "come with a %Sidecar.Session{})"
     end
 
-    {strategy, sequence_params, sampling} = strategy(opts[:strategy] || %{type: :greedy_search})
+    {strategy, sequence_params, sampling} =
+      if opts[:strategy], do: strategy(opts[:strategy]), else: {nil, %{}, []}
 
-    processors =
+    built_in =
       [
         opts[:no_repeat_ngram_length] &&
           Processors.configure(Processors.NoRepeatNGram, ngram_size: opts[:no_repeat_ngram_length]),
@@ -206,17 +213,20 @@ defmodule Sidecar.Generation do
           Processors.configure(Processors.ForcedBOS, token_id: opts[:forced_bos_token_id]),
         opts[:temperature] && opts[:temperature] != 1.0 &&
           Processors.configure(Processors.Temperature, temperature: opts[:temperature])
-      ] ++ sampling ++ (opts[:processors] || [])
+      ] ++ sampling
+
+    # none given, by option or in :processors, is the model's own (its generation config's)
+    processors =
+      if opts[:processors] || Enum.any?(built_in),
+        do: for(p <- built_in ++ (opts[:processors] || []), p, do: Processors.to_wire(p))
 
     input
     |> input_param(opts)
-    |> Map.merge(%{
-      "max_new_tokens" => if(is_nil(opts[:max_new_tokens]), do: 16, else: opts[:max_new_tokens]),
-      "strategy" => strategy,
-      "processors" => for(p <- processors, p, do: Processors.to_wire(p)),
-      "stop" => stop
-    })
+    |> Map.put("max_new_tokens", if(is_nil(opts[:max_new_tokens]), do: 16, else: opts[:max_new_tokens]))
     |> Map.merge(sequence_params)
+    |> put_present("strategy", strategy)
+    |> put_present("processors", processors)
+    |> put_present("stop", stop)
     |> put_present("eos_token_ids", eos_ids && List.wrap(eos_ids))
     |> put_present("seed", opts[:seed])
     |> put_present("reuse", reuse!(opts[:reuse]))

@@ -1,0 +1,129 @@
+"""What a model's generation config says a generate call does when the call does not say.
+
+transformers' `generate`, vLLM (`--generation-config auto`) and Bumblebee all start from the model's
+`generation_config.json`: its `do_sample`, `temperature`, `top_p`, `repetition_penalty`... are the
+model author's defaults (Llama 3 and Qwen2.5 ship sampling ones). Here they are read once, at load, into
+a strategy and built-in processors, in the order transformers' `_get_logits_processor` applies them;
+a call that leaves out `strategy`, `processors` or `stop` takes the model's, and a call that gives one
+takes exactly what it gives (`processors=[]` is none at all).
+
+Only what the file sets counts, as vLLM reads it: transformers also fills in its library defaults, so that
+a file that sets `do_sample` alone samples among transformers' top 50 there, and among every token here.
+The sampling processors apply with `strategy="sample"` only, as transformers applies its warpers with
+`do_sample` only. Fields with no counterpart among the built-ins (`epsilon_cutoff`, `guidance_scale`, a
+`num_beams` above 1, ...) are not applied, and named in `not_applied` and in the log at load;
+`max_new_tokens` and `max_length` are not read (a call's `max_new_tokens` is 16 unless it says).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from transformers import GenerationConfig
+
+import processors as proc
+
+log = logging.getLogger("sidecar")
+
+# (generation config field, built-in, its option, the value that does nothing), in transformers' order
+ANY_STRATEGY = (
+    ("sequence_bias", "sequence_bias", "sequence_bias", None),
+    ("repetition_penalty", "repetition_penalty", "penalty", 1.0),
+    ("no_repeat_ngram_size", "no_repeat_ngram", "ngram_size", 0),
+    ("bad_words_ids", "no_bad_words", "bad_words_ids", None),
+    ("min_length", "min_length", "min_length", 0),
+    ("min_new_tokens", "min_new_tokens", "min_new_tokens", 0),
+    ("suppress_tokens", "suppress_tokens", "token_ids", None),
+    ("begin_suppress_tokens", "suppress_tokens_at_begin", "token_ids", None),
+)
+SAMPLING = (
+    ("temperature", "temperature", "temperature", 1.0),
+    ("top_k", "top_k", "k", 0),
+    ("top_p", "top_p", "p", 1.0),
+    ("min_p", "min_p", "p", None),
+    ("typical_p", "typical_p", "p", 1.0),
+)
+NEEDS_EOS = {"no_bad_words", "min_length", "min_new_tokens"}  # transformers leaves these out without an EOS
+# Read elsewhere, or saying nothing about what is generated
+READ = {"do_sample", "eos_token_id", "stop_strings", "bos_token_id", "pad_token_id", "decoder_start_token_id",
+        "max_new_tokens", "max_length", "use_cache", "cache_implementation", "transformers_version",
+        "output_scores", "output_logits", "output_attentions", "output_hidden_states", "return_dict_in_generate",
+        "num_return_sequences", "length_penalty", "early_stopping"}
+NO_EFFECT = {"num_beams": 1, "remove_invalid_values": False, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+             "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "guidance_scale": 1.0,
+             "diversity_penalty": 0.0, "num_beam_groups": 1, "renormalize_logits": False, "low_memory": False}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    strategy: str  # "sample" when the config says do_sample, else "greedy"
+    processors: tuple[tuple[str, dict], ...]  # (built-in, options) with any strategy
+    sampling: tuple[tuple[str, dict], ...]  # with "sample" only
+    stop: tuple[str, ...]
+    not_applied: tuple[str, ...]  # fields set that nothing here applies
+
+    def processors_for(self, strategy: str, eos_token_ids) -> list:
+        """The model's processors for a call of `strategy` that ends on `eos_token_ids`."""
+        specs = self.processors + (self.sampling if strategy == "sample" else ())
+        eos = sorted(eos_token_ids)
+        return [proc.from_name(name, {**options, "eos_token_ids": eos} if name in NEEDS_EOS else options)
+                for name, options in specs if eos or name not in NEEDS_EOS]
+
+    def describe(self) -> dict:
+        """For a model's info: processors as the protocol names them (those that need the end tokens take
+        the call's)."""
+        def wire(specs):
+            return [{"name": name, "options": options} for name, options in specs]
+
+        return {"strategy": self.strategy, "processors": wire(self.processors), "sampling_processors": wire(self.sampling),
+                "stop": list(self.stop), "not_applied": list(self.not_applied)}
+
+
+def of(generation_config, vocab_size: int) -> GenerationDefaults:
+    """Reads the fields of a transformers `GenerationConfig` that the model's files set (transformers 5 leaves
+    the others None). A value no built-in takes (a `top_p` of 1.5, a token id past `vocab_size`) is not
+    applied, and logged."""
+    not_applied = []
+
+    def specs(table):
+        made = []
+        for field, name, option, inert in table:
+            value = getattr(generation_config, field, None)
+            if value is None or value == inert:
+                continue
+            value = _wire(value)
+            try:
+                made_one = proc.from_name(name, {option: value, **({"eos_token_ids": [0]} if name in NEEDS_EOS else {})})
+                if made_one.max_token_id() >= vocab_size:
+                    raise proc.InvalidOption(f"token id {made_one.max_token_id()} is past the vocabulary of {vocab_size}")
+            except proc.ProcessorError as problem:
+                log.warning("the model's generation config has %s = %s, which %s does not take (%s): not applied",
+                            field, str(value)[:100], name, problem)
+                not_applied.append(field)
+                continue
+            made.append((name, {option: value}))
+        return tuple(made)
+
+    processors, sampling = specs(ANY_STRATEGY), specs(SAMPLING)
+    known = {field for field, *_ in ANY_STRATEGY + SAMPLING} | READ
+    declared = vars(GenerationConfig())  # a file's own keys (Qwen's "chat_format") are no generation option
+    for field, value in sorted(vars(generation_config).items()):
+        if field in declared and field not in known and not field.startswith("_") and value is not None \
+                and value != NO_EFFECT.get(field, object()):
+            not_applied.append(field)
+    stop = generation_config.stop_strings
+    stop = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str) and s)
+    if not_applied:
+        log.warning("the model's generation config sets %s, which the engine does not apply", ", ".join(not_applied))
+    return GenerationDefaults("sample" if generation_config.do_sample else "greedy", processors, sampling, stop,
+                              tuple(not_applied))
+
+
+def _wire(value):
+    """A config value as the protocol carries it: tuples as lists, a sequence_bias keyed by tuples as pairs."""
+    if isinstance(value, dict):
+        return [[list(key) if isinstance(key, tuple) else key, bias] for key, bias in value.items()]
+    if isinstance(value, tuple):
+        return [_wire(v) for v in value]
+    return value
