@@ -70,6 +70,19 @@ def test_a_busy_main_thread_still_exits_soon_after_eof():
     assert time.monotonic() - started < 10
 
 
+def test_empty_frames_fill_the_inbox_of_a_main_thread_that_reads_none():
+    """Counted by their bytes alone, empty frames never filled it: a client that wrote them and read nothing grew
+    the server by 45 MiB a second (found from outside, to 2 GiB). In a process of its own: at EOF the reader
+    ends its process."""
+    code = (
+        "import os, time; from sidecar.transport import FRAME_COST, FrameReader, InputClosed, Inbox\n"
+        "r, w = os.pipe(); reader = FrameReader(r, 1024, InputClosed()); reader.inbox = Inbox(100 * FRAME_COST)\n"
+        "reader.start(); os.write(w, bytes(4 * 1000)); time.sleep(0.5); print(len(reader.inbox._frames))"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert ran.stdout.split() == ["100"], ran  # the reader waits for room
+
+
 def test_eof_mid_generation_ends_the_process(peer):
     peer.call("open_session", session="a")
     generate(peer, 9, session="a", token_ids=[5, 6], max_new_tokens=1900, eos_token_ids=[], stream=True)
