@@ -21,7 +21,7 @@ def _limit(default: int, doc: str, *, bounds: tuple[tuple[str, str], ...] = (), 
 
 
 NAMES = (("*", "session"), ("*", "model"), ("load_model", "name"), ("load_model", "path"), ("fork_session", "new"),
-         ("save_session", "name"), ("restore_session", "name"))
+         ("save_session", "name"), ("restore_session", "name"), ("generate", "chat_template"))
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,9 @@ class Limits:
     max_queued_bytes: int = _limit(
         64 * 1024 * 1024, "frame bytes of the requests in flight together (one that waits is held as its frame)")
     max_depth: int = _limit(32, "nesting depth of maps and lists in one request")
+    max_values: int = _limit(
+        524_288, "maps and lists in one request and the elements of each, together, counted as the frame is "
+        "decoded (a frame of 16 MiB of empty maps took 2.7 GB to decode)")
     max_messages: int = _limit(
         2048, "messages of one generate's conversation: each is rendered by the model's chat template, on the server's "
         "main thread (about 30 us a message with common templates)",
@@ -59,7 +62,8 @@ class Limits:
     max_processor_values: int = _limit(
         65_536, "numbers and strings in the options of one generate's processors together",
         bounds=(("generate", "processors"),), measure="option_values")
-    max_name_bytes: int = _limit(4096, "UTF-8 bytes of a session or model name or a model path", bounds=NAMES, measure="bytes")
+    max_name_bytes: int = _limit(4096, "UTF-8 bytes of a session, model, saved session or chat template name or a model path",
+                                 bounds=NAMES, measure="bytes")
     max_sessions: int = _limit(1024, "open sessions over all models, with the names pending forks reserve")
     max_saved_sessions: int = _limit(256, "sessions saved in the --session-dir (saving again under a name replaces it)")
     max_models: int = _limit(4, "loaded models")

@@ -304,7 +304,7 @@ class Server:
     def handle_payload(self, payload: bytes) -> None:
         message = None
         try:
-            message = unpack(payload, self.limits.max_depth)
+            message = unpack(payload, self.limits.max_depth, self.limits.max_values)
             rid = request_id_of(message)
             if rid in self.in_flight:  # before anything else: any other error would settle the request in flight
                 raise duplicate_id(rid)
@@ -413,7 +413,7 @@ class Server:
         return self._decoded_frame(job) if job.shelved else job.request
 
     def _decoded_frame(self, job: Job) -> Request:
-        return parse_request(unpack(job.frame, self.limits.max_depth), self.limits)
+        return parse_request(unpack(job.frame, self.limits.max_depth, self.limits.max_values), self.limits)
 
     def _decode(self, job: Job) -> None:
         """The job starts: from now on it holds its request decoded, and no longer its frame."""
