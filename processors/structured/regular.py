@@ -10,6 +10,11 @@ the 10 s compile timeout for `[a-z]{1,20}( [a-z]{1,20}){0,30}\\.`. The compile s
 (`build.MasksTooLarge`, remembered like a failure) and llguidance runs the constraint: its parser over
 the vocabulary is built once per vocabulary (1.4 s over 128k tokens), then in milliseconds per
 constraint, for a step of 0.6 against 0.2 ms a row.
+
+outlines-core's compile takes time quadratic in the states of the automaton, which a long pattern has
+many of: a literal of 5,000 characters took 0.7 s, 10,000 took 2.6 s, 30,000 past its 10 s timeout (and
+the limit max_pattern_chars allows 100,000, or a `Choice` of thousands of names). A pattern longer than
+`LONG_PATTERN_CHARS` is run by llguidance from the start, whose lexer is made as generation reaches it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from .compile import compile_regex, is_compiled, masks_too_large
 from .constraints import Constraint, _check_syntax, _choices, _compile_timeout, _pattern, escape
 from .grammar import RunByLlguidance, check_grammar
 from .lazy import LazyAutomaton
+
+
+LONG_PATTERN_CHARS = 4096  # a regex longer than this is run by llguidance (outlines-core: about 0.5 s at most)
 
 
 class RegularConstraint(RunByLlguidance, Constraint):
@@ -55,7 +63,15 @@ class RegularConstraint(RunByLlguidance, Constraint):
     @property
     def run_by_llguidance_because(self) -> str:
         """Why llguidance runs it, as `check_grammar`'s refusal says."""
+        if self.long:
+            return f"its pattern is longer than {LONG_PATTERN_CHARS} characters, too long to compile an automaton of in time"
         return "its automaton's masks over this vocabulary would take too much memory"
+
+    @property
+    def long(self) -> bool:
+        """Whether its regex is longer than `LONG_PATTERN_CHARS`: run by llguidance (see the module)."""
+        kind, text = self.source()
+        return kind == "regex" and len(text) > LONG_PATTERN_CHARS
 
     def automaton(self, vocabulary, cancelled=None):
         """Compiled (or from the cache); `cancelled`, a callable asked while compiling, may stop it (see
@@ -65,15 +81,19 @@ class RegularConstraint(RunByLlguidance, Constraint):
     def compiled_for(self, vocabulary) -> bool:
         """No compiling when an earlier call compiled the same constraint, or failed to with a timeout at
         least this one's; when its masks were found too large, when llguidance's parser is built."""
-        if masks_too_large(self.source(), vocabulary):
+        if self.long or masks_too_large(self.source(), vocabulary):
             return RunByLlguidance.compiled_for(self, vocabulary)
         return is_compiled(self.source(), vocabulary, self.compile_timeout_s)
 
     def compile_key(self):
+        if self.long:
+            return RunByLlguidance.compile_key(self)
         return (self.source(), self.compile_timeout_s)  # a request never waits on a compile bounded by another's
 
     def compile(self, vocabulary, cancelled=None):
-        """Its automaton, or llguidance's parser when its masks are too large."""
+        """Its automaton, or llguidance's parser when its pattern is long or its masks are too large."""
+        if self.long:
+            return RunByLlguidance.compile(self, vocabulary, cancelled)
         try:
             return self.automaton(vocabulary, cancelled)
         except MasksTooLarge:
@@ -82,6 +102,9 @@ class RegularConstraint(RunByLlguidance, Constraint):
     def bind(self, vocabulary, eos_token_ids, device="cpu", after_others=True, compiled=None):
         if compiled is not None and not isinstance(compiled, (TokenAutomaton, LazyAutomaton)):  # llguidance's
             return RunByLlguidance.bind(self, vocabulary, eos_token_ids, device, after_others, compiled)
+        if self.long and compiled is None:
+            self.check_grammar()  # remembered per text
+            return RunByLlguidance.bind(self, vocabulary, eos_token_ids, device, after_others)
         try:
             return Constraint.bind(self, vocabulary, eos_token_ids, device, after_others, compiled)
         except MasksTooLarge:

@@ -232,6 +232,27 @@ def test_a_pattern_of_characters_written_by_several_tokens_runs(engine):
         assert session.generate("Hello", max_new_tokens=8, processors=[emoji]).text.startswith("\U0001F600")
 
 
+def test_a_long_pattern_is_run_by_llguidance_from_the_start(engine):
+    """outlines-core's compile is quadratic in a pattern's states: a 30,000-character literal ran past its
+    10 s timeout, a `Choice` of thousands of names too (helper-71). Past LONG_PATTERN_CHARS llguidance runs it,
+    the same language; at the threshold the automaton still does."""
+    from processors.structured.automaton import TokenAutomaton
+    from processors.structured.lazy import LazyAutomaton
+    from processors.structured.regular import LONG_PATTERN_CHARS
+
+    names = [f"n{i:04d}{'xyz' * (i % 3)}" for i in range(700)]
+    choice = configure(Choice, options=names)
+    assert len(choice.source()[1]) > LONG_PATTERN_CHARS and choice.long
+    assert not isinstance(choice.compile(engine.vocabulary), (TokenAutomaton, LazyAutomaton))
+    literal = configure(Regex, pattern="a" * 30_000)
+    with engine.session() as session:
+        for seed in range(3):
+            assert session.generate("Pick", strategy="sample", seed=seed, processors=[choice], max_new_tokens=12).text in names
+        assert re.fullmatch("a+", session.generate("Say", processors=[literal], max_new_tokens=6).text)
+    short = configure(Regex, pattern="b" * LONG_PATTERN_CHARS)
+    assert not short.long and isinstance(short.compile(engine.vocabulary), (TokenAutomaton, LazyAutomaton))
+
+
 def test_a_sample_row_left_with_nothing_is_invalid_logits_not_a_crash(engine):
     """min_new_tokens bans EOS where the choice can only end: every sample row is empty at once, or only
     some; either way the call fails typed and the session is as it was."""
@@ -374,7 +395,7 @@ def test_processors_configured_off_the_main_thread_fail_typed_or_are_cancelled_w
         send({"id": 4, "op": "generate", "session": "a", "prompt": "x", "max_new_tokens": 8, "processors": [OPTIONS_600]})
         send({"id": 5, "op": "cancel", "target": 4})
         assert sorted((r["id"], r.get("error", {}).get("code")) for r in replies_until(messages, [4, 5])) == [(4, "cancelled"), (5, None)]
-        send({"id": 6, "op": "generate", "session": "a", "prompt": "x", "max_new_tokens": 2})
+        send({"id": 6, "op": "generate", "session": "a", "prompt": "x", "max_new_tokens": 2, "processors": []})
         release.set()
         assert [r["id"] for r in replies_until(messages, [6])] == [6]
         send({"id": 7, "op": "ping"})
