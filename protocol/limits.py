@@ -40,9 +40,10 @@ class Limits:
         "main thread (about 30 us a message with common templates)",
         bounds=(("generate", "messages"),), measure="items")
     max_prompt_bytes: int = _limit(
-        1024 * 1024, "UTF-8 bytes of a generate prompt, messages or continue (all their strings, map keys included), "
-        "or a tokenize text, checked before tokenizing",
-        bounds=(("generate", "prompt"), ("generate", "messages"), ("generate", "continue"), ("tokenize", "text")),
+        1024 * 1024, "UTF-8 bytes of a generate prompt, messages, continue, tools, documents or chat_template_kwargs "
+        "(all their strings, map keys included), or a tokenize text, checked before tokenizing",
+        bounds=(("generate", "prompt"), ("generate", "messages"), ("generate", "continue"), ("generate", "tools"),
+                ("generate", "documents"), ("generate", "chat_template_kwargs"), ("tokenize", "text")),
         measure="bytes")
     max_input_tokens: int = _limit(
         262_144, "token ids in one list: generate's token_ids, eos_token_ids and continue.append_token_ids, "

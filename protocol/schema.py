@@ -118,6 +118,11 @@ OPS: dict[str, dict[str, Param]] = {
         "chat_template": Param("str|null", doc="with messages: the name of one of the model's chat_templates (default: its default)"),
         "add_generation_prompt": Param("bool|null", doc="with messages: open an assistant turn (default: true unless continuing)"),
         "continue_final_message": Param("bool", default=False, doc="with messages: extend the last message instead"),
+        "tools": Param("list[map]|null", doc="with messages: the tools the template offers the model (JSON schemas of "
+                       "functions, as apply_chat_template takes them)"),
+        "documents": Param("list[map]|null", doc="with messages: documents for a retrieval template"),
+        "chat_template_kwargs": Param("map|null", doc="with messages: more variables of the template "
+                                      "(Qwen3's enable_thinking)"),
         "max_new_tokens": Param("uint", default=16, doc="tokens to generate at most"),
         "strategy": Param("str|null", doc="greedy | sample | beam (default: the model's generation_defaults.strategy)"),
         "seed": Param("uint|null", doc="seed of sampling; the same seed gives the same tokens"),

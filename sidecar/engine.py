@@ -189,7 +189,7 @@ class Engine:
         return chat.template_names(self.tokenizer)
 
     def validate(self, prompt=None, *, token_ids=None, messages=None, chat_template=None, add_generation_prompt=None,
-                 continue_final_message=False, max_new_tokens=16, strategy=None, seed=None,
+                 continue_final_message=False, tools=None, documents=None, chat_template_kwargs=None, max_new_tokens=16, strategy=None, seed=None,
                  processors=None, stop=None, eos_token_ids=None, num_samples=1, num_beams=None,
                  num_return_sequences=None, length_penalty=None, early_stopping=None, reuse="prefix",
                  keep=None, **unknown) -> Request:
@@ -200,7 +200,8 @@ class Engine:
             raise InvalidArgument(f"generate has no option {name!r}; valid: {', '.join(generate_options())}", option=name)
         input_ids = inputs.input_ids(self.tokenizer, self.vocab_size, prompt, token_ids=token_ids, messages=messages,
                                      chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                                     continue_final_message=continue_final_message)
+                                     continue_final_message=continue_final_message, tools=tools, documents=documents,
+                                     chat_template_kwargs=chat_template_kwargs)
         if not _is_int(max_new_tokens) or max_new_tokens < 0:
             raise InvalidArgument(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}", option="max_new_tokens")
         if self.max_context is not None and len(input_ids) + max_new_tokens > self.max_context:

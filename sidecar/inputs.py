@@ -21,17 +21,20 @@ class InputIds(tuple):
 
 
 def input_ids(tokenizer, vocab_size: int, prompt=None, *, token_ids=None, messages=None, chat_template=None,
-              add_generation_prompt=None, continue_final_message=False) -> list[int]:
+              add_generation_prompt=None, continue_final_message=False, tools=None, documents=None,
+              chat_template_kwargs=None) -> list[int]:
     """The input as token ids, checked. Tokenizing a prompt of a megabyte takes a second (the fast tokenizers
     let go of the GIL meanwhile)."""
     if sum(x is not None for x in (prompt, token_ids, messages)) != 1:
         raise InvalidArgument("give exactly one of prompt, token_ids and messages", option="prompt")
-    if messages is None and (chat_template is not None or add_generation_prompt is not None or continue_final_message):
-        raise InvalidArgument("chat_template, add_generation_prompt and continue_final_message go with messages",
-                              option="messages")
+    if messages is None and (chat_template is not None or add_generation_prompt is not None or continue_final_message
+                             or tools is not None or documents is not None or chat_template_kwargs is not None):
+        raise InvalidArgument("chat_template, add_generation_prompt, continue_final_message, tools, documents and "
+                              "chat_template_kwargs go with messages", option="messages")
     if messages is not None:
         ids = chat.render(tokenizer, messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                          continue_final_message=continue_final_message)
+                          continue_final_message=continue_final_message, tools=tools, documents=documents,
+                          chat_template_kwargs=chat_template_kwargs)
     elif isinstance(prompt, Continuable):
         ids = sequences.input_ids(tokenizer, prompt)
     elif prompt is not None:

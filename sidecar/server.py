@@ -1008,7 +1008,8 @@ def _input_ids(last, tokenizer, vocab_size: int, p: dict) -> InputIds:
     return InputIds(inputs.input_ids(
         tokenizer, vocab_size, prompt, token_ids=p["token_ids"], messages=p["messages"],
         chat_template=p["chat_template"], add_generation_prompt=p["add_generation_prompt"],
-        continue_final_message=p["continue_final_message"]))
+        continue_final_message=p["continue_final_message"], tools=p["tools"], documents=p["documents"],
+        chat_template_kwargs=p["chat_template_kwargs"]))
 
 
 def _large_input(request: Request) -> bool:

@@ -190,7 +190,8 @@ class Session:
         `sequences`, or `Tokens` made from them (`seq[:k]`, `seq.cut(chars=n)`, `seq + "text"`).
         Options (declared once, in `Engine.validate`): `token_ids` or `messages` (instead of `prompt`;
         messages are `[{"role": ..., "content": ...}]` rendered by the model's chat template, with
-        `chat_template`, `add_generation_prompt` and `continue_final_message` as in transformers),
+        `chat_template`, `add_generation_prompt`, `continue_final_message`, `tools`, `documents` and
+        `chat_template_kwargs` as `apply_chat_template` takes them),
         `max_new_tokens=16`, `strategy="greedy" | "sample" | "beam"`, `seed`, `processors` (configs or
         callables), `stop` (strings), `eos_token_ids` (default: the model's; `[]` never stops early; left
         out, `strategy`, `processors` and `stop` are the model's generation config's, `Engine.generation_defaults`),

@@ -41,6 +41,48 @@ defmodule Sidecar.GenerationTest do
            } = params
   end
 
+  test "tool calls, content parts, tools, documents and template variables go to the template as given" do
+    call = %{type: "function", function: %{name: "where", arguments: %{what: "sidecar"}}}
+    tools = [%{type: "function", function: %{name: "where", parameters: %{type: "object"}}}]
+
+    messages = [
+      %{role: :user, content: [%{type: "text", text: "Where?"}]},
+      %{role: :assistant, tool_calls: [call]},
+      %{role: "tool", content: "here", tool_call_id: "0"}
+    ]
+
+    opts = [tools: tools, documents: [%{text: "d"}], chat_template_kwargs: %{enable_thinking: false}]
+
+    assert %{
+             "messages" => [
+               %{"role" => "user", "content" => [%{type: "text", text: "Where?"}]},
+               %{"role" => "assistant", "content" => nil, "tool_calls" => [^call]},
+               %{"role" => "tool", "tool_call_id" => "0"}
+             ],
+             "tools" => ^tools,
+             "documents" => [%{text: "d"}],
+             "chat_template_kwargs" => %{enable_thinking: false}
+           } = Generation.params(messages, opts, nil)
+
+    for {bad, pattern} <- [
+          {[%{role: :assistant, content: nil}],
+           ~r/message 0: content must be a string or a list of content parts/},
+          {[%{role: :user, content: []}], ~r/message 0: content must be/},
+          {[%{role: :user, content: ["text"]}], ~r/message 0: content must be/},
+          {[%{role: :assistant, tool_calls: []}], ~r/message 0 has no content/}
+        ] do
+      assert_raise ArgumentError, pattern, fn -> Generation.params(bad, [], nil) end
+    end
+
+    assert_raise ArgumentError, ~r/option :tools must be a list of maps/, fn ->
+      Generation.params([%{role: :user, content: "a"}], [tools: %{}], nil)
+    end
+
+    assert_raise ArgumentError, ~r/option :tools applies only to a list of messages/, fn ->
+      Generation.params("a", [tools: tools], nil)
+    end
+  end
+
   test "malformed messages raise ArgumentError naming the message" do
     for {bad, pattern} <- [
           {[%{role: "user"}], ~r/message 0 has no content/},

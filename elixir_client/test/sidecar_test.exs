@@ -169,6 +169,20 @@ defmodule SidecarTest do
 
       assert continued > result.stats.prompt_tokens
 
+      # an assistant's call of tools has no content; tools and the template's variables go with the messages
+      calls = [%{type: "function", function: %{name: "where", arguments: %{}}}]
+
+      assert {:ok, %{stats: %{prompt_tokens: _}}} =
+               Sidecar.generate(
+                 conn,
+                 session,
+                 messages ++ [%{role: :assistant, tool_calls: calls}, %{role: :tool, content: "here"}],
+                 [tools: [%{type: "function", function: %{name: "where"}}]] ++ opts
+               )
+
+      assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "chat_template_kwargs"}}} =
+               Sidecar.generate(conn, session, messages, [chat_template_kwargs: %{tokenize: false}] ++ opts)
+
       assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "chat_template"}}} =
                Sidecar.generate(conn, session, messages, [chat_template: "no-such-template"] ++ opts)
     end

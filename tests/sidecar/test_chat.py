@@ -13,6 +13,26 @@ from sidecar import Engine, errors
 CONVERSATION = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Where is the sidecar?"}]
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
 
+# A template that reads tools, documents, a content of parts, tool calls and a variable of its own, as tool-use
+# and retrieval templates (Llama 3.1's, Qwen's, Command R's) and Qwen3's enable_thinking do
+TOOLS_TEMPLATE = (
+    "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}{% for d in documents or [] %}doc: {{ d['text'] }}\n{% endfor %}"
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}{% elif m['content'] %}"
+    "{% for part in m['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{% if m['tool_calls'] %} calls {{ m['tool_calls'] | tojson }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and not enable_thinking %} (no thinking)"
+    "{% endif %}{% endif %}")
+TOOLS = [{"type": "function", "function": {"name": "where", "description": "Finds a thing",
+                                           "parameters": {"type": "object", "properties": {"what": {"type": "string"}}}}}]
+TOOL_CONVERSATION = [
+    {"role": "user", "content": [{"type": "text", "text": "Where is "}, {"type": "text", "text": "the sidecar?"}]},
+    {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "where",
+                                                                                             "arguments": {"what": "sidecar"}}}]},
+    {"role": "tool", "content": "beside the BEAM", "tool_call_id": "0"},
+]
+TOOL_OPTIONS = {"tools": TOOLS, "documents": [{"title": "a", "text": "Ports frame with 4 bytes."}],
+                "chat_template_kwargs": {"enable_thinking": False}}
+
 
 @pytest.fixture(scope="module")
 def plain_dir(gpt2_dir, tmp_path_factory):
@@ -77,6 +97,19 @@ def test_each_turn_reuses_the_previous_turns_answer_included(engine, capsys):
             print("{:>4}  {:>6}  {:>6}  {:>11}".format(*row))
 
 
+def test_tools_documents_parts_tool_calls_and_template_variables_render_as_transformers_renders_them(engine):
+    """An assistant message calling tools has no content, and was refused (helper-69); tools, documents and a
+    template's own variables had no way in."""
+    expected = rendered(engine, TOOL_CONVERSATION, chat_template=TOOLS_TEMPLATE, add_generation_prompt=True,
+                        tools=TOOLS, documents=TOOL_OPTIONS["documents"], enable_thinking=False)
+    bare = rendered(engine, TOOL_CONVERSATION, chat_template=TOOLS_TEMPLATE, add_generation_prompt=True)
+    assert len(expected) > len(bare) + 20  # the tools, the document and the variable are in it
+    with engine.session() as session:
+        result = session.generate(messages=TOOL_CONVERSATION, chat_template=TOOLS_TEMPLATE, max_new_tokens=2,
+                                  **TOOL_OPTIONS)
+        assert session.history[: len(expected)] == expected and result.stats.prompt_tokens == len(expected)
+
+
 def test_a_model_without_a_template_needs_one(plain_engine):
     assert plain_engine.chat_templates == []
     with plain_engine.session() as session:
@@ -98,6 +131,13 @@ def test_a_model_without_a_template_needs_one(plain_engine):
     ({"messages": CONVERSATION, "chat_template": 5}, "chat_template"),
     ({"prompt": "x", "messages": CONVERSATION}, "prompt"),
     ({"prompt": "x", "chat_template": "default"}, "messages"),
+    ({"prompt": "x", "tools": TOOLS}, "messages"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages"),  # no tool_calls: no content is none
+    ({"messages": [{"role": "user", "content": ["text"]}]}, "messages"),
+    ({"messages": CONVERSATION, "tools": TOOLS[0]}, "tools"),
+    ({"messages": CONVERSATION, "documents": [{"text": "a\udcff"}]}, "documents"),
+    ({"messages": CONVERSATION, "chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+    ({"messages": CONVERSATION, "chat_template_kwargs": {1: True}}, "chat_template_kwargs"),
 ])
 def test_bad_chat_input_is_a_typed_error_and_changes_nothing(engine, options, option):
     with engine.session() as session:
@@ -123,13 +163,18 @@ def test_chat_over_the_protocol(default_dir, plain_dir, plain_engine, engine, tm
         peer.call("load_model", name="gpt2", path=str(plain_dir))
         peer.call("open_session", model="gpt2", session="g")
         assert peer.call("generate", session="g", messages=CONVERSATION)["error"]["code"] == "no_chat_template"
+    template.write_text(TOOLS_TEMPLATE)
     with Peer([sys.executable, "-m", "sidecar", "--model", str(plain_dir), "--chat-template", str(template),
                "--log-level", "ERROR"], stderr=subprocess.DEVNULL) as peer:
         peer.call("open_session", session="g")
         reply = peer.call("generate", session="g", messages=CONVERSATION, max_new_tokens=2)
         assert reply["ok"], reply
-        expected = rendered(plain_engine, CONVERSATION, chat_template=PLAIN_TEMPLATE, add_generation_prompt=True)
+        expected = rendered(plain_engine, CONVERSATION, chat_template=TOOLS_TEMPLATE, add_generation_prompt=True)
         assert reply["result"]["stats"]["prompt_tokens"] == len(expected)
+        tools = peer.call("generate", session="g", messages=TOOL_CONVERSATION, max_new_tokens=2, **TOOL_OPTIONS)
+        assert tools["result"]["stats"]["prompt_tokens"] == len(rendered(
+            plain_engine, TOOL_CONVERSATION, chat_template=TOOLS_TEMPLATE, add_generation_prompt=True, tools=TOOLS,
+            documents=TOOL_OPTIONS["documents"], enable_thinking=False)), tools
         # the operator's template belongs to the directory: a new load of it after an unload keeps it
         assert peer.call("unload_model", model="default")["ok"]
         assert peer.call("load_model", name="again", path=str(plain_dir))["ok"]

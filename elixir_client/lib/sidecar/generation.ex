@@ -32,6 +32,13 @@ defmodule Sidecar.Generation do
     * `:add_generation_prompt` - open the assistant's turn after the messages (default: `true`
       unless `:continue_final_message`)
     * `:continue_final_message` - extend the last message instead of answering it (default: `false`)
+    * `:tools` - the functions the model may call, each a map as transformers' `apply_chat_template`
+      takes it (`%{type: "function", function: %{name: ..., description: ..., parameters: schema}}`)
+    * `:documents` - documents for a retrieval template (maps)
+    * `:chat_template_kwargs` - more variables of the template (`%{enable_thinking: false}` for Qwen3)
+
+  A message's `content` may also be a list of content parts (`[%{type: "text", text: "..."}]`), or be
+  left out in an assistant message with `tool_calls`.
 
   Other options:
 
@@ -98,7 +105,10 @@ defmodule Sidecar.Generation do
   @chat_options [
     {:chat_template, &is_binary/1, "a template name"},
     {:add_generation_prompt, &is_boolean/1, "true or false"},
-    {:continue_final_message, &is_boolean/1, "true or false"}
+    {:continue_final_message, &is_boolean/1, "true or false"},
+    {:tools, &__MODULE__.maps?/1, "a list of maps"},
+    {:documents, &__MODULE__.maps?/1, "a list of maps"},
+    {:chat_template_kwargs, &is_map/1, "a map"}
   ]
 
   @options [
@@ -308,6 +318,9 @@ defmodule Sidecar.Generation do
     value
   end
 
+  @doc false
+  def maps?(value), do: is_list(value) and value != [] and Enum.all?(value, &is_map/1)
+
   # `role` and `content` are required; other keys go to the template as they are (a template may
   # use `name`, for example). Each key is an atom or a string, never both.
   defp message!(message, index) when is_map(message) do
@@ -326,22 +339,30 @@ defmodule Sidecar.Generation do
           raise ArgumentError, "message #{index}: keys must be atoms or strings, got #{inspect(key)}"
       end)
 
-    case message do
-      %{"role" => role, "content" => content}
-      when is_binary(content) and (is_binary(role) or (is_atom(role) and role not in [nil, true, false])) ->
-        %{message | "role" => to_string(role)}
+    role = message["role"]
+    content = Map.get(message, "content", :absent)
 
-      %{"role" => _, "content" => content} when not is_binary(content) ->
-        raise ArgumentError, "message #{index}: content must be a string, got #{inspect(content, limit: 8)}"
-
-      %{"role" => role, "content" => _} ->
-        raise ArgumentError, "message #{index}: role must be a string or an atom, got #{inspect(role)}"
-
-      _ ->
+    cond do
+      not Map.has_key?(message, "role") or (content == :absent and not calls_tools?(message)) ->
         missing = Enum.reject(["role", "content"], &Map.has_key?(message, &1))
 
         raise ArgumentError,
               "message #{index} has no #{Enum.join(missing, " and no ")}: #{inspect(message, limit: 8)}"
+
+      not (is_binary(role) or (is_atom(role) and role not in [nil, true, false])) ->
+        raise ArgumentError, "message #{index}: role must be a string or an atom, got #{inspect(role)}"
+
+      is_binary(content) or maps?(content) ->
+        %{message | "role" => to_string(role)}
+
+      # a message calling tools may leave its content out, or nil
+      content in [nil, :absent] and calls_tools?(message) ->
+        Map.merge(message, %{"role" => to_string(role), "content" => nil})
+
+      true ->
+        raise ArgumentError,
+              "message #{index}: content must be a string or a list of content parts (maps), or left out " <>
+                "with tool_calls, got #{inspect(content, limit: 8)}"
     end
   end
 
@@ -351,6 +372,8 @@ defmodule Sidecar.Generation do
         ArgumentError,
         "message #{index} must be a map with role and content, got #{inspect(other, limit: 8)}"
       )
+
+  defp calls_tools?(message), do: match?(%{"tool_calls" => [_ | _]}, message)
 
   # The protocol's name of each strategy type.
   @strategies %{
