@@ -89,7 +89,7 @@ class Engine:
         # text (`text.detokenizer`). Made here, on a loading thread for a
         # load_model (0.1 s at 32k tokens), not by a request on the server's main thread.
         self.vocabulary = Vocabulary.from_tokenizer(tokenizer, self.vocab_size)
-        self.max_context = getattr(model.config, "max_position_embeddings", None)
+        self.max_context = models.max_context(model.config)
         self._sessions: OrderedDict[int, Session] = OrderedDict()  # least recently used first
         self._ids = itertools.count(1)
         self.lock = threading.RLock()
@@ -207,7 +207,7 @@ class Engine:
         if self.max_context is not None and len(input_ids) + max_new_tokens > self.max_context:
             raise ContextOverflow(
                 f"{len(input_ids)} input tokens + max_new_tokens {max_new_tokens} exceed the model's context "
-                f"of {self.max_context} tokens (max_position_embeddings)",
+                f"of {self.max_context} tokens (max_context: its max_position_embeddings, or YaRN's extension of it)",
                 limit="max_context", max=self.max_context, value=len(input_ids) + max_new_tokens,
             )
         if strategy is None:

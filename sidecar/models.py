@@ -114,6 +114,22 @@ def load(path: str | Path | None, *, dtype=None, device: str = "cpu", trust_remo
     return model.to(device).eval(), tokenizer, path
 
 
+def max_context(config) -> int | None:
+    """The positions the model takes: `max_position_embeddings`, or for YaRN rope scaling the `factor` times the
+    `original_max_position_embeddings` it was trained at, where that is more (Qwen2.5's 32k extended to 128k,
+    as vLLM reads it; a config that already says the extended length, as DeepSeek-V3's, keeps it). YaRN's
+    frequencies are fixed, so positions past the config's length compute as any other. Dynamic NTK's change
+    with the longest row of a batch, and the others' configs say their extended length already."""
+    length = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None)
+    if not isinstance(length, int) or not isinstance(rope, dict) or rope.get("rope_type") != "yarn":
+        return length
+    factor, original = rope.get("factor"), rope.get("original_max_position_embeddings") or length
+    if isinstance(factor, (int, float)) and factor > 1 and isinstance(original, int):
+        return max(length, int(factor * original))
+    return length
+
+
 def vocab_size(model) -> int:
     """The token ids the model both reads and predicts: its input embeddings' rows, or its output layer's
     width where that is smaller (Moshi embeds 1,025 ids and predicts 1,024: an id past the logits was taken

@@ -133,3 +133,25 @@ def test_an_end_token_past_the_vocabulary_is_left_out_of_the_defaults(default_di
     with loaded.session() as session:
         result = session.generate("Is it?", processors=[configure(Choice, options=["yes", "no"])], max_new_tokens=8)
     assert result.text in ("yes", "no") and result.token_ids[-1] == 2
+
+
+def test_yarn_rope_scaling_extends_the_context_and_positions_past_the_config_compute_as_transformers(default_dir, tmp_path):
+    """Qwen2.5's 32k with YaRN factor 4 is 128k, as vLLM reads it; the context was the config's length."""
+    import torch
+
+    shutil.copytree(default_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config.update(max_position_embeddings=64, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                              "original_max_position_embeddings": 64})
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    yarn = Engine.load(tmp_path / "m")
+    assert yarn.max_context == 256
+    prompt = [5 + (7 * i) % 900 for i in range(90)]  # past the config's 64 positions
+    with yarn.session() as session:
+        ours = session.generate(token_ids=prompt, max_new_tokens=12, eos_token_ids=[]).token_ids
+    with torch.inference_mode():
+        theirs = yarn.model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12, eos_token_id=None,
+                                     pad_token_id=0)
+    assert ours == theirs[0, len(prompt):].tolist()
+    with pytest.raises(errors.ContextOverflow):
+        yarn.session().generate(token_ids=prompt * 3, max_new_tokens=1)
