@@ -123,7 +123,8 @@ OPS: dict[str, dict[str, Param]] = {
         "documents": Param("list[map]|null", doc="with messages: documents for a retrieval template"),
         "chat_template_kwargs": Param("map|null", doc="with messages: more variables of the template "
                                       "(Qwen3's enable_thinking)"),
-        "max_new_tokens": Param("uint", default=16, doc="tokens to generate at most"),
+        "max_new_tokens": Param("uint|null", doc="tokens to generate at most (default: the model's "
+                                "generation_defaults.max_new_tokens, 16 unless its generation config says)"),
         "strategy": Param("str|null", doc="greedy | sample | beam (default: the model's generation_defaults.strategy)"),
         "seed": Param("uint|null", doc="seed of sampling; the same seed gives the same tokens"),
         "processors": Param("list[map]|null", doc='[{"name": "top_k", "options": {"k": 50}}, ...] (default: the '

@@ -189,12 +189,12 @@ class Engine:
         return chat.template_names(self.tokenizer)
 
     def validate(self, prompt=None, *, token_ids=None, messages=None, chat_template=None, add_generation_prompt=None,
-                 continue_final_message=False, tools=None, documents=None, chat_template_kwargs=None, max_new_tokens=16, strategy=None, seed=None,
+                 continue_final_message=False, tools=None, documents=None, chat_template_kwargs=None, max_new_tokens=None, strategy=None, seed=None,
                  processors=None, stop=None, eos_token_ids=None, num_samples=1, num_beams=None,
                  num_return_sequences=None, length_penalty=None, early_stopping=None, reuse="prefix",
                  keep=None, **unknown) -> Request:
         """Checks a generate call completely, before anything changes; returns it in normal form. `strategy`,
-        `processors` and `stop` left out (None) are the model's (`generation_defaults`)."""
+        `max_new_tokens`, `processors` and `stop` left out (None) are the model's (`generation_defaults`)."""
         if unknown:
             name = next(iter(unknown))
             raise InvalidArgument(f"generate has no option {name!r}; valid: {', '.join(generate_options())}", option=name)
@@ -202,6 +202,8 @@ class Engine:
                                      chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                      continue_final_message=continue_final_message, tools=tools, documents=documents,
                                      chat_template_kwargs=chat_template_kwargs)
+        if max_new_tokens is None:
+            max_new_tokens = self.generation_defaults.max_new_tokens
         if not _is_int(max_new_tokens) or max_new_tokens < 0:
             raise InvalidArgument(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}", option="max_new_tokens")
         if self.max_context is not None and len(input_ids) + max_new_tokens > self.max_context:

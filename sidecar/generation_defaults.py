@@ -4,15 +4,15 @@ transformers' `generate`, vLLM (`--generation-config auto`) and Bumblebee all st
 `generation_config.json`: its `do_sample`, `temperature`, `top_p`, `repetition_penalty`... are the
 model author's defaults (Llama 3 and Qwen2.5 ship sampling ones). Here they are read once, at load, into
 a strategy and built-in processors, in the order transformers' `_get_logits_processor` applies them;
-a call that leaves out `strategy`, `processors` or `stop` takes the model's, and a call that gives one
-takes exactly what it gives (`processors=[]` is none at all).
+a call that leaves out `strategy`, `max_new_tokens`, `processors` or `stop` takes the model's, and a call
+that gives one takes exactly what it gives (`processors=[]` is none at all).
 
 Only what the file sets counts, as vLLM reads it: transformers also fills in its library defaults, so that
 a file that sets `do_sample` alone samples among transformers' top 50 there, and among every token here.
 The sampling processors apply with `strategy="sample"` only, as transformers applies its warpers with
 `do_sample` only. Fields with no counterpart among the built-ins (`epsilon_cutoff`, `guidance_scale`, a
-`num_beams` above 1, ...) are not applied, and named in `not_applied` and in the log at load;
-`max_new_tokens` and `max_length` are not read (a call's `max_new_tokens` is 16 unless it says).
+`num_beams` above 1, `max_length`, which counts the prompt...) are not applied, and named in `not_applied`
+and in the log at load; `max_new_tokens` is 16 where the config does not say.
 """
 
 from __future__ import annotations
@@ -46,18 +46,20 @@ SAMPLING = (
 )
 NEEDS_EOS = {"no_bad_words", "min_length", "min_new_tokens"}  # transformers leaves these out without an EOS
 # Read elsewhere, or saying nothing about what is generated
-READ = {"do_sample", "eos_token_id", "stop_strings", "bos_token_id", "pad_token_id", "decoder_start_token_id",
-        "max_new_tokens", "max_length", "use_cache", "cache_implementation", "transformers_version",
-        "output_scores", "output_logits", "output_attentions", "output_hidden_states", "return_dict_in_generate",
-        "num_return_sequences", "length_penalty", "early_stopping"}
+READ = {"do_sample", "eos_token_id", "stop_strings", "max_new_tokens", "bos_token_id", "pad_token_id",
+        "decoder_start_token_id", "use_cache", "cache_implementation", "transformers_version", "output_scores",
+        "output_logits", "output_attentions", "output_hidden_states", "return_dict_in_generate"}
 NO_EFFECT = {"num_beams": 1, "remove_invalid_values": False, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
              "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "guidance_scale": 1.0,
-             "diversity_penalty": 0.0, "num_beam_groups": 1, "renormalize_logits": False, "low_memory": False}
+             "diversity_penalty": 0.0, "num_beam_groups": 1, "renormalize_logits": False, "low_memory": False,
+             "num_return_sequences": 1, "length_penalty": 1.0, "early_stopping": False}
+DEFAULT_MAX_NEW_TOKENS = 16  # where the config does not say (transformers' max_length of 20 counts the prompt)
 
 
 @dataclass(frozen=True)
 class GenerationDefaults:
     strategy: str  # "sample" when the config says do_sample, else "greedy"
+    max_new_tokens: int
     processors: tuple[tuple[str, dict], ...]  # (built-in, options) with any strategy
     sampling: tuple[tuple[str, dict], ...]  # with "sample" only
     stop: tuple[str, ...]
@@ -76,8 +78,8 @@ class GenerationDefaults:
         def wire(specs):
             return [{"name": name, "options": options} for name, options in specs]
 
-        return {"strategy": self.strategy, "processors": wire(self.processors), "sampling_processors": wire(self.sampling),
-                "stop": list(self.stop), "not_applied": list(self.not_applied)}
+        return {"strategy": self.strategy, "max_new_tokens": self.max_new_tokens, "processors": wire(self.processors),
+                "sampling_processors": wire(self.sampling), "stop": list(self.stop), "not_applied": list(self.not_applied)}
 
 
 def of(generation_config, vocab_size: int) -> GenerationDefaults:
@@ -114,10 +116,17 @@ def of(generation_config, vocab_size: int) -> GenerationDefaults:
             not_applied.append(field)
     stop = generation_config.stop_strings
     stop = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str) and s)
+    max_new_tokens = generation_config.max_new_tokens
+    if max_new_tokens is not None and not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+        log.warning("the model's generation config has max_new_tokens = %s, no count of tokens: not applied",
+                    str(max_new_tokens)[:100])
+        not_applied.append("max_new_tokens")
+        max_new_tokens = None
     if not_applied:
         log.warning("the model's generation config sets %s, which the engine does not apply", ", ".join(not_applied))
-    return GenerationDefaults("sample" if generation_config.do_sample else "greedy", processors, sampling, stop,
-                              tuple(not_applied))
+    return GenerationDefaults("sample" if generation_config.do_sample else "greedy",
+                              DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
+                              processors, sampling, stop, tuple(not_applied))
 
 
 def _wire(value):

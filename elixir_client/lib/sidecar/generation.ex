@@ -42,7 +42,7 @@ defmodule Sidecar.Generation do
 
   Other options:
 
-    * `:max_new_tokens` (default 16), `:min_new_tokens`
+    * `:max_new_tokens` (default: the model's, 16 unless its generation config says), `:min_new_tokens`
     * `:strategy` - one of the maps below (default: the model's, `%{type: :greedy_search}` unless its
       generation config says `do_sample`: the model info's `"generation_defaults"`)
     * `:temperature`, `:no_repeat_ngram_length`, `:suppressed_token_ids`, `:forced_bos_token_id`
@@ -232,8 +232,8 @@ defmodule Sidecar.Generation do
 
     input
     |> input_param(opts)
-    |> Map.put("max_new_tokens", if(is_nil(opts[:max_new_tokens]), do: 16, else: opts[:max_new_tokens]))
     |> Map.merge(sequence_params)
+    |> put_present("max_new_tokens", opts[:max_new_tokens])
     |> put_present("strategy", strategy)
     |> put_present("processors", processors)
     |> put_present("stop", stop)
