@@ -274,10 +274,9 @@ class Engine:
         model's) ending on `eos_token_ids` (None: the model's)."""
         strategy = self.generation_defaults.strategy if strategy is None else strategy
         eos = self.default_eos_token_ids if eos_token_ids is None else eos_token_ids
-        try:
-            return self.generation_defaults.processors_for(strategy, eos)
-        except proc.ProcessorError as error:  # end tokens the call gave that are no ids: named by validate
-            raise refusal_of(error) from error
+        if eos_token_ids is not None:  # the server asks before validate: its end tokens are named as validate names them
+            self.check_token_ids(eos_token_ids, "eos_token_ids")
+        return self.generation_defaults.processors_for(strategy, eos)
 
     @functools.cached_property
     def fingerprint(self) -> str:

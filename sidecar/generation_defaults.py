@@ -34,6 +34,7 @@ ANY_STRATEGY = (
     ("bad_words_ids", "no_bad_words", "bad_words_ids", None),
     ("min_length", "min_length", "min_length", 0),
     ("min_new_tokens", "min_new_tokens", "min_new_tokens", 0),
+    ("forced_bos_token_id", "forced_bos", "token_id", None),
     ("suppress_tokens", "suppress_tokens", "token_ids", None),
     ("begin_suppress_tokens", "suppress_tokens_at_begin", "token_ids", None),
 )
@@ -44,7 +45,8 @@ SAMPLING = (
     ("min_p", "min_p", "p", None),
     ("typical_p", "typical_p", "p", 1.0),
 )
-NEEDS_EOS = {"no_bad_words", "min_length", "min_new_tokens"}  # transformers leaves these out without an EOS
+NEEDS_EOS = {"min_length", "min_new_tokens"}  # transformers leaves these out without an EOS
+TAKES_EOS = {"no_bad_words"} | NEEDS_EOS  # given the end tokens there are (bad words keep them allowed)
 # Read elsewhere, or saying nothing about what is generated
 READ = {"do_sample", "eos_token_id", "stop_strings", "max_new_tokens", "bos_token_id", "pad_token_id",
         "decoder_start_token_id", "use_cache", "cache_implementation", "transformers_version", "output_scores",
@@ -69,7 +71,7 @@ class GenerationDefaults:
         """The model's processors for a call of `strategy` that ends on `eos_token_ids`."""
         specs = self.processors + (self.sampling if strategy == "sample" else ())
         eos = sorted(eos_token_ids)
-        return [proc.from_name(name, {**options, "eos_token_ids": eos} if name in NEEDS_EOS else options)
+        return [proc.from_name(name, {**options, "eos_token_ids": eos} if name in TAKES_EOS and eos else options)
                 for name, options in specs if eos or name not in NEEDS_EOS]
 
     def describe(self) -> dict:
@@ -92,8 +94,8 @@ def of(generation_config, vocab_size: int) -> GenerationDefaults:
         made = []
         for field, name, option, inert in table:
             value = getattr(generation_config, field, None)
-            if value is None or value == inert:
-                continue
+            if value is None or value == inert or (isinstance(value, (list, tuple, dict)) and not value):
+                continue  # what transformers applies to no effect: no suppressed tokens, a penalty of 1
             value = _wire(value)
             try:
                 made_one = proc.from_name(name, {option: value, **({"eos_token_ids": [0]} if name in NEEDS_EOS else {})})
@@ -107,7 +109,10 @@ def of(generation_config, vocab_size: int) -> GenerationDefaults:
             made.append((name, {option: value}))
         return tuple(made)
 
-    processors, sampling = specs(ANY_STRATEGY), specs(SAMPLING)
+    # transformers' min_new_tokens replaces its min_length (as the prompt's length + min_new_tokens)
+    shadowed = {"min_length"} if (getattr(generation_config, "min_new_tokens", None) or 0) > 0 else set()
+    processors = specs(tuple(row for row in ANY_STRATEGY if row[0] not in shadowed))
+    sampling = specs(SAMPLING)
     known = {field for field, *_ in ANY_STRATEGY + SAMPLING} | READ
     declared = vars(GenerationConfig())  # a file's own keys (Qwen's "chat_format") are no generation option
     for field, value in sorted(vars(generation_config).items()):
@@ -115,7 +120,16 @@ def of(generation_config, vocab_size: int) -> GenerationDefaults:
                 and value != NO_EFFECT.get(field, object()):
             not_applied.append(field)
     stop = generation_config.stop_strings
-    stop = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str) and s)
+    if isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) and s for s in stop):
+        stop = tuple(stop)
+    else:
+        if stop is not None:
+            log.warning("the model's generation config has stop_strings = %s, no list of strings: not applied",
+                        str(stop)[:100])
+            not_applied.append("stop_strings")
+        stop = ()
     max_new_tokens = generation_config.max_new_tokens
     if max_new_tokens is not None and not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
         log.warning("the model's generation config has max_new_tokens = %s, no count of tokens: not applied",

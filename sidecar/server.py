@@ -42,6 +42,7 @@ from protocol import (
     peek_request_id, unpack,
 )
 from protocol import errors as codes
+from protocol.limits import check_params
 from protocol.schema import request_id_of
 
 from . import __version__, inputs
@@ -435,6 +436,12 @@ class Server:
         if job.processors is None:
             params = self._full_request(job).params
             specs = params["processors"]
+            if specs is None or params["stop"] is None:  # the model's, within the limits a client's are
+                defaults = session.engine.generation_defaults.describe()
+                check_params("generate", {"processors": None if specs is not None else
+                                          defaults["processors"] + defaults["sampling_processors"],
+                                          "stop": defaults["stop"] if params["stop"] is None else None},
+                             self.limits, job.request.id)
             if specs is None:  # the model's own, which compile nothing
                 job.processors = session.engine.default_processors(params["strategy"], params["eos_token_ids"])
             elif specs and len(pack(specs)) > CONFIGURE_INLINE_BYTES:

@@ -165,8 +165,10 @@ defmodule Sidecar.GenerationTest do
     assert %{"strategy" => "greedy", "processors" => [], "stop" => []} =
              Generation.params("a", [strategy: %{type: :greedy_search}, processors: [], stop: []], nil)
 
-    # one option that makes a processor sends the processors, and no other
+    # one option that makes a processor sends the processors, and no other; at its neutral value, none
     assert %{"processors" => [%{"name" => "temperature"}]} = Generation.params("a", [temperature: 0.5], nil)
+    assert %{"processors" => []} = Generation.params("a", [temperature: 1.0], nil)
+    assert %{"processors" => []} = Generation.params("a", [suppressed_token_ids: []], nil)
 
     assert %{"processors" => [%{"name" => "top_k"}], "strategy" => "sample"} =
              Generation.params("a", [strategy: %{type: :multinomial_sampling, top_k: 5}], nil)

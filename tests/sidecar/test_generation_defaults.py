@@ -71,17 +71,79 @@ def test_greedy_keeps_the_models_processors_and_given_ones_replace_them(configur
     assert bare.token_ids == expected_bare != greedy.token_ids
 
 
-def test_over_the_protocol_the_model_info_shows_them_and_a_bare_generate_takes_them(configured, configured_dir):
+GREEDY_CONFIG = {"bad_words_ids": [[464], [7, 8]], "min_length": 20, "begin_suppress_tokens": [562],
+                 "sequence_bias": [[[100], 2.0]], "forced_bos_token_id": 9, "suppress_tokens": [],
+                 "stop_strings": 5}
+
+
+@pytest.fixture(scope="module")
+def greedy_dir(default_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("greedy") / "model"
+    shutil.copytree(default_dir, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, **GREEDY_CONFIG}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def greedy(greedy_dir):
+    return Engine.load(greedy_dir)
+
+
+@pytest.mark.parametrize("eos", [None, []], ids=["the model's end tokens", "none"])
+def test_the_models_token_processors_are_transformers_greedy_with_and_without_end_tokens(greedy, eos):
+    """Bad words apply without end tokens as in transformers (they were dropped); min_length and min_new_tokens
+    need them. An empty suppress list is no processor and not 'not applied'; stop_strings that are no list are."""
+    loaded = greedy
+    described = loaded.generation_defaults.describe()
+    assert [p["name"] for p in described["processors"]] == ["sequence_bias", "no_bad_words", "min_length", "forced_bos",
+                                                             "suppress_tokens_at_begin"]
+    assert described["not_applied"] == ["stop_strings"] and described["stop"] == []
+    prompt = list(range(10, 22))
+    with loaded.session() as session:
+        ours = session.generate(token_ids=prompt, max_new_tokens=8, eos_token_ids=eos).token_ids
+    told = {} if eos is None else {"eos_token_id": None}
+    with torch.inference_mode():
+        theirs = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=8, pad_token_id=0, stop_strings=None, **told)
+    assert ours == theirs[0, len(prompt):].tolist()
+    assert 464 not in ours
+
+
+def test_min_new_tokens_replaces_min_length_as_in_transformers():
+    from transformers import GenerationConfig
+
+    from sidecar import generation_defaults
+
+    both = generation_defaults.of(GenerationConfig(min_length=20, min_new_tokens=3), 1024).describe()["processors"]
+    assert both == [{"name": "min_new_tokens", "options": {"min_new_tokens": 3}}]
+
+
+def test_over_the_protocol_the_model_info_shows_them_a_bare_generate_takes_them_and_the_limits_bound_them(
+        configured, configured_dir, greedy_dir, tmp_path):
+    """A model's max_new_tokens, stop strings or processors past a limit are refused for a call that leaves them
+    out, as a client's would be; and an end token that is no id is named as one, not blamed on the model's
+    processors."""
     prompt = tokens(12, seed=95)
     with configured.session() as session:
         expected = session.generate(token_ids=prompt, max_new_tokens=8, seed=5, eos_token_ids=[]).token_ids
+    stops = tmp_path / "stops"
+    shutil.copytree(greedy_dir, stops)
+    config = json.loads((stops / "generation_config.json").read_text())
+    (stops / "generation_config.json").write_text(json.dumps({**config, "stop_strings": ["x" * 100] * 50}))
     with Peer([sys.executable, "-m", "sidecar", "--log-level", "ERROR", "--model", str(configured_dir),
-               "--max-new-tokens", "8"], stderr=subprocess.DEVNULL) as peer:
+               "--max-new-tokens", "8", "--model-root", str(tmp_path)], stderr=subprocess.DEVNULL) as peer:
         info = peer.call("models")["result"]["models"][0]
         assert info["generation_defaults"] == configured.generation_defaults.describe()
-        over = peer.call("generate", session=peer.call("open_session")["result"]["session"], prompt="x")
-        assert over["error"]["code"] == "limit_exceeded" and (over["error"]["limit"], over["error"]["value"]) == (
-            "max_new_tokens", 9), over  # the model's 9, over this server's limit
         session = peer.call("open_session")["result"]["session"]
         reply = peer.call("generate", session=session, token_ids=prompt, max_new_tokens=8, seed=5, eos_token_ids=[])
         assert reply["result"]["token_ids"] == expected, reply
+        over = peer.call("generate", session=session, prompt="x")
+        assert over["error"]["code"] == "limit_exceeded" and (over["error"]["limit"], over["error"]["value"]) == (
+            "max_new_tokens", 9), over  # the model's 9, over this server's limit
+        assert peer.call("load_model", name="stops", path=str(stops))["ok"]
+        session = peer.call("open_session", model="stops")["result"]["session"]
+        over = peer.call("generate", session=session, prompt="x")
+        assert (over["error"]["code"], over["error"]["limit"]) == ("limit_exceeded", "max_stop_bytes"), over
+        assert peer.call("generate", session=session, prompt="x", stop=[], max_new_tokens=2)["ok"]
+        bad_end = peer.call("generate", session=session, prompt="x", stop=[], eos_token_ids=[2**64 - 1])
+        assert bad_end["error"]["code"] == "token_out_of_range", bad_end

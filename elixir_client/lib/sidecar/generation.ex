@@ -129,6 +129,15 @@ defmodule Sidecar.Generation do
     | for({key, _, _} <- @chat_options, do: key)
   ]
 
+  # options that make processors
+  @processor_options [
+    :no_repeat_ngram_length,
+    :min_new_tokens,
+    :suppressed_token_ids,
+    :forced_bos_token_id,
+    :temperature
+  ]
+
   # options read as "given" only when truthy
   @no_false [
     :strategy,
@@ -225,10 +234,12 @@ defmodule Sidecar.Generation do
           Processors.configure(Processors.Temperature, temperature: opts[:temperature])
       ] ++ sampling
 
-    # none given, by option or in :processors, is the model's own (its generation config's)
-    processors =
-      if opts[:processors] || Enum.any?(built_in),
-        do: for(p <- built_in ++ (opts[:processors] || []), p, do: Processors.to_wire(p))
+    # none given, by option (at its neutral value too: `temperature: 1.0` is no temperature, not the
+    # model's) or in :processors, is the model's own (its generation config's)
+    given? =
+      opts[:processors] != nil or Enum.any?(@processor_options, &(opts[&1] != nil)) or Enum.any?(sampling)
+
+    processors = if given?, do: for(p <- built_in ++ (opts[:processors] || []), p, do: Processors.to_wire(p))
 
     input
     |> input_param(opts)
