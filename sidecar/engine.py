@@ -202,8 +202,10 @@ class Engine:
                                      chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                      continue_final_message=continue_final_message, tools=tools, documents=documents,
                                      chat_template_kwargs=chat_template_kwargs)
-        if max_new_tokens is None:
+        if max_new_tokens is None:  # the model's, within what its context leaves (vLLM's default max_tokens)
             max_new_tokens = self.generation_defaults.max_new_tokens
+            if self.max_context is not None:
+                max_new_tokens = min(max_new_tokens, max(0, self.max_context - len(input_ids)))
         if not _is_int(max_new_tokens) or max_new_tokens < 0:
             raise InvalidArgument(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}", option="max_new_tokens")
         if self.max_context is not None and len(input_ids) + max_new_tokens > self.max_context:

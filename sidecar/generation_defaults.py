@@ -7,6 +7,8 @@ a strategy and built-in processors, in the order transformers' `_get_logits_proc
 a call that leaves out `strategy`, `max_new_tokens`, `processors` or `stop` takes the model's, and a call
 that gives one takes exactly what it gives (`processors=[]` is none at all).
 
+A `temperature` of 0 with `do_sample` is greedy, as vLLM reads it (transformers refuses it); token ids past
+the vocabulary are left out of the lists that name them, as transformers' processors pass over them.
 Only what the file sets counts, as vLLM reads it: transformers also fills in its library defaults, so that
 a file that sets `do_sample` alone samples among transformers' top 50 there, and among every token here.
 The sampling processors apply with `strategy="sample"` only, as transformers applies its warpers with
@@ -96,7 +98,9 @@ def of(generation_config, vocab_size: int) -> GenerationDefaults:
             value = getattr(generation_config, field, None)
             if value is None or value == inert or (isinstance(value, (list, tuple, dict)) and not value):
                 continue  # what transformers applies to no effect: no suppressed tokens, a penalty of 1
-            value = _wire(value)
+            value = _within(field, _wire(value), vocab_size)
+            if value is None:
+                continue
             try:
                 made_one = proc.from_name(name, {option: value, **({"eos_token_ids": [0]} if name in NEEDS_EOS else {})})
                 if made_one.max_token_id() >= vocab_size:
@@ -112,7 +116,9 @@ def of(generation_config, vocab_size: int) -> GenerationDefaults:
     # transformers' min_new_tokens replaces its min_length (as the prompt's length + min_new_tokens)
     shadowed = {"min_length"} if (getattr(generation_config, "min_new_tokens", None) or 0) > 0 else set()
     processors = specs(tuple(row for row in ANY_STRATEGY if row[0] not in shadowed))
-    sampling = specs(SAMPLING)
+    # a temperature of 0 with do_sample: greedy, as vLLM reads it (transformers refuses it)
+    greedy = generation_config.temperature == 0 and not isinstance(generation_config.temperature, bool)
+    sampling = () if greedy else specs(SAMPLING)
     known = {field for field, *_ in ANY_STRATEGY + SAMPLING} | READ
     declared = vars(GenerationConfig())  # a file's own keys (Qwen's "chat_format") are no generation option
     for field, value in sorted(vars(generation_config).items()):
@@ -131,16 +137,39 @@ def of(generation_config, vocab_size: int) -> GenerationDefaults:
             not_applied.append("stop_strings")
         stop = ()
     max_new_tokens = generation_config.max_new_tokens
-    if max_new_tokens is not None and not (isinstance(max_new_tokens, int) and max_new_tokens >= 0):
+    if max_new_tokens is not None and not (isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool)
+                                           and max_new_tokens >= 0):
         log.warning("the model's generation config has max_new_tokens = %s, no count of tokens: not applied",
                     str(max_new_tokens)[:100])
         not_applied.append("max_new_tokens")
         max_new_tokens = None
     if not_applied:
         log.warning("the model's generation config sets %s, which the engine does not apply", ", ".join(not_applied))
-    return GenerationDefaults("sample" if generation_config.do_sample else "greedy",
+    return GenerationDefaults("sample" if generation_config.do_sample and not greedy else "greedy",
                               DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
                               processors, sampling, stop, tuple(not_applied))
+
+
+def _within(field: str, value, vocab_size: int):
+    """`value` less the token ids past the vocabulary, which the model can never write (transformers' processors
+    pass over them): out of a list of ids, the ids; out of sequences of ids or biases, the sequences. None
+    when nothing is left."""
+    def inside(ids):
+        return all(not isinstance(t, int) or t < vocab_size for t in ids)
+
+    if field in ("suppress_tokens", "begin_suppress_tokens") and isinstance(value, list):
+        kept = [t for t in value if not isinstance(t, int) or t < vocab_size]
+    elif field == "bad_words_ids" and isinstance(value, list):
+        kept = [ids for ids in value if not isinstance(ids, list) or inside(ids)]
+    elif field == "sequence_bias" and isinstance(value, list):
+        kept = [pair for pair in value if not (isinstance(pair, list) and pair and isinstance(pair[0], list))
+                or inside(pair[0])]
+    else:
+        return value
+    if len(kept) < len(value):
+        log.warning("the model's generation config's %s names token ids past its vocabulary of %d tokens: those are "
+                    "left out", field, vocab_size)
+    return kept or None
 
 
 def _wire(value):

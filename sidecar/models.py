@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils import logging as hf_logging
 
@@ -159,6 +159,11 @@ def _check_generation_config(path: Path) -> None:
         return
     if not isinstance(parsed, dict):
         raise InvalidModel(f"{str(file)!r} is not a JSON object", path=str(path))
+    try:  # what transformers' loading refuses in it (a max_new_tokens of 0), named as its own
+        GenerationConfig.from_dict(parsed)
+    except (ValueError, TypeError) as error:
+        raise InvalidModel(f"{str(file)!r} is not a generation config transformers takes: {_brief(error)}",
+                           path=str(path)) from error
 
 
 def _check_remote_code(path: Path, trust_remote_code: bool) -> None:

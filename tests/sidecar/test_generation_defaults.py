@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from protocol.peer import Peer
-from sidecar import Engine
+from sidecar import Engine, errors
 
 from .conftest import tokens
 
@@ -147,3 +147,32 @@ def test_over_the_protocol_the_model_info_shows_them_a_bare_generate_takes_them_
         assert peer.call("generate", session=session, prompt="x", stop=[], max_new_tokens=2)["ok"]
         bad_end = peer.call("generate", session=session, prompt="x", stop=[], eos_token_ids=[2**64 - 1])
         assert bad_end["error"]["code"] == "token_out_of_range", bad_end
+
+
+def test_values_read_as_vllm_and_transformers_read_them():
+    """(helper-74) A max_new_tokens of true was taken as 1 and refused every call; a temperature of 0 with do_sample
+    sampled at 1 (vLLM: greedy; transformers refuses it); one id past the vocabulary dropped a whole suppress list,
+    where transformers passes over that id."""
+    from transformers import GenerationConfig
+
+    from sidecar import generation_defaults
+
+    read = generation_defaults.of(GenerationConfig(max_new_tokens=True, suppress_tokens=[436, 5000],
+                                                   bad_words_ids=[[5], [7, 5000]]), 1024).describe()
+    assert read["max_new_tokens"] == 16 and read["not_applied"] == ["max_new_tokens"]
+    assert read["processors"] == [{"name": "no_bad_words", "options": {"bad_words_ids": [[5]]}},
+                                  {"name": "suppress_tokens", "options": {"token_ids": [436]}}]
+    zero = generation_defaults.of(GenerationConfig(do_sample=True, temperature=0.0, top_p=0.9), 1024).describe()
+    assert (zero["strategy"], zero["sampling_processors"], zero["not_applied"]) == ("greedy", [], [])
+
+
+def test_the_models_max_new_tokens_stops_where_the_context_ends(engine, monkeypatch):
+    """As vLLM's default max_tokens: a model's 4096 new tokens on a 2048-token context refused every call."""
+    import dataclasses
+
+    monkeypatch.setattr(engine, "generation_defaults", dataclasses.replace(engine.generation_defaults, max_new_tokens=4096))
+    prompt = tokens(engine.max_context - 5, seed=97)
+    with engine.session() as session:
+        assert len(session.generate(token_ids=prompt, eos_token_ids=[]).token_ids) == 5
+        with pytest.raises(errors.ContextOverflow):
+            session.generate(token_ids=prompt, max_new_tokens=6)
