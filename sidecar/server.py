@@ -598,13 +598,12 @@ class Server:
             raise job.input_failure
         input_ids = _input_ids(*_input_source(session), p) if job.input_ids is None else job.input_ids
         job.input_ids = None  # the generation holds them now
-        max_new_tokens = p["max_new_tokens"]
-        if max_new_tokens is None:  # the model's, which the parse could not measure
+        if p["max_new_tokens"] is None:  # the model's, unmeasured by the parse (the engine fits it to the context)
             max_new_tokens = session.engine.generation_defaults.max_new_tokens
             if max_new_tokens > self.limits.max_new_tokens:
                 raise self.limits.exceeded("max_new_tokens", max_new_tokens, job.request.id, param="max_new_tokens")
         job.generation = session.stream(
-            token_ids=input_ids, max_new_tokens=max_new_tokens, strategy=p["strategy"],
+            token_ids=input_ids, max_new_tokens=p["max_new_tokens"], strategy=p["strategy"],
             seed=p["seed"], processors=job.processors, stop=p["stop"],
             eos_token_ids=p["eos_token_ids"], num_samples=p["num_samples"], num_beams=p["num_beams"],
             num_return_sequences=p["num_return_sequences"], length_penalty=p["length_penalty"],
