@@ -192,9 +192,10 @@ class Session:
         messages are `[{"role": ..., "content": ...}]` rendered by the model's chat template, with
         `chat_template`, `add_generation_prompt`, `continue_final_message`, `tools`, `documents` and
         `chat_template_kwargs` as `apply_chat_template` takes them),
-        `max_new_tokens=16`, `strategy="greedy" | "sample" | "beam"`, `seed`, `processors` (configs or
+        `max_new_tokens`, `strategy="greedy" | "sample" | "beam"`, `seed`, `processors` (configs or
         callables), `stop` (strings), `eos_token_ids` (default: the model's; `[]` never stops early; left
-        out, `strategy`, `processors` and `stop` are the model's generation config's, `Engine.generation_defaults`),
+        out, `max_new_tokens` (16 unless the config says), `strategy`, `processors` and `stop` are the model's
+        generation config's, `Engine.generation_defaults`),
         `num_samples` (sample), `num_beams`, `num_return_sequences`, `length_penalty`, `early_stopping`
         (beam, as in transformers), `reuse="prefix" | "shift"` and `keep` (shift: leading tokens kept).
         """
