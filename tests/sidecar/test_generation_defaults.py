@@ -19,13 +19,17 @@ CONFIG = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "rep
 NOT_APPLIED = {"epsilon_cutoff": 0.0}  # what transformers is told to leave out as we do
 
 
+def copied_with(source, path, changes: dict):
+    """A copy of the model at `source` whose generation_config.json has `changes` on top of its own."""
+    shutil.copytree(source, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, **changes}))
+    return path
+
+
 @pytest.fixture(scope="module")
 def configured_dir(default_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("defaults") / "model"
-    shutil.copytree(default_dir, path)
-    config = json.loads((path / "generation_config.json").read_text())
-    (path / "generation_config.json").write_text(json.dumps({**config, **CONFIG}))
-    return path
+    return copied_with(default_dir, tmp_path_factory.mktemp("defaults") / "model", CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -78,11 +82,7 @@ GREEDY_CONFIG = {"bad_words_ids": [[464], [7, 8]], "min_length": 20, "begin_supp
 
 @pytest.fixture(scope="module")
 def greedy_dir(default_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("greedy") / "model"
-    shutil.copytree(default_dir, path)
-    config = json.loads((path / "generation_config.json").read_text())
-    (path / "generation_config.json").write_text(json.dumps({**config, **GREEDY_CONFIG}))
-    return path
+    return copied_with(default_dir, tmp_path_factory.mktemp("greedy") / "model", GREEDY_CONFIG)
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +126,7 @@ def test_over_the_protocol_the_model_info_shows_them_a_bare_generate_takes_them_
     prompt = tokens(12, seed=95)
     with configured.session() as session:
         expected = session.generate(token_ids=prompt, max_new_tokens=8, seed=5, eos_token_ids=[]).token_ids
-    stops = tmp_path / "stops"
-    shutil.copytree(greedy_dir, stops)
-    config = json.loads((stops / "generation_config.json").read_text())
-    (stops / "generation_config.json").write_text(json.dumps({**config, "stop_strings": ["x" * 100] * 50}))
+    stops = copied_with(greedy_dir, tmp_path / "stops", {"stop_strings": ["x" * 100] * 50})
     with Peer([sys.executable, "-m", "sidecar", "--log-level", "ERROR", "--model", str(configured_dir),
                "--max-new-tokens", "8", "--model-root", str(tmp_path)], stderr=subprocess.DEVNULL) as peer:
         info = peer.call("models")["result"]["models"][0]
