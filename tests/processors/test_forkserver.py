@@ -79,7 +79,7 @@ def gone(pid: int, within_s: float = 10) -> bool:
 def ended(pid: int) -> bool:
     try:
         return status(pid)["State"].startswith("Z")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # gone before its status was opened, or while it was read
         return True
 
 
