@@ -131,6 +131,8 @@ OPS: dict[str, dict[str, Param]] = {
                             "model's generation_defaults; [] for none)"),
         "stop": Param("list[str]|null", doc="stop strings, trimmed from the text (default: the model's generation_defaults.stop)"),
         "eos_token_ids": Param("list[uint]|null", doc="default: the model's EOS ids"),
+        "generation_config": Param("map|null", doc="fields of the model's generation config this call changes, the "
+                                   "others kept (as transformers' generate(temperature=0.7)): see Generation defaults"),
         "stream": Param("bool", default=False, doc="emit a token event per generated token (beam search emits none)"),
         "num_samples": Param("uint|null", default=1, doc="with sample: sequences drawn from one prefill of the prompt"),
         "num_beams": Param("uint|null", doc=f"with beam: beams kept at each step (default {DEFAULT_NUM_BEAMS})"),

@@ -190,20 +190,22 @@ class Engine:
 
     def validate(self, prompt=None, *, token_ids=None, messages=None, chat_template=None, add_generation_prompt=None,
                  continue_final_message=False, tools=None, documents=None, chat_template_kwargs=None, max_new_tokens=None, strategy=None, seed=None,
-                 processors=None, stop=None, eos_token_ids=None, num_samples=1, num_beams=None,
+                 processors=None, stop=None, eos_token_ids=None, generation_config=None, num_samples=1, num_beams=None,
                  num_return_sequences=None, length_penalty=None, early_stopping=None, reuse="prefix",
                  keep=None, **unknown) -> Request:
         """Checks a generate call completely, before anything changes; returns it in normal form. `strategy`,
-        `max_new_tokens`, `processors` and `stop` left out (None) are the model's (`generation_defaults`)."""
+        `max_new_tokens`, `processors` and `stop` left out (None) are the model's (`generation_defaults`), with
+        the fields `generation_config` changes (`defaults_for`)."""
         if unknown:
             name = next(iter(unknown))
             raise InvalidArgument(f"generate has no option {name!r}; valid: {', '.join(generate_options())}", option=name)
+        defaults = self.defaults_for(generation_config, processors_given=processors is not None)
         input_ids = inputs.input_ids(self.tokenizer, self.vocab_size, prompt, token_ids=token_ids, messages=messages,
                                      chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                      continue_final_message=continue_final_message, tools=tools, documents=documents,
                                      chat_template_kwargs=chat_template_kwargs)
         if max_new_tokens is None:  # the model's, within what its context leaves (vLLM's default max_tokens)
-            max_new_tokens = self.generation_defaults.max_new_tokens
+            max_new_tokens = defaults.max_new_tokens
             if self.max_context is not None:
                 max_new_tokens = min(max_new_tokens, max(0, self.max_context - len(input_ids)))
         if not _is_int(max_new_tokens) or max_new_tokens < 0:
@@ -215,13 +217,13 @@ class Engine:
                 limit="max_context", max=self.max_context, value=len(input_ids) + max_new_tokens,
             )
         if strategy is None:
-            strategy = self.generation_defaults.strategy
+            strategy = defaults.strategy
         if strategy not in STRATEGIES:
             raise UnknownStrategy(f"unknown strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
         if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**64):
             raise InvalidArgument(f"seed must be an integer in [0, 2^64), got {seed!r}", option="seed")
         if stop is None:  # the model's stop strings, which beams would refuse (they are scored to their end)
-            stop = self.generation_defaults.stop if strategy != "beam" else ()
+            stop = defaults.stop if strategy != "beam" else ()
         if isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
@@ -238,7 +240,7 @@ class Engine:
             self.check_token_ids(eos_token_ids, "eos_token_ids")
             eos = frozenset(int(t) for t in eos_token_ids)
         if processors is None:
-            processors = self.generation_defaults.processors_for(strategy, eos)  # eos checked above
+            processors = defaults.processors_for(strategy, eos)  # eos checked above
         if not isinstance(processors, (list, tuple, proc.Chain)):
             raise InvalidProcessor(f"processors must be a list of processors, got {type(processors).__name__}")
         try:
@@ -271,14 +273,37 @@ class Engine:
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows,
                        shift_keep=shift_keep)
 
-    def default_processors(self, strategy: str | None, eos_token_ids=None) -> list:
-        """The processors of a call that names none: the model's generation config's for `strategy` (None: the
-        model's) ending on `eos_token_ids` (None: the model's)."""
-        strategy = self.generation_defaults.strategy if strategy is None else strategy
+    def default_processors(self, strategy: str | None, eos_token_ids=None, generation_config=None) -> list:
+        """The processors of a call that names none: the model's generation config's, with the fields
+        `generation_config` changes, for `strategy` (None: the config's) ending on `eos_token_ids` (None: the
+        model's)."""
+        defaults = self.defaults_for(generation_config)
+        strategy = defaults.strategy if strategy is None else strategy
         eos = self.default_eos_token_ids if eos_token_ids is None else eos_token_ids
         if eos_token_ids is not None:  # the server asks before validate: its end tokens are named as validate names them
             self.check_token_ids(eos_token_ids, "eos_token_ids")
-        return self.generation_defaults.processors_for(strategy, eos)
+        return defaults.processors_for(strategy, eos)
+
+    def defaults_for(self, generation_config=None, processors_given=False) -> generation_defaults.GenerationDefaults:
+        """What a call leaving out strategy, max_new_tokens, processors or stop takes: the model's
+        `generation_defaults`, with the fields the call's `generation_config` (a dict) changes, as
+        `model.generate(temperature=0.7)` keeps the model's other fields. With `processors_given`, a field
+        that makes a processor is refused: the processors given are the whole list."""
+        if generation_config is None:
+            return self.generation_defaults
+        if not isinstance(generation_config, dict):
+            raise InvalidArgument("generation_config must be a map of generation config fields to values, got "
+                                  f"{type(generation_config).__name__}", option="generation_config")
+        if processors_given:
+            made = [field for field in generation_config if field in generation_defaults.PROCESSOR_FIELDS]
+            if made:
+                raise InvalidArgument(f"generation_config.{made[0]} makes a processor, and processors is given: the "
+                                      "processors given are the whole list, so give it there, or leave processors "
+                                      "out to change the model's one field", option="generation_config")
+        try:
+            return generation_defaults.overridden(self.model.generation_config, generation_config, self.vocab_size)
+        except generation_defaults.InvalidField as error:
+            raise InvalidArgument(str(error), option="generation_config") from None
 
     @functools.cached_property
     def fingerprint(self) -> str:

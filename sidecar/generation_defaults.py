@@ -15,10 +15,15 @@ The sampling processors apply with `strategy="sample"` only, as transformers app
 `do_sample` only. Fields with no counterpart among the built-ins (`epsilon_cutoff`, `guidance_scale`, a
 `num_beams` above 1, `max_length`, which counts the prompt...) are not applied, and named in `not_applied`
 and in the log at load; `max_new_tokens` is 16 where the config does not say.
+
+A call may change some of the fields (`overridden`), as `model.generate(temperature=0.7)` and vLLM's
+per-field override do: the model's other fields stay. The call's values are checked as a call's options
+are (a value no built-in takes is refused, naming the field), where the model's own are logged and passed over.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -58,6 +63,12 @@ NO_EFFECT = {"num_beams": 1, "remove_invalid_values": False, "epsilon_cutoff": 0
              "diversity_penalty": 0.0, "num_beam_groups": 1, "renormalize_logits": False, "low_memory": False,
              "num_return_sequences": 1, "length_penalty": 1.0, "early_stopping": False}
 DEFAULT_MAX_NEW_TOKENS = 16  # where the config does not say (transformers' max_length of 20 counts the prompt)
+PROCESSOR_FIELDS = tuple(field for field, *_ in ANY_STRATEGY + SAMPLING)
+CALL_FIELDS = PROCESSOR_FIELDS + ("do_sample", "max_new_tokens", "stop_strings")  # what a call may change
+
+
+class InvalidField(ValueError):
+    """A call's change of the generation config that the engine cannot apply: the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -86,11 +97,40 @@ class GenerationDefaults:
                 "sampling_processors": wire(self.sampling), "stop": list(self.stop), "not_applied": list(self.not_applied)}
 
 
-def of(generation_config, vocab_size: int) -> GenerationDefaults:
+def overridden(generation_config, changes: dict, vocab_size: int) -> GenerationDefaults:
+    """The defaults of a call that changes the fields `changes` names (among `CALL_FIELDS`) of the model's
+    `generation_config`; the others stay the model's. Raises `InvalidField` for a field not among them, a
+    value of None (a field is left out to keep the model's, or given its neutral value to turn it off), and a
+    value the engine would not apply (a `top_p` of 1.5, a token id past `vocab_size`)."""
+    for field, value in changes.items():
+        if field not in CALL_FIELDS:
+            raise InvalidField(f"generation_config has no field {str(field)[:64]!r} the engine applies; valid: "
+                               f"{', '.join(CALL_FIELDS)} (beams: strategy and num_beams)")
+        if value is None:
+            raise InvalidField(f"generation_config.{field} is nil: leave the field out to keep the model's, or give "
+                               "its neutral value to turn it off")
+    if "do_sample" in changes and not isinstance(changes["do_sample"], bool):
+        raise InvalidField(f"generation_config.do_sample must be true or false, got {str(changes['do_sample'])[:64]}")
+    merged = copy.deepcopy(generation_config)
+    for field, value in changes.items():
+        setattr(merged, field, value)
+    return of(merged, vocab_size, strict=frozenset(changes))
+
+
+def of(generation_config, vocab_size: int, strict: frozenset = frozenset()) -> GenerationDefaults:
     """Reads the fields of a transformers `GenerationConfig` that the model's files set (transformers 5 leaves
     the others None). A value no built-in takes (a `top_p` of 1.5, a token id past `vocab_size`) is not
-    applied, and logged."""
+    applied, and logged; in a field of `strict` (a call's own), it raises `InvalidField`, and nothing is
+    logged (the model's own fields were, at load)."""
     not_applied = []
+
+    def passed_over(field, message, *args):
+        if field in strict:
+            raise InvalidField(f"generation_config.{field}: " + message % args)
+        if not strict:
+            log.warning(f"the model's generation config has {field} = %s, " + message + ": not applied",
+                        str(getattr(generation_config, field))[:100], *args)
+        not_applied.append(field)
 
     def specs(table):
         made = []
@@ -98,23 +138,24 @@ def of(generation_config, vocab_size: int) -> GenerationDefaults:
             value = getattr(generation_config, field, None)
             if value is None or value == inert or (isinstance(value, (list, tuple, dict)) and not value):
                 continue  # what transformers applies to no effect: no suppressed tokens, a penalty of 1
-            value = _within(field, _wire(value), vocab_size)
-            if value is None:
-                continue
+            value = _wire(value)
+            if field not in strict:  # a call's own are refused (below) rather than cut
+                value = _within(field, value, vocab_size, quiet=bool(strict))
+                if value is None:
+                    continue
             try:
                 made_one = proc.from_name(name, {option: value, **({"eos_token_ids": [0]} if name in NEEDS_EOS else {})})
                 if made_one.max_token_id() >= vocab_size:
                     raise proc.InvalidOption(f"token id {made_one.max_token_id()} is past the vocabulary of {vocab_size}")
             except proc.ProcessorError as problem:
-                log.warning("the model's generation config has %s = %s, which %s does not take (%s): not applied",
-                            field, str(value)[:100], name, problem)
-                not_applied.append(field)
+                passed_over(field, "which %s does not take (%s)", name, problem)
                 continue
             made.append((name, {option: value}))
         return tuple(made)
 
     # transformers' min_new_tokens replaces its min_length (as the prompt's length + min_new_tokens)
-    shadowed = {"min_length"} if (getattr(generation_config, "min_new_tokens", None) or 0) > 0 else set()
+    min_new_tokens = getattr(generation_config, "min_new_tokens", None)
+    shadowed = {"min_length"} if isinstance(min_new_tokens, int) and min_new_tokens > 0 else set()
     processors = specs(tuple(row for row in ANY_STRATEGY if row[0] not in shadowed))
     # a temperature of 0 with do_sample: greedy, as vLLM reads it (transformers refuses it)
     greedy = generation_config.temperature == 0 and not isinstance(generation_config.temperature, bool)
@@ -132,25 +173,21 @@ def of(generation_config, vocab_size: int) -> GenerationDefaults:
         stop = tuple(stop)
     else:
         if stop is not None:
-            log.warning("the model's generation config has stop_strings = %s, no list of strings: not applied",
-                        str(stop)[:100])
-            not_applied.append("stop_strings")
+            passed_over("stop_strings", "no list of non-empty strings")
         stop = ()
     max_new_tokens = generation_config.max_new_tokens
     if max_new_tokens is not None and not (isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool)
                                            and max_new_tokens >= 0):
-        log.warning("the model's generation config has max_new_tokens = %s, no count of tokens: not applied",
-                    str(max_new_tokens)[:100])
-        not_applied.append("max_new_tokens")
+        passed_over("max_new_tokens", "no count of tokens")
         max_new_tokens = None
-    if not_applied:
+    if not_applied and not strict:
         log.warning("the model's generation config sets %s, which the engine does not apply", ", ".join(not_applied))
     return GenerationDefaults("sample" if generation_config.do_sample and not greedy else "greedy",
                               DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
                               processors, sampling, stop, tuple(not_applied))
 
 
-def _within(field: str, value, vocab_size: int):
+def _within(field: str, value, vocab_size: int, quiet: bool = False):
     """`value` less the token ids past the vocabulary, which the model can never write (transformers' processors
     pass over them): out of a list of ids, the ids; out of sequences of ids or biases, the sequences. None
     when nothing is left."""
@@ -166,7 +203,7 @@ def _within(field: str, value, vocab_size: int):
                 or inside(pair[0])]
     else:
         return value
-    if len(kept) < len(value):
+    if len(kept) < len(value) and not quiet:
         log.warning("the model's generation config's %s names token ids past its vocabulary of %d tokens: those are "
                     "left out", field, vocab_size)
     return kept or None

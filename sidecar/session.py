@@ -195,7 +195,8 @@ class Session:
         `max_new_tokens`, `strategy="greedy" | "sample" | "beam"`, `seed`, `processors` (configs or
         callables), `stop` (strings), `eos_token_ids` (default: the model's; `[]` never stops early; left
         out, `max_new_tokens` (16 unless the config says), `strategy`, `processors` and `stop` are the model's
-        generation config's, `Engine.generation_defaults`),
+        generation config's, `Engine.generation_defaults`; `generation_config={"temperature": 0.7}` changes its
+        fields for this call, the others kept, as `model.generate(temperature=0.7)` does),
         `num_samples` (sample), `num_beams`, `num_return_sequences`, `length_penalty`, `early_stopping`
         (beam, as in transformers), `reuse="prefix" | "shift"` and `keep` (shift: leading tokens kept).
         """

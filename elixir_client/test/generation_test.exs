@@ -143,8 +143,13 @@ defmodule Sidecar.GenerationTest do
     assert %{"eos_token_ids" => [2]} = Generation.params("a", [min_new_tokens: 2, eos_token_id: nil], [2])
 
     assert_raise ArgumentError, ~r/needs :eos_token_id when the session is given by name/, fn ->
-      Generation.params("a", [min_new_tokens: 2, eos_token_id: nil], nil)
+      Generation.params("a", [min_new_tokens: 2, eos_token_id: nil, processors: []], nil)
     end
+
+    # without :processors it changes the model's config, whose min_new_tokens the sidecar ends on the call's end
+    # tokens
+    assert %{"generation_config" => %{"min_new_tokens" => 2}} =
+             Generation.params("a", [min_new_tokens: 2], nil)
   end
 
   test "an option given as nil takes its default; false is refused where it would read as not given" do
@@ -165,13 +170,32 @@ defmodule Sidecar.GenerationTest do
     assert %{"strategy" => "greedy", "processors" => [], "stop" => []} =
              Generation.params("a", [strategy: %{type: :greedy_search}, processors: [], stop: []], nil)
 
-    # one option that makes a processor sends the processors, and no other; at its neutral value, none
-    assert %{"processors" => [%{"name" => "temperature"}]} = Generation.params("a", [temperature: 0.5], nil)
-    assert %{"processors" => []} = Generation.params("a", [temperature: 1.0], nil)
-    assert %{"processors" => []} = Generation.params("a", [suppressed_token_ids: []], nil)
+    # an option that makes a processor changes its field of the model's config, the others kept (Bumblebee's
+    # configure); at its neutral value it turns the model's off. A sampling strategy sets top_k and top_p both.
+    for {opts, changes} <- [
+          {[temperature: 0.5], %{"temperature" => 0.5}},
+          {[temperature: 1.0], %{"temperature" => 1.0}},
+          {[suppressed_token_ids: [], no_repeat_ngram_length: 3],
+           %{"suppress_tokens" => [], "no_repeat_ngram_size" => 3}},
+          {[strategy: %{type: :multinomial_sampling, top_k: 5}], %{"top_k" => 5, "top_p" => 1.0}}
+        ] do
+      params = Generation.params("a", opts, nil)
+      assert params["generation_config"] == changes and not Map.has_key?(params, "processors")
+    end
 
-    assert %{"processors" => [%{"name" => "top_k"}], "strategy" => "sample"} =
-             Generation.params("a", [strategy: %{type: :multinomial_sampling, top_k: 5}], nil)
+    # beside :processors, they are processors of that whole list
+    assert %{"processors" => [%{"name" => "top_k"}, %{"name" => "suppress_tokens"}], "strategy" => "sample"} =
+             Generation.params(
+               "a",
+               [
+                 strategy: %{type: :multinomial_sampling, top_k: 5},
+                 processors: [Sidecar.configure(Sidecar.Processors.SuppressTokens, token_ids: [1])]
+               ],
+               nil
+             )
+
+    assert %{"processors" => []} = Generation.params("a", [temperature: 1.0, processors: []], nil)
+    refute Map.has_key?(Generation.params("a", [strategy: %{type: :greedy_search}], nil), "generation_config")
 
     # false is the sidecar's to refuse, naming the parameter
     assert %{"max_new_tokens" => false} = Generation.params("a", [max_new_tokens: false], nil)
@@ -263,7 +287,7 @@ defmodule Sidecar.GenerationTest do
     sample =
       Generation.params("Hi", [strategy: %{type: :multinomial_sampling, top_k: 5, num_samples: 3}], nil)
 
-    assert %{"strategy" => "sample", "num_samples" => 3, "processors" => [%{"name" => "top_k"}]} = sample
+    assert %{"strategy" => "sample", "num_samples" => 3, "generation_config" => %{"top_k" => 5}} = sample
     refute Map.has_key?(Generation.params("Hi", [], nil), "num_samples")
 
     # which option goes with which strategy is the sidecar's to judge (its error names the option)

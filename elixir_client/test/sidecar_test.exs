@@ -671,9 +671,13 @@ defmodule SidecarTest do
 
     assert {:ok, %{"history_tokens" => 4, "cached_tokens" => 3}} = Sidecar.session_info(conn, "chat-1")
 
-    assert_raise ArgumentError, ~r/:min_new_tokens needs :eos_token_id/, fn ->
-      Sidecar.generate(conn, "chat-1", "x", min_new_tokens: 2)
+    assert_raise ArgumentError, ~r/:min_new_tokens beside :processors needs :eos_token_id/, fn ->
+      Sidecar.generate(conn, "chat-1", "x", min_new_tokens: 2, processors: [])
     end
+
+    # without :processors it changes the model's generation config, whose end tokens the sidecar has
+    assert {:ok, %{token_ids: [_, _, _]}} =
+             Sidecar.generate(conn, "chat-1", "x", min_new_tokens: 3, max_new_tokens: 3)
 
     assert :ok = Sidecar.close_session(conn, "chat-1")
     assert {:error, %Error{reason: :unknown_session}} = Sidecar.generate(conn, "chat-1", "x")
@@ -885,6 +889,42 @@ defmodule SidecarTest do
     {:ok, text} = Sidecar.detokenize(conn, Enum.take(full ++ continued.token_ids, kept))
     assert String.length(text) <= 3 and cut.stats.reused_tokens == kept
     :ok = Sidecar.close_session(conn, session)
+  end
+
+  test "an option changes its field of the model's generation config and keeps the others, as Bumblebee's configure" do
+    alias Sidecar.Processors.{RepetitionPenalty, Temperature}
+    cache = sidecar_opts()[:env] |> Map.new() |> Map.fetch!("SIDECAR_CACHE_DIR")
+    [default_dir | _] = Path.wildcard(Path.join(cache, "default-*"))
+    root = Path.join(System.tmp_dir!(), "configured-#{System.unique_integer([:positive])}")
+    dir = Path.join(root, "model")
+    File.mkdir_p!(dir)
+    File.cp_r!(default_dir, dir)
+    on_exit(fn -> File.rm_rf!(root) end)
+
+    config =
+      ~s({"do_sample": true, "temperature": 0.7, "top_k": 20, "repetition_penalty": 1.3, "eos_token_id": 2})
+
+    File.write!(Path.join(dir, "generation_config.json"), config)
+    conn = start_supervised!({Sidecar, sidecar_opts(args: ["--model-root", root])}, id: :configured)
+    {:ok, _} = Sidecar.load_model(conn, name: "configured", path: dir)
+    {:ok, session} = Sidecar.open_session(conn, model: "configured")
+    opts = [seed: 5, eos_token_id: [], max_new_tokens: 8]
+
+    # the model's penalty and top_k stay when the temperature changes; the same processors, given whole
+    assert {:ok, changed} = Sidecar.generate(conn, session, [9, 10, 9, 10], [temperature: 1.3] ++ opts)
+
+    whole = [
+      Sidecar.configure(RepetitionPenalty, penalty: 1.3),
+      Sidecar.configure(Temperature, temperature: 1.3),
+      Sidecar.configure(TopK, k: 20)
+    ]
+
+    assert {:ok, given} = Sidecar.generate(conn, session, [9, 10, 9, 10], [processors: whole] ++ opts)
+    assert changed.token_ids == given.token_ids
+
+    # a value the sidecar refuses names the option it came from, the generation config
+    assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "generation_config"}}} =
+             Sidecar.generate(conn, session, "x", temperature: -1.0)
   end
 
   test "load_model takes a device; one this machine lacks is unknown_device", %{conn: conn} do

@@ -173,3 +173,66 @@ def test_the_models_max_new_tokens_stops_where_the_context_ends(engine, monkeypa
         assert len(session.generate(token_ids=prompt, eos_token_ids=[]).token_ids) == 5
         with pytest.raises(errors.ContextOverflow):
             session.generate(token_ids=prompt, max_new_tokens=6)
+
+
+@pytest.mark.parametrize("changes", [{"temperature": 1.3, "top_p": 0.95}, {"do_sample": False},
+                                     {"repetition_penalty": 1.0, "top_k": 0, "suppress_tokens": [9], "max_new_tokens": 6}],
+                         ids=["sampling", "greedy", "off and on"])
+def test_a_call_changes_fields_of_the_models_config_as_transformers_generate_kwargs_do(configured, changes):
+    """The fields a call's generation_config names change; the model's others stay (its top_k, penalty, n-gram ban),
+    as `model.generate(temperature=1.3)` keeps them; a neutral value (penalty 1.0, top_k 0) turns one off."""
+    prompt = tokens(12, seed=101) * 2
+    with configured.session() as session:
+        ours = session.generate(token_ids=prompt, seed=4, eos_token_ids=[], generation_config=changes).token_ids
+    torch.manual_seed(4)
+    with torch.inference_mode():
+        theirs = configured.model.generate(torch.tensor([prompt]), eos_token_id=None, pad_token_id=0, **NOT_APPLIED,
+                                           **changes)
+    assert ours == theirs[0, len(prompt):].tolist() and len(ours) == changes.get("max_new_tokens", 9)
+    assert configured.generation_defaults.describe()["sampling_processors"][0]["options"]["temperature"] == 0.7
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"epsilon_cutoff": 0.1}, "no field 'epsilon_cutoff'"), ({"top_k": None}, "generation_config.top_k is nil"),
+    ({"top_p": 1.5}, "generation_config.top_p"), ({"suppress_tokens": [5000]}, "generation_config.suppress_tokens"),
+    ({"do_sample": 1}, "do_sample must be true or false"), ({"stop_strings": [""]}, "generation_config.stop_strings"),
+    ({"max_new_tokens": -1}, "generation_config.max_new_tokens"), ({"min_new_tokens": "3"}, "min_new_tokens"),
+    ([("top_k", 5)], "must be a map"),
+])
+def test_a_change_the_engine_would_not_apply_is_refused_naming_the_field(configured, changes, says):
+    with configured.session() as session:
+        session.generate(token_ids=tokens(6, seed=102), max_new_tokens=2)
+        history = list(session.history)
+        with pytest.raises(errors.InvalidArgument, match=says) as refused:
+            session.generate(token_ids=tokens(6, seed=103), generation_config=changes)
+        assert refused.value.details["option"] == "generation_config" and session.history == history
+
+
+def test_a_field_that_makes_a_processor_is_refused_beside_processors_given(configured):
+    with configured.session() as session:
+        with pytest.raises(errors.InvalidArgument, match="generation_config.temperature makes a processor"):
+            session.generate(prompt="x", processors=[], generation_config={"temperature": 0.5})
+        strategy_only = session.generate(token_ids=tokens(6, seed=104), processors=[], eos_token_ids=[],
+                                         generation_config={"do_sample": False, "max_new_tokens": 3})
+        assert len(strategy_only.token_ids) == 3
+
+
+def test_over_the_protocol_a_change_is_the_python_call_and_counts_against_the_limits(configured, configured_dir):
+    prompt = tokens(12, seed=105)
+    changes = {"top_k": 3, "repetition_penalty": 1.6}
+    with configured.session() as session:
+        expected = session.generate(token_ids=prompt, seed=6, eos_token_ids=[], generation_config=changes).token_ids
+    with Peer([sys.executable, "-m", "sidecar", "--log-level", "ERROR", "--model", str(configured_dir),
+               "--max-stop-bytes", "64"], stderr=subprocess.DEVNULL) as peer:
+        session = peer.call("open_session")["result"]["session"]
+        reply = peer.call("generate", session=session, token_ids=prompt, seed=6, eos_token_ids=[],
+                          generation_config=changes)
+        assert reply["result"]["token_ids"] == expected, reply
+        over = peer.call("generate", session=session, prompt="x", generation_config={"stop_strings": ["x" * 65]})
+        assert (over["error"]["code"], over["error"]["limit"]) == ("limit_exceeded", "max_stop_bytes"), over
+        both = peer.call("generate", session=session, prompt="x", processors=[], generation_config={"top_k": 2})
+        assert (both["error"]["code"], both["error"]["option"]) == ("invalid_argument", "generation_config"), both
+        unknown = peer.call("generate", session=session, prompt="x", generation_config={7: 1})
+        assert unknown["error"]["code"] == "invalid_argument" and "no field '7'" in unknown["error"]["message"], unknown
+        assert peer.call("generate", session=session, token_ids=prompt, seed=6, eos_token_ids=[],
+                         generation_config=changes)["result"]["token_ids"] == expected

@@ -45,16 +45,21 @@ defmodule Sidecar.Generation do
     * `:max_new_tokens` (default: the model's, 16 unless its generation config says), `:min_new_tokens`
     * `:strategy` - one of the maps below (default: the model's, `%{type: :greedy_search}` unless its
       generation config says `do_sample`: the model info's `"generation_defaults"`)
-    * `:temperature`, `:no_repeat_ngram_length`, `:suppressed_token_ids`, `:forced_bos_token_id`
+    * `:temperature`, `:no_repeat_ngram_length`, `:suppressed_token_ids`, `:forced_bos_token_id` -
+      each changes its field of the model's generation config for this call, the others staying the
+      model's, as `Bumblebee.configure/2` changes a loaded `GenerationConfig` (Llama 3's `top_p` stays
+      when `:temperature` changes; `temperature: 1.0` and `suppressed_token_ids: []` turn the model's
+      off). A sampling strategy map sets `top_k` and `top_p` both, as Bumblebee's replaces the loaded
+      strategy: a key it leaves out is none, not the model's
     * `:eos_token_id` - an id or a list of ids (default: the model's; `[]` never stops early)
     * `:seed` - makes sampling reproducible
     * `:stop` - stop strings, trimmed from the text (not in Bumblebee; default: the model's)
-    * `:processors` - more processor structs (`Sidecar.Processors`), applied after the ones above;
-      `nil` and `false` entries are skipped, so `if(...)` may stand in the list. With none of the
-      options above that make processors (nor `:top_k`/`:top_p`) and no `:processors`, the model's
-      generation config gives them, as in transformers and Bumblebee (`repetition_penalty`,
-      `temperature`... of its `generation_config.json`: the model info's `"generation_defaults"`);
-      `processors: []` is none at all, and any processor given replaces all of the model's
+    * `:processors` - processor structs (`Sidecar.Processors`); `nil` and `false` entries are
+      skipped, so `if(...)` may stand in the list. Without it, the model's generation config gives
+      the processors, as in transformers and Bumblebee (`repetition_penalty`, `temperature`... of its
+      `generation_config.json`: the model info's `"generation_defaults"`), changed by the options
+      above. With it, the processors are the whole list: those of the options above, then these, and
+      none of the model's (`processors: []` is none at all)
     * `:reuse` - how the session reuses its KV cache: `:prefix` (the default: the longest common
       prefix, exact) or `:shift` (opt-in, approximate: a window that slid reuses its cached tokens
       moved back by the number dropped; a model without rotary positions answers
@@ -66,8 +71,9 @@ defmodule Sidecar.Generation do
   An option given as `nil` takes its default, as if it were left out; `false` is refused where it
   would mean the same.
 
-  The built-in processors come first, in Bumblebee's order: no-repeat n-gram, min new tokens,
-  suppressed tokens, forced BOS, temperature, then top-k and top-p when sampling.
+  Beside `:processors`, the options' processors come first, in Bumblebee's order: no-repeat n-gram,
+  min new tokens, suppressed tokens, forced BOS, temperature, then top-k and top-p when sampling.
+  Without it, the model's and the options' together apply in transformers' order.
 
   ## Strategies
 
@@ -129,13 +135,13 @@ defmodule Sidecar.Generation do
     | for({key, _, _} <- @chat_options, do: key)
   ]
 
-  # options that make processors
-  @processor_options [
-    :no_repeat_ngram_length,
-    :min_new_tokens,
-    :suppressed_token_ids,
-    :forced_bos_token_id,
-    :temperature
+  # {option, the generation config field it changes}
+  @config_fields [
+    no_repeat_ngram_length: "no_repeat_ngram_size",
+    min_new_tokens: "min_new_tokens",
+    suppressed_token_ids: "suppress_tokens",
+    forced_bos_token_id: "forced_bos_token_id",
+    temperature: "temperature"
   ]
 
   # options read as "given" only when truthy
@@ -208,15 +214,16 @@ defmodule Sidecar.Generation do
     # nil, given or not, is the model's own end tokens, which a session given by name does not carry
     eos_ids = Keyword.get(opts, :eos_token_id) || model_eos_ids
 
-    if opts[:min_new_tokens] && eos_ids == nil do
+    if opts[:min_new_tokens] && opts[:processors] != nil && eos_ids == nil do
       raise ArgumentError,
-            ":min_new_tokens needs :eos_token_id when the session is given by name (the model's end tokens " <>
-              "come with a %Sidecar.Session{})"
+            ":min_new_tokens beside :processors needs :eos_token_id when the session is given by name (the " <>
+              "model's end tokens come with a %Sidecar.Session{})"
     end
 
     {strategy, sequence_params, sampling} =
       if opts[:strategy], do: strategy(opts[:strategy]), else: {nil, %{}, []}
 
+    # made whichever way they are sent: a value of the wrong type raises here, not in the sidecar
     built_in =
       [
         opts[:no_repeat_ngram_length] &&
@@ -224,7 +231,7 @@ defmodule Sidecar.Generation do
         opts[:min_new_tokens] &&
           Processors.configure(Processors.MinNewTokens,
             min_new_tokens: opts[:min_new_tokens],
-            eos_token_ids: List.wrap(eos_ids)
+            eos_token_ids: List.wrap(eos_ids || [])
           ),
         non_empty(opts[:suppressed_token_ids]) &&
           Processors.configure(Processors.SuppressTokens, token_ids: opts[:suppressed_token_ids]),
@@ -234,12 +241,13 @@ defmodule Sidecar.Generation do
           Processors.configure(Processors.Temperature, temperature: opts[:temperature])
       ] ++ sampling
 
-    # none given, by option (at its neutral value too: `temperature: 1.0` is no temperature, not the
-    # model's) or in :processors, is the model's own (its generation config's)
-    given? =
-      opts[:processors] != nil or Enum.any?(@processor_options, &(opts[&1] != nil)) or Enum.any?(sampling)
-
-    processors = if given?, do: for(p <- built_in ++ (opts[:processors] || []), p, do: Processors.to_wire(p))
+    # With :processors given, the processors are these options' and those, the whole list; without, the
+    # options change their fields of the model's generation config, as `Bumblebee.configure/2` changes the
+    # loaded one: its other fields stay (`generation_config`)
+    {processors, config} =
+      if opts[:processors] != nil,
+        do: {for(p <- built_in ++ opts[:processors], p, do: Processors.to_wire(p)), nil},
+        else: {nil, config_changes(opts)}
 
     input
     |> input_param(opts)
@@ -247,6 +255,7 @@ defmodule Sidecar.Generation do
     |> put_present("max_new_tokens", opts[:max_new_tokens])
     |> put_present("strategy", strategy)
     |> put_present("processors", processors)
+    |> put_present("generation_config", config)
     |> put_present("stop", stop)
     |> put_present("eos_token_ids", eos_ids && List.wrap(eos_ids))
     |> put_present("seed", opts[:seed])
@@ -476,6 +485,24 @@ defmodule Sidecar.Generation do
   defp valid?(:token_ids, value), do: is_list(value) and Enum.all?(value, &valid?(:uint, &1))
   defp valid?(:number, value), do: is_number(value)
   defp valid?(:early_stopping, value), do: value in [true, false, :never, "never"]
+
+  # The fields of the model's generation config that the options given change; nil for none. A
+  # sampling strategy map sets both top_k and top_p, as Bumblebee's strategy replaces the loaded one
+  # whole: a key left out is none (0, 1.0), not the model's.
+  defp config_changes(opts) do
+    changes = for {option, field} <- @config_fields, opts[option] != nil, into: %{}, do: {field, opts[option]}
+
+    changes =
+      case opts[:strategy] do
+        %{type: :multinomial_sampling} = s ->
+          Map.merge(changes, %{"top_k" => s[:top_k] || 0, "top_p" => s[:top_p] || 1.0})
+
+        _ ->
+          changes
+      end
+
+    if changes != %{}, do: changes
+  end
 
   defp non_empty(nil), do: nil
   defp non_empty([]), do: nil
