@@ -11,7 +11,7 @@ from .contract import Context, FunctionProcessor, LogitsProcessor, StatelessProc
 from .errors import InvalidInput, InvalidOption, OverLimit, ProcessorError
 from .penalties import FrequencyPenalty, NoRepeatNGram, PresencePenalty, RepetitionPenalty
 from .registry import BUILTINS, catalogue, from_name
-from .sampling import MinP, Temperature, TopK, TopP, TypicalP
+from .sampling import EpsilonCutoff, EtaCutoff, MinP, Temperature, TopK, TopP, TypicalP
 from .structured import Choice, Dfa, Grammar, JsonSchema, Regex, Vocabulary
 from .tokens import (
     ForcedBOS,
@@ -25,7 +25,7 @@ from .tokens import (
 )
 
 __all__ = [
-    "ArrayProcessor", "BUILTINS", "Chain", "Choice", "Context", "Dfa", "ForcedBOS", "ForcedEOS",
+    "ArrayProcessor", "BUILTINS", "Chain", "Choice", "Context", "Dfa", "EpsilonCutoff", "EtaCutoff", "ForcedBOS", "ForcedEOS",
     "FrequencyPenalty", "FunctionProcessor", "Grammar", "InvalidInput", "InvalidOption", "JsonSchema",
     "LogitsProcessor", "MinLength", "MinNewTokens", "MinP", "NoBadWords", "NoRepeatNGram", "OverLimit",
     "PresencePenalty", "ProcessorError", "Regex", "RepetitionPenalty", "SequenceBias", "StatelessProcessor",

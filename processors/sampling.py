@@ -1,4 +1,4 @@
-"""Sampling warpers: Temperature, TopK, TopP, MinP, TypicalP, with transformers' semantics.
+"""Sampling warpers: Temperature, TopK, TopP, MinP, TypicalP, EpsilonCutoff, EtaCutoff, with transformers' semantics.
 
 Removed tokens get -inf. Where transformers breaks ties by an unstable sort, we call the same sort on the
 same row so the kept set is identical, but only on the rare rows where a tie straddles the cut.
@@ -350,3 +350,47 @@ class TypicalP(StatelessProcessor):
         drop = distance > distance.gather(1, last)
         drop[:, : min(self.min_tokens_to_keep, drop.shape[-1])] = False
         return logits.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), NEG_INF)
+
+
+def _cut_below(logits: torch.Tensor, probs: torch.Tensor, threshold, min_tokens_to_keep: int) -> torch.Tensor:
+    """Drops the tokens whose probability is below `threshold`, but never one at least as likely as the
+    `min_tokens_to_keep`-th most likely (a cut that drops everything keeps the top ones)."""
+    keep = min(min_tokens_to_keep, logits.shape[-1])
+    floor = logits.topk(keep, dim=-1).values[:, -1:]
+    return logits.masked_fill((probs < threshold) & (logits < floor), NEG_INF)
+
+
+def _cutoff():
+    return option("the probability a token needs, in (0, 1)", check=checks.real_in(0.0, 1.0, low_open=True, high_open=True))
+
+
+@dataclass(frozen=True)
+class EpsilonCutoff(StatelessProcessor):
+    """Epsilon sampling (Hewitt et al., 2022): drops the tokens whose probability is below `epsilon`."""
+
+    name: ClassVar[str] = "epsilon_cutoff"
+    epsilon: float = _cutoff()
+    min_tokens_to_keep: int = option(MIN_TOKENS_DOC, default=1, check=checks.int_at_least(1))
+
+    def transform(self, logits, context):
+        return _cut_below(logits, logits.softmax(dim=-1), self.epsilon, self.min_tokens_to_keep)
+
+
+@dataclass(frozen=True)
+class EtaCutoff(StatelessProcessor):
+    """Eta sampling (Hewitt et al., 2022): drops the tokens whose probability is below
+    `min(epsilon, sqrt(epsilon) * exp(-entropy))`, a cut that falls as the row's entropy rises."""
+
+    name: ClassVar[str] = "eta_cutoff"
+    epsilon: float = _cutoff()
+    min_tokens_to_keep: int = option(MIN_TOKENS_DOC, default=1, check=checks.int_at_least(1))
+
+    def transform(self, logits, context):
+        # the entropy as torch.distributions.Categorical computes it (transformers' reference): impossible
+        # tokens' log-probabilities clamped to the lowest float, so that they add 0, not NaN
+        log_probs = logits - logits.logsumexp(dim=-1, keepdim=True)
+        probs = log_probs.softmax(dim=-1)
+        entropy = -(log_probs.clamp(min=torch.finfo(log_probs.dtype).min) * probs).sum(dim=-1)
+        epsilon = torch.tensor(self.epsilon, device=logits.device)
+        eta = torch.min(epsilon, epsilon.sqrt() * torch.exp(-entropy))[:, None]
+        return _cut_below(logits, logits.softmax(dim=-1), eta, self.min_tokens_to_keep)

@@ -12,7 +12,7 @@ the vocabulary are left out of the lists that name them, as transformers' proces
 Only what the file sets counts, as vLLM reads it: transformers also fills in its library defaults, so that
 a file that sets `do_sample` alone samples among transformers' top 50 there, and among every token here.
 The sampling processors apply with `strategy="sample"` only, as transformers applies its warpers with
-`do_sample` only. Fields with no counterpart among the built-ins (`epsilon_cutoff`, `guidance_scale`, a
+`do_sample` only. Fields with no counterpart among the built-ins (`forced_eos_token_id`, `guidance_scale`, a
 `num_beams` above 1, `max_length`, which counts the prompt...) are not applied, and named in `not_applied`
 and in the log at load; `max_new_tokens` is 16 where the config does not say.
 
@@ -51,6 +51,8 @@ SAMPLING = (
     ("top_p", "top_p", "p", 1.0),
     ("min_p", "min_p", "p", None),
     ("typical_p", "typical_p", "p", 1.0),
+    ("epsilon_cutoff", "epsilon_cutoff", "epsilon", 0.0),
+    ("eta_cutoff", "eta_cutoff", "epsilon", 0.0),
 )
 NEEDS_EOS = {"min_length", "min_new_tokens"}  # transformers leaves these out without an EOS
 TAKES_EOS = {"no_bad_words"} | NEEDS_EOS  # given the end tokens there are (bad words keep them allowed)
@@ -58,7 +60,7 @@ TAKES_EOS = {"no_bad_words"} | NEEDS_EOS  # given the end tokens there are (bad 
 READ = {"do_sample", "eos_token_id", "stop_strings", "max_new_tokens", "bos_token_id", "pad_token_id",
         "decoder_start_token_id", "use_cache", "cache_implementation", "transformers_version", "output_scores",
         "output_logits", "output_attentions", "output_hidden_states", "return_dict_in_generate"}
-NO_EFFECT = {"num_beams": 1, "remove_invalid_values": False, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+NO_EFFECT = {"num_beams": 1, "remove_invalid_values": False,
              "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "guidance_scale": 1.0,
              "diversity_penalty": 0.0, "num_beam_groups": 1, "renormalize_logits": False, "low_memory": False,
              "num_return_sequences": 1, "length_penalty": 1.0, "early_stopping": False}

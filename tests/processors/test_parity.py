@@ -29,6 +29,10 @@ CASES = {
     "min_p_min_keep": (P.MinP(0.5, min_tokens_to_keep=3), hf.MinPLogitsWarper(0.5, min_tokens_to_keep=3)),
     "typical_p": (P.TypicalP(0.9), hf.TypicalLogitsWarper(0.9)),
     "typical_p_min_keep": (P.TypicalP(0.2, min_tokens_to_keep=4), hf.TypicalLogitsWarper(0.2, min_tokens_to_keep=4)),
+    "epsilon": (P.EpsilonCutoff(0.002), hf.EpsilonLogitsWarper(0.002)),
+    "epsilon_everything": (P.EpsilonCutoff(0.9, min_tokens_to_keep=3), hf.EpsilonLogitsWarper(0.9, min_tokens_to_keep=3)),
+    "eta": (P.EtaCutoff(0.002), hf.EtaLogitsWarper(0.002)),
+    "eta_everything": (P.EtaCutoff(0.9, min_tokens_to_keep=2), hf.EtaLogitsWarper(0.9, min_tokens_to_keep=2)),
     "repetition": (P.RepetitionPenalty(1.3), hf.RepetitionPenaltyLogitsProcessor(1.3)),
     "repetition_encourage": (P.RepetitionPenalty(0.7), hf.RepetitionPenaltyLogitsProcessor(0.7)),
     "repetition_ignore_prompt": (

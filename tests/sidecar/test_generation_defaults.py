@@ -15,8 +15,9 @@ from sidecar import Engine, errors
 from .conftest import tokens
 
 CONFIG = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.3,
-          "no_repeat_ngram_size": 2, "suppress_tokens": [5, 6, 7], "epsilon_cutoff": 0.0003, "max_new_tokens": 9}
-NOT_APPLIED = {"epsilon_cutoff": 0.0}  # what transformers is told to leave out as we do
+          "no_repeat_ngram_size": 2, "suppress_tokens": [5, 6, 7], "epsilon_cutoff": 0.03, "max_new_tokens": 9,
+          "max_length": 50}
+NOT_APPLIED = {}  # what transformers is told to leave out as we do (max_new_tokens is given: max_length does nothing)
 
 
 def copied_with(source, path, changes: dict):
@@ -44,8 +45,9 @@ def test_the_defaults_are_read_from_what_the_file_sets(configured, engine):
                        {"name": "no_repeat_ngram", "options": {"ngram_size": 2}},
                        {"name": "suppress_tokens", "options": {"token_ids": [5, 6, 7]}}],
         "sampling_processors": [{"name": "temperature", "options": {"temperature": 0.7}},
-                                {"name": "top_k", "options": {"k": 20}}, {"name": "top_p", "options": {"p": 0.8}}],
-        "stop": [], "not_applied": ["epsilon_cutoff"]}
+                                {"name": "top_k", "options": {"k": 20}}, {"name": "top_p", "options": {"p": 0.8}},
+                                {"name": "epsilon_cutoff", "options": {"epsilon": 0.03}}],
+        "stop": [], "not_applied": ["max_length"]}
     assert engine.generation_defaults.describe() == {"strategy": "greedy", "max_new_tokens": 16, "processors": [],
                                                       "sampling_processors": [], "stop": [], "not_applied": []}
 
@@ -176,8 +178,9 @@ def test_the_models_max_new_tokens_stops_where_the_context_ends(engine, monkeypa
 
 
 @pytest.mark.parametrize("changes", [{"temperature": 1.3, "top_p": 0.95}, {"do_sample": False},
+                                     {"top_k": 0, "top_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.01},
                                      {"repetition_penalty": 1.0, "top_k": 0, "suppress_tokens": [9], "max_new_tokens": 6}],
-                         ids=["sampling", "greedy", "off and on"])
+                         ids=["sampling", "greedy", "eta", "off and on"])
 def test_a_call_changes_fields_of_the_models_config_as_transformers_generate_kwargs_do(configured, changes):
     """The fields a call's generation_config names change; the model's others stay (its top_k, penalty, n-gram ban),
     as `model.generate(temperature=1.3)` keeps them; a neutral value (penalty 1.0, top_k 0) turns one off."""
@@ -193,7 +196,7 @@ def test_a_call_changes_fields_of_the_models_config_as_transformers_generate_kwa
 
 
 @pytest.mark.parametrize("changes, says", [
-    ({"epsilon_cutoff": 0.1}, "no field 'epsilon_cutoff'"), ({"top_k": None}, "generation_config.top_k is nil"),
+    ({"guidance_scale": 1.5}, "no field 'guidance_scale'"), ({"top_k": None}, "generation_config.top_k is nil"),
     ({"top_p": 1.5}, "generation_config.top_p"), ({"suppress_tokens": [5000]}, "generation_config.suppress_tokens"),
     ({"do_sample": 1}, "do_sample must be true or false"), ({"stop_strings": [""]}, "generation_config.stop_strings"),
     ({"max_new_tokens": -1}, "generation_config.max_new_tokens"), ({"min_new_tokens": "3"}, "min_new_tokens"),

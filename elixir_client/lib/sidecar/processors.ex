@@ -59,6 +59,8 @@ defmodule Sidecar.Processors do
     {TopP, "top_p", [p: :required, min_tokens_to_keep: 1]},
     {MinP, "min_p", [p: :required, min_tokens_to_keep: 1]},
     {TypicalP, "typical_p", [p: :required, min_tokens_to_keep: 1]},
+    {EpsilonCutoff, "epsilon_cutoff", [epsilon: :required, min_tokens_to_keep: 1]},
+    {EtaCutoff, "eta_cutoff", [epsilon: :required, min_tokens_to_keep: 1]},
     {RepetitionPenalty, "repetition_penalty", [penalty: :required, prompt_ignore_length: nil]},
     {FrequencyPenalty, "frequency_penalty", [penalty: :required]},
     {PresencePenalty, "presence_penalty", [penalty: :required]},
