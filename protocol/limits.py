@@ -61,8 +61,8 @@ class Limits:
         bounds=(("generate", "num_beams"), ("generate", "num_samples")), measure="value")
     max_processors: int = _limit(64, "processors in one generate", bounds=(("generate", "processors"),), measure="items")
     max_processor_values: int = _limit(
-        65_536, "numbers and strings in the options of one generate's processors together",
-        bounds=(("generate", "processors"),), measure="option_values")
+        65_536, "numbers and strings in the options of one generate's processors together, and in its "
+        "generation_config", bounds=(("generate", "processors"), ("generate", "generation_config")), measure="option_values")
     max_name_bytes: int = _limit(4096, "UTF-8 bytes of a session, model, saved session or chat template name or a model path",
                                  bounds=NAMES, measure="bytes")
     max_sessions: int = _limit(1024, "open sessions over all models, with the names pending forks reserve")
@@ -96,8 +96,9 @@ def _measure(how: str, value) -> int:
         return len(value)
     if how == "bytes":
         return sum(len(text.encode("utf-8", "surrogatepass")) for text in _walk(value, keys=True) if isinstance(text, str))
-    if how == "option_values":  # processors: the numbers and strings inside each entry's options
-        options = [entry.get("options") for entry in value if isinstance(entry, dict)]
+    if how == "option_values":  # processors: the numbers and strings inside each entry's options; a map: its values
+        options = (list(value.values()) if isinstance(value, dict)
+                   else [entry.get("options") for entry in value if isinstance(entry, dict)])
         return sum(1 for leaf in _walk(options, keys=False) if isinstance(leaf, (int, float, str)) and not isinstance(leaf, bool))
     raise ValueError(f"unknown measure {how!r}")
 

@@ -235,6 +235,9 @@ def test_over_the_protocol_a_change_is_the_python_call_and_counts_against_the_li
         assert (over["error"]["code"], over["error"]["limit"]) == ("limit_exceeded", "max_stop_bytes"), over
         both = peer.call("generate", session=session, prompt="x", processors=[], generation_config={"top_k": 2})
         assert (both["error"]["code"], both["error"]["option"]) == ("invalid_argument", "generation_config"), both
+        many = peer.call("generate", session=session, prompt="x", generation_config={"suppress_tokens": [1] * 65_537})
+        assert (many["error"]["limit"], many["error"]["value"], many["error"]["param"]) == (
+            "max_processor_values", 65_537, "generation_config"), many
         unknown = peer.call("generate", session=session, prompt="x", generation_config={7: 1})
         assert unknown["error"]["code"] == "invalid_argument" and "no field '7'" in unknown["error"]["message"], unknown
         assert peer.call("generate", session=session, token_ids=prompt, seed=6, eos_token_ids=[],
