@@ -87,14 +87,11 @@ class Scheduler:
                 self.ticking = True
                 with torch.inference_mode():
                     self._admit()
+                    self._finish_cancelled()  # marked between steps (a stream dropped while the lock was held): fed no more
                     feeds = self._plan()
                     if feeds:
                         self._forward(feeds)
-                    for run in self.running:
-                        if run.cancelled:
-                            self.current = run
-                            run.finish("cancelled")
-                            self.current = None
+                    self._finish_cancelled()  # by a processor of this step
             except BaseException as stopping:
                 self._interrupted(stopping)
                 raise
@@ -102,6 +99,13 @@ class Scheduler:
                 self.ticking = False
                 self.ticks += 1
             self._forget_done()
+
+    def _finish_cancelled(self) -> None:
+        for run in self.running:
+            if run.cancelled and not run.done:
+                self.current = run
+                run.finish("cancelled")
+                self.current = None
 
     def _interrupted(self, stopping: BaseException) -> None:
         """Makes whole a step that an exception stopped part-way: the decode group is let go (its members'

@@ -661,10 +661,12 @@ def test_a_generation_streaming_in_one_thread_is_cancelled_by_a_close_in_another
 
 def test_a_generation_collected_while_another_thread_holds_the_engine_is_marked_not_waited_for(engine):
     """The collector may finalise an unfinished generation in any thread, one that holds the lock or that
-    the holder waits for: it never waits for the lock, and the next step cancels the run instead."""
+    the holder waits for: it never waits for the lock, and the next step cancels the run instead, before
+    feeding it (helper-76: it was fed one more token, which went into the history unseen)."""
+    prompt = tokens(6, seed=71)
     with engine.session() as session:
-        generation = session.stream(token_ids=tokens(6, seed=71), max_new_tokens=50, eos_token_ids=[])
-        next(generation)
+        generation = session.stream(token_ids=prompt, max_new_tokens=50, eos_token_ids=[])
+        first = next(generation)
         with engine.lock:  # another thread's step or call under way
             finaliser = threading.Thread(target=generation.__del__)
             finaliser.start()
@@ -672,6 +674,7 @@ def test_a_generation_collected_while_another_thread_holds_the_engine_is_marked_
             assert not finaliser.is_alive() and not generation.done
         engine.scheduler.tick()
         assert generation.result.finish_reason == "cancelled" and not session.busy
+        assert generation.result.token_ids == [first.token_id] and session.history == prompt + [first.token_id]
 
 
 def test_a_stream_dropped_while_another_thread_holds_the_engine_leaves_its_session_free_for_the_next_call(engine):
