@@ -199,14 +199,14 @@ class Engine:
         if unknown:
             name = next(iter(unknown))
             raise InvalidArgument(f"generate has no option {name!r}; valid: {', '.join(generate_options())}", option=name)
-        defaults = self.defaults_for(generation_config, processors_given=processors is not None)
+        defaults = self.defaults_for(generation_config, processors_given=processors is not None, strategy=strategy)
         input_ids = inputs.input_ids(self.tokenizer, self.vocab_size, prompt, token_ids=token_ids, messages=messages,
                                      chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                                      continue_final_message=continue_final_message, tools=tools, documents=documents,
                                      chat_template_kwargs=chat_template_kwargs)
         if max_new_tokens is None:  # the model's, within what its context leaves (vLLM's default max_tokens)
             max_new_tokens = defaults.max_new_tokens
-            if self.max_context is not None:
+            if self.max_context is not None and "max_new_tokens" not in (generation_config or {}):  # the call's is its own
                 max_new_tokens = min(max_new_tokens, max(0, self.max_context - len(input_ids)))
         if not _is_int(max_new_tokens) or max_new_tokens < 0:
             raise InvalidArgument(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}", option="max_new_tokens")
@@ -284,16 +284,25 @@ class Engine:
             self.check_token_ids(eos_token_ids, "eos_token_ids")
         return defaults.processors_for(strategy, eos)
 
-    def defaults_for(self, generation_config=None, processors_given=False) -> generation_defaults.GenerationDefaults:
+    def defaults_for(self, generation_config=None, processors_given=False, strategy=None) -> generation_defaults.GenerationDefaults:
         """What a call leaving out strategy, max_new_tokens, processors or stop takes: the model's
         `generation_defaults`, with the fields the call's `generation_config` (a dict) changes, as
         `model.generate(temperature=0.7)` keeps the model's other fields. With `processors_given`, a field
-        that makes a processor is refused: the processors given are the whole list."""
+        that makes a processor is refused: the processors given are the whole list. Refused with the
+        `strategy` a call gives: a temperature of 0 (greedy) with "sample", as transformers refuses it, and
+        stop strings with "beam", as its `stop` is."""
         if generation_config is None:
             return self.generation_defaults
         if not isinstance(generation_config, dict):
             raise InvalidArgument("generation_config must be a map of generation config fields to values, got "
                                   f"{type(generation_config).__name__}", option="generation_config")
+        temperature = generation_config.get("temperature")
+        if strategy == "sample" and temperature == 0 and not isinstance(temperature, bool):
+            raise InvalidArgument("generation_config.temperature 0 is greedy decoding, and strategy is 'sample': give "
+                                  "a temperature > 0, or leave strategy out", option="generation_config")
+        if strategy == "beam" and generation_config.get("stop_strings"):
+            raise InvalidArgument("generation_config.stop_strings do not go with strategy 'beam' (beams are scored to "
+                                  "their end), as stop does not", option="generation_config")
         if processors_given:
             made = [field for field in generation_config if field in generation_defaults.PROCESSOR_FIELDS]
             if made:

@@ -111,8 +111,9 @@ def overridden(generation_config, changes: dict, vocab_size: int) -> GenerationD
         if value is None:
             raise InvalidField(f"generation_config.{field} is nil: leave the field out to keep the model's, or give "
                                "its neutral value to turn it off")
-    if "do_sample" in changes and not isinstance(changes["do_sample"], bool):
-        raise InvalidField(f"generation_config.do_sample must be true or false, got {str(changes['do_sample'])[:64]}")
+        if isinstance(value, bool) != (field == "do_sample"):  # true == 1.0: read as a neutral value, it was no error
+            raise InvalidField(f"generation_config.{field} must be true or false, got {str(value)[:64]}" if field == "do_sample"
+                               else f"generation_config.{field} is {str(value).lower()}, which is no number or list")
     merged = copy.deepcopy(generation_config)
     for field, value in changes.items():
         setattr(merged, field, value)

@@ -438,7 +438,8 @@ class Server:
             params = self._full_request(job).params
             specs = params["processors"]
             # the model's, with the fields the call changes (refused beside processors given): within the limits
-            defaults = session.engine.defaults_for(params["generation_config"], specs is not None).describe()
+            defaults = session.engine.defaults_for(params["generation_config"], specs is not None,
+                                                   params["strategy"]).describe()
             if specs is None or params["stop"] is None:
                 check_params("generate", {"processors": None if specs is not None else
                                           defaults["processors"] + defaults["sampling_processors"],
@@ -601,12 +602,16 @@ class Server:
             raise job.input_failure
         input_ids = _input_ids(*_input_source(session), p) if job.input_ids is None else job.input_ids
         job.input_ids = None  # the generation holds them now
-        if p["max_new_tokens"] is None:  # the model's, unmeasured by the parse (the engine fits it to the context)
-            max_new_tokens = session.engine.defaults_for(p["generation_config"]).max_new_tokens
-            if max_new_tokens > self.limits.max_new_tokens:
-                raise self.limits.exceeded("max_new_tokens", max_new_tokens, job.request.id, param="max_new_tokens")
+        defaults = session.engine.defaults_for(p["generation_config"])
+        if p["max_new_tokens"] is None and defaults.max_new_tokens > self.limits.max_new_tokens:
+            # the model's, or the call's generation_config's, unmeasured by the parse (the engine fits the model's
+            # to the context)
+            param = "generation_config" if "max_new_tokens" in (p["generation_config"] or {}) else "max_new_tokens"
+            raise self.limits.exceeded("max_new_tokens", defaults.max_new_tokens, job.request.id, param=param)
         job.generation = session.stream(
-            token_ids=input_ids, max_new_tokens=p["max_new_tokens"], strategy=p["strategy"],
+            # the strategy of the whole config: greedy where the call's temperature is 0, which the config left to
+            # the engine (less the fields whose processors are made) would not say
+            token_ids=input_ids, max_new_tokens=p["max_new_tokens"], strategy=p["strategy"] or defaults.strategy,
             seed=p["seed"], processors=job.processors, stop=p["stop"],
             eos_token_ids=p["eos_token_ids"], generation_config=_config_less_processors(p["generation_config"]),
             num_samples=p["num_samples"], num_beams=p["num_beams"],

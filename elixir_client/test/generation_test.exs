@@ -195,6 +195,22 @@ defmodule Sidecar.GenerationTest do
              )
 
     assert %{"processors" => []} = Generation.params("a", [temperature: 1.0, processors: []], nil)
+
+    # more fields by name; an option wins for its own field; beside :processors, the map as given
+    assert %{"generation_config" => %{"repetition_penalty" => 1.2, "temperature" => 0.5}} =
+             Generation.params(
+               "a",
+               [generation_config: %{"repetition_penalty" => 1.2, temperature: 0.9}, temperature: 0.5],
+               nil
+             )
+
+    assert %{"processors" => [], "generation_config" => %{"max_new_tokens" => 3}} =
+             Generation.params("a", [generation_config: %{max_new_tokens: 3}, processors: []], nil)
+
+    assert_raise ArgumentError, ~r/:generation_config must be a map/, fn ->
+      Generation.params("a", [generation_config: [top_k: 3]], nil)
+    end
+
     refute Map.has_key?(Generation.params("a", [strategy: %{type: :greedy_search}], nil), "generation_config")
 
     # false is the sidecar's to refuse, naming the parameter

@@ -922,6 +922,31 @@ defmodule SidecarTest do
     assert {:ok, given} = Sidecar.generate(conn, session, [9, 10, 9, 10], [processors: whole] ++ opts)
     assert changed.token_ids == given.token_ids
 
+    # a field no option names, by name; temperature 0 is greedy, the model's sampling processors gone with it
+    assert {:ok, %{token_ids: by_name}} =
+             Sidecar.generate(conn, session, [9, 10, 9, 10], [generation_config: %{top_k: 3}] ++ opts)
+
+    whole = List.replace_at(whole, 1, Sidecar.configure(Temperature, temperature: 0.7))
+    whole = List.replace_at(whole, 2, Sidecar.configure(TopK, k: 3))
+
+    assert {:ok, %{token_ids: ^by_name}} =
+             Sidecar.generate(conn, session, [9, 10, 9, 10], [processors: whole] ++ opts)
+
+    assert {:ok, %{token_ids: greedy}} =
+             Sidecar.generate(conn, session, [9, 10, 9, 10], [temperature: 0] ++ opts)
+
+    assert {:ok, %{token_ids: ^greedy}} =
+             Sidecar.generate(
+               conn,
+               session,
+               [9, 10, 9, 10],
+               [
+                 strategy: %{type: :greedy_search},
+                 processors: [Sidecar.configure(RepetitionPenalty, penalty: 1.3)]
+               ] ++
+                 opts
+             )
+
     # a value the sidecar refuses names the option it came from, the generation config
     assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "generation_config"}}} =
              Sidecar.generate(conn, session, "x", temperature: -1.0)

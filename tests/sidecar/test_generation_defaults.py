@@ -200,7 +200,8 @@ def test_a_call_changes_fields_of_the_models_config_as_transformers_generate_kwa
     ({"top_p": 1.5}, "generation_config.top_p"), ({"suppress_tokens": [5000]}, "generation_config.suppress_tokens"),
     ({"do_sample": 1}, "do_sample must be true or false"), ({"stop_strings": [""]}, "generation_config.stop_strings"),
     ({"max_new_tokens": -1}, "generation_config.max_new_tokens"), ({"min_new_tokens": "3"}, "min_new_tokens"),
-    ([("top_k", 5)], "must be a map"),
+    ([("top_k", 5)], "must be a map"), ({"temperature": True}, "temperature is true, which is no number"),
+    ({"top_k": False}, "top_k is false"),
 ])
 def test_a_change_the_engine_would_not_apply_is_refused_naming_the_field(configured, changes, says):
     with configured.session() as session:
@@ -209,6 +210,20 @@ def test_a_change_the_engine_would_not_apply_is_refused_naming_the_field(configu
         with pytest.raises(errors.InvalidArgument, match=says) as refused:
             session.generate(token_ids=tokens(6, seed=103), generation_config=changes)
         assert refused.value.details["option"] == "generation_config" and session.history == history
+
+
+def test_a_calls_config_refused_with_the_strategy_it_gives_and_its_max_new_tokens_its_own(configured):
+    """(helper-75) Temperature 0 with strategy 'sample' sampled at 1 among every token (transformers refuses it);
+    a call's stop strings with beams were dropped (its `stop` is refused); a call's max_new_tokens was cut to the
+    context as the model's is, where its own option is refused."""
+    with configured.session() as session:
+        with pytest.raises(errors.InvalidArgument, match="temperature 0 is greedy decoding, and strategy is 'sample'"):
+            session.generate(prompt="x", strategy="sample", generation_config={"temperature": 0})
+        with pytest.raises(errors.InvalidArgument, match="stop_strings do not go with strategy 'beam'"):
+            session.generate(prompt="x", strategy="beam", generation_config={"stop_strings": ["ab"]})
+        with pytest.raises(errors.ContextOverflow):
+            session.generate(token_ids=tokens(configured.max_context - 5, seed=106), generation_config={"max_new_tokens": 6})
+        assert session.history == []
 
 
 def test_a_field_that_makes_a_processor_is_refused_beside_processors_given(configured):
@@ -225,6 +240,7 @@ def test_over_the_protocol_a_change_is_the_python_call_and_counts_against_the_li
     changes = {"top_k": 3, "repetition_penalty": 1.6}
     with configured.session() as session:
         expected = session.generate(token_ids=prompt, seed=6, eos_token_ids=[], generation_config=changes).token_ids
+        greedy_expected = session.generate(token_ids=prompt, strategy="greedy", eos_token_ids=[]).token_ids
     with Peer([sys.executable, "-m", "sidecar", "--log-level", "ERROR", "--model", str(configured_dir),
                "--max-stop-bytes", "64"], stderr=subprocess.DEVNULL) as peer:
         session = peer.call("open_session")["result"]["session"]
@@ -242,3 +258,8 @@ def test_over_the_protocol_a_change_is_the_python_call_and_counts_against_the_li
         assert unknown["error"]["code"] == "invalid_argument" and "no field '7'" in unknown["error"]["message"], unknown
         assert peer.call("generate", session=session, token_ids=prompt, seed=6, eos_token_ids=[],
                          generation_config=changes)["result"]["token_ids"] == expected
+        # (helper-75) temperature 0 is greedy over the protocol too: the engine, given the config less the fields
+        # whose processors the server made, read the model's do_sample
+        greedy = peer.call("generate", session=session, token_ids=prompt, seed=6, eos_token_ids=[],
+                           generation_config={"temperature": 0})
+        assert greedy["result"]["token_ids"] == greedy_expected, greedy

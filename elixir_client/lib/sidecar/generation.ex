@@ -51,6 +51,11 @@ defmodule Sidecar.Generation do
       when `:temperature` changes; `temperature: 1.0` and `suppressed_token_ids: []` turn the model's
       off). A sampling strategy map sets `top_k` and `top_p` both, as Bumblebee's replaces the loaded
       strategy: a key it leaves out is none, not the model's
+    * `:generation_config` - a map of more fields of the model's generation config to change, as
+      transformers names them (`%{repetition_penalty: 1.2, min_p: 0.05}`: any of the model info's
+      `"generation_defaults"` fields, PROTOCOL.md "Generation defaults"), atom or string keys; the
+      options above win over it for their own fields. Beside `:processors`, only its fields that make
+      no processor (`do_sample`, `max_new_tokens`, `stop_strings`)
     * `:eos_token_id` - an id or a list of ids (default: the model's; `[]` never stops early)
     * `:seed` - makes sampling reproducible
     * `:stop` - stop strings, trimmed from the text (not in Bumblebee; default: the model's)
@@ -129,6 +134,7 @@ defmodule Sidecar.Generation do
     :seed,
     :stop,
     :processors,
+    :generation_config,
     :reuse,
     :keep,
     :timeout
@@ -246,7 +252,7 @@ defmodule Sidecar.Generation do
     # loaded one: its other fields stay (`generation_config`)
     {processors, config} =
       if opts[:processors] != nil,
-        do: {for(p <- built_in ++ opts[:processors], p, do: Processors.to_wire(p)), nil},
+        do: {for(p <- built_in ++ opts[:processors], p, do: Processors.to_wire(p)), generation_config!(opts)},
         else: {nil, config_changes(opts)}
 
     input
@@ -490,7 +496,11 @@ defmodule Sidecar.Generation do
   # sampling strategy map sets both top_k and top_p, as Bumblebee's strategy replaces the loaded one
   # whole: a key left out is none (0, 1.0), not the model's.
   defp config_changes(opts) do
-    changes = for {option, field} <- @config_fields, opts[option] != nil, into: %{}, do: {field, opts[option]}
+    changes =
+      for {option, field} <- @config_fields,
+          opts[option] != nil,
+          into: generation_config!(opts) || %{},
+          do: {field, opts[option]}
 
     changes =
       case opts[:strategy] do
@@ -502,6 +512,26 @@ defmodule Sidecar.Generation do
       end
 
     if changes != %{}, do: changes
+  end
+
+  # The :generation_config map with string keys, as the protocol's; nil when not given.
+  defp generation_config!(opts) do
+    case opts[:generation_config] do
+      nil ->
+        nil
+
+      %{} = config ->
+        for {key, value} <- config, into: %{} do
+          unless is_atom(key) or is_binary(key),
+            do: raise(ArgumentError, ":generation_config keys are atoms or strings, got #{inspect(key)}")
+
+          {to_string(key), value}
+        end
+
+      other ->
+        raise ArgumentError,
+              ":generation_config must be a map of fields to values, got #{inspect(other, limit: 5)}"
+    end
   end
 
   defp non_empty(nil), do: nil
