@@ -101,11 +101,14 @@ class Scheduler:
             self._forget_done()
 
     def _finish_cancelled(self) -> None:
+        """Ends the running generations marked cancelled, and forgets them: a run ended part-way through its
+        prefill still has tokens to feed, which a plan would feed."""
         for run in self.running:
             if run.cancelled and not run.done:
                 self.current = run
                 run.finish("cancelled")
                 self.current = None
+        self._forget_done()
 
     def _interrupted(self, stopping: BaseException) -> None:
         """Makes whole a step that an exception stopped part-way: the decode group is let go (its members'

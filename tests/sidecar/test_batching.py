@@ -677,6 +677,25 @@ def test_a_generation_collected_while_another_thread_holds_the_engine_is_marked_
         assert generation.result.token_ids == [first.token_id] and session.history == prompt + [first.token_id]
 
 
+def test_a_generation_collected_part_way_through_its_prefill_is_ended_and_fed_no_more(engine):
+    """Ended by the next step before it plans, a run still has prompt tokens to feed: kept among the running ones,
+    the plan fed them into a cache it had let go (a RuntimeError for every generation of the step)."""
+    beside = tokens(10, seed=74)
+    with engine.session() as fresh:
+        expected = fresh.generate(token_ids=beside, max_new_tokens=4, eos_token_ids=[]).token_ids
+    with engine.session() as session, engine.session() as other:
+        generation = session.stream(token_ids=tokens(engine.prefill_chunk + 40, seed=75), max_new_tokens=4,
+                                    eos_token_ids=[])
+        engine.scheduler.tick()  # its first chunk of the prompt
+        assert generation._run.prefilling
+        with engine.lock:
+            finaliser = threading.Thread(target=generation.__del__)
+            finaliser.start()
+            finaliser.join(10)
+        assert [event.token_id for event in other.stream(token_ids=beside, max_new_tokens=4, eos_token_ids=[])] == expected
+        assert generation.result.finish_reason == "cancelled" and generation.result.token_ids == []
+
+
 def test_a_stream_dropped_while_another_thread_holds_the_engine_leaves_its_session_free_for_the_next_call(engine):
     """Dropped then, the stream's run is only marked; the session stays busy with it until the next call
     ends it (it said free, and the next call ran beside the old run on the same cache: IndexError)."""
