@@ -198,7 +198,10 @@ class Engine:
         the fields `generation_config` changes (`defaults_for`)."""
         if unknown:
             name = next(iter(unknown))
-            raise InvalidArgument(f"generate has no option {name!r}; valid: {', '.join(generate_options())}", option=name)
+            field = name in generation_defaults.CALL_FIELDS  # as transformers' generate(temperature=0.7) takes it
+            raise InvalidArgument(f"generate has no option {name!r}" + (
+                f": a field of the model's generation config is changed by generation_config={{{name!r}: ...}}" if field
+                else f"; valid: {', '.join(generate_options())}"), option=name)
         defaults = self.defaults_for(generation_config, processors_given=processors is not None, strategy=strategy)
         input_ids = inputs.input_ids(self.tokenizer, self.vocab_size, prompt, token_ids=token_ids, messages=messages,
                                      chat_template=chat_template, add_generation_prompt=add_generation_prompt,

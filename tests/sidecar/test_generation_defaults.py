@@ -228,6 +228,8 @@ def test_a_calls_config_refused_with_the_strategy_it_gives_and_its_max_new_token
 
 def test_a_field_that_makes_a_processor_is_refused_beside_processors_given(configured):
     with configured.session() as session:
+        with pytest.raises(errors.InvalidArgument, match=r"changed by generation_config=\{'top_p': \.\.\.\}"):
+            session.generate(prompt="x", top_p=0.5)  # as transformers' generate takes it
         with pytest.raises(errors.InvalidArgument, match="generation_config.temperature makes a processor"):
             session.generate(prompt="x", processors=[], generation_config={"temperature": 0.5})
         strategy_only = session.generate(token_ids=tokens(6, seed=104), processors=[], eos_token_ids=[],
