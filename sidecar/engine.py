@@ -292,17 +292,13 @@ class Engine:
         `generation_defaults`, with the fields the call's `generation_config` (a dict) changes, as
         `model.generate(temperature=0.7)` keeps the model's other fields. With `processors_given`, a field
         that makes a processor is refused: the processors given are the whole list. Refused with the
-        `strategy` a call gives: a temperature of 0 (greedy) with "sample", as transformers refuses it, and
-        stop strings with "beam", as its `stop` is."""
+        `strategy` a call gives: the config's processors with a temperature of 0 (greedy) for "sample", as
+        transformers refuses it, and the call's stop strings with "beam", as its `stop` is."""
         if generation_config is None:
-            return self.generation_defaults
+            return self._sampling_checked(self.generation_defaults, strategy, processors_given, "strategy")
         if not isinstance(generation_config, dict):
             raise InvalidArgument("generation_config must be a map of generation config fields to values, got "
                                   f"{type(generation_config).__name__}", option="generation_config")
-        temperature = generation_config.get("temperature")
-        if strategy == "sample" and temperature == 0 and not isinstance(temperature, bool):
-            raise InvalidArgument("generation_config.temperature 0 is greedy decoding, and strategy is 'sample': give "
-                                  "a temperature > 0, or leave strategy out", option="generation_config")
         if strategy == "beam" and generation_config.get("stop_strings"):
             raise InvalidArgument("generation_config.stop_strings do not go with strategy 'beam' (beams are scored to "
                                   "their end), as stop does not", option="generation_config")
@@ -313,9 +309,21 @@ class Engine:
                                       "processors given are the whole list, so give it there, or leave processors "
                                       "out to change the model's one field", option="generation_config")
         try:
-            return generation_defaults.overridden(self.model.generation_config, generation_config, self.vocab_size)
+            defaults = generation_defaults.overridden(self.model.generation_config, generation_config, self.vocab_size)
         except generation_defaults.InvalidField as error:
             raise InvalidArgument(str(error), option="generation_config") from None
+        return self._sampling_checked(defaults, strategy, processors_given,
+                                      "generation_config" if "temperature" in generation_config else "strategy")
+
+    @staticmethod
+    def _sampling_checked(defaults, strategy, processors_given, option):
+        """`defaults`, unless a call samples with the processors of a config whose temperature of 0 says greedy
+        (which has none to sample with): transformers refuses a temperature of 0 to sample with."""
+        if strategy == "sample" and defaults.zero_temperature and not processors_given:
+            raise InvalidArgument("the generation config's temperature is 0, which is greedy decoding, and strategy is "
+                                  "'sample': give generation_config={'temperature': t} with t > 0, or leave strategy out",
+                                  option=option)
+        return defaults
 
     @functools.cached_property
     def fingerprint(self) -> str:

@@ -81,6 +81,7 @@ class GenerationDefaults:
     sampling: tuple[tuple[str, dict], ...]  # with "sample" only
     stop: tuple[str, ...]
     not_applied: tuple[str, ...]  # fields set that nothing here applies
+    zero_temperature: bool = False  # greedy, whatever do_sample says: no processors to sample with
 
     def processors_for(self, strategy: str, eos_token_ids) -> list:
         """The model's processors for a call of `strategy` that ends on `eos_token_ids`."""
@@ -157,12 +158,17 @@ def of(generation_config, vocab_size: int, strict: frozenset = frozenset()) -> G
         return tuple(made)
 
     # transformers' min_new_tokens replaces its min_length (as the prompt's length + min_new_tokens)
+    # (any count, 0 included: min_length becomes the prompt's length, which bounds nothing)
     min_new_tokens = getattr(generation_config, "min_new_tokens", None)
-    shadowed = {"min_length"} if isinstance(min_new_tokens, int) and min_new_tokens > 0 else set()
+    counts = isinstance(min_new_tokens, int) and not isinstance(min_new_tokens, bool) and min_new_tokens >= 0
+    shadowed = {"min_length"} if counts else set()
     processors = specs(tuple(row for row in ANY_STRATEGY if row[0] not in shadowed))
     # a temperature of 0 with do_sample: greedy, as vLLM reads it (transformers refuses it)
     greedy = generation_config.temperature == 0 and not isinstance(generation_config.temperature, bool)
-    sampling = () if greedy else specs(SAMPLING)
+    # checked all the same: a call's top_p of 1.5 beside its temperature 0 is refused
+    sampling = specs(tuple(row for row in SAMPLING if not (greedy and row[0] == "temperature")))
+    if greedy:
+        sampling = ()
     known = {field for field, *_ in ANY_STRATEGY + SAMPLING} | READ
     declared = vars(GenerationConfig())  # a file's own keys (Qwen's "chat_format") are no generation option
     for field, value in sorted(vars(generation_config).items()):
@@ -187,7 +193,7 @@ def of(generation_config, vocab_size: int, strict: frozenset = frozenset()) -> G
         log.warning("the model's generation config sets %s, which the engine does not apply", ", ".join(not_applied))
     return GenerationDefaults("sample" if generation_config.do_sample and not greedy else "greedy",
                               DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens,
-                              processors, sampling, stop, tuple(not_applied))
+                              processors, sampling, stop, tuple(not_applied), greedy)
 
 
 def _within(field: str, value, vocab_size: int, quiet: bool = False):

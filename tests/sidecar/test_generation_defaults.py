@@ -165,6 +165,45 @@ def test_values_read_as_vllm_and_transformers_read_them():
     assert (zero["strategy"], zero["sampling_processors"], zero["not_applied"]) == ("greedy", [], [])
 
 
+def test_min_new_tokens_of_0_replaces_min_length_too_and_temperature_0_checks_the_sampling_fields(greedy, engine):
+    """(helper-77) transformers replaces min_length by any min_new_tokens, 0 included (the prompt's length then
+    bounds nothing): 0 kept the model's min_length (40 tokens where transformers gives 1); a min_new_tokens of true,
+    refused, hid min_length; a call's temperature 0 (greedy) skipped the checks of its other sampling fields."""
+    from transformers import GenerationConfig
+
+    from sidecar import generation_defaults
+
+    prompt = list(range(10, 22))
+    with greedy.session() as session:  # the model's min_length is 20: 8 tokens at least
+        ours = session.generate(token_ids=prompt, max_new_tokens=12, generation_config={"min_new_tokens": 0}).token_ids
+    with torch.inference_mode():
+        theirs = greedy.model.generate(torch.tensor([prompt]), max_new_tokens=12, pad_token_id=0, stop_strings=None,
+                                       min_new_tokens=0)
+    assert ours == theirs[0, len(prompt):].tolist()
+    odd = generation_defaults.of(GenerationConfig(min_length=30, min_new_tokens=True), 1024).describe()
+    assert odd["processors"] == [{"name": "min_length", "options": {"min_length": 30}}]
+    with engine.session() as session:
+        with pytest.raises(errors.InvalidArgument, match="generation_config.top_p"):
+            session.generate(prompt="x", generation_config={"temperature": 0, "top_p": 1.5})
+
+
+def test_sampling_with_a_config_whose_temperature_is_0_is_refused_as_transformers_refuses_it(default_dir, tmp_path):
+    """(helper-77) A model's temperature 0 with do_sample is greedy; a call asking for strategy 'sample' sampled at
+    temperature 1 among every token, its own top_k dropped with the model's."""
+    cold = Engine.load(copied_with(default_dir, tmp_path / "cold", {"do_sample": True, "temperature": 0.0, "top_k": 20}))
+    with cold.session() as session:
+        assert session.generate(prompt="x", max_new_tokens=2).token_ids == session.generate(
+            prompt="x", strategy="greedy", processors=[], max_new_tokens=2).token_ids
+        for changes in (None, {"top_k": 5}):
+            with pytest.raises(errors.InvalidArgument, match="temperature is 0, which is greedy decoding") as refused:
+                session.generate(prompt="x", strategy="sample", generation_config=changes)
+            assert refused.value.details["option"] == "strategy"
+        sampled = session.generate(prompt="x", strategy="sample", seed=1, max_new_tokens=3,
+                                   generation_config={"temperature": 0.8})
+        assert len(sampled.token_ids) == 3
+        assert session.generate(prompt="x", strategy="sample", processors=[], max_new_tokens=1).finish_reason
+
+
 def test_the_models_max_new_tokens_stops_where_the_context_ends(engine, monkeypatch):
     """As vLLM's default max_tokens: a model's 4096 new tokens on a 2048-token context refused every call."""
     import dataclasses
@@ -217,7 +256,7 @@ def test_a_calls_config_refused_with_the_strategy_it_gives_and_its_max_new_token
     a call's stop strings with beams were dropped (its `stop` is refused); a call's max_new_tokens was cut to the
     context as the model's is, where its own option is refused."""
     with configured.session() as session:
-        with pytest.raises(errors.InvalidArgument, match="temperature 0 is greedy decoding, and strategy is 'sample'"):
+        with pytest.raises(errors.InvalidArgument, match="temperature is 0, which is greedy decoding, and strategy is 'sample'"):
             session.generate(prompt="x", strategy="sample", generation_config={"temperature": 0})
         with pytest.raises(errors.InvalidArgument, match="stop_strings do not go with strategy 'beam'"):
             session.generate(prompt="x", strategy="beam", generation_config={"stop_strings": ["ab"]})

@@ -50,12 +50,19 @@ defmodule Sidecar.Generation do
       model's, as `Bumblebee.configure/2` changes a loaded `GenerationConfig` (Llama 3's `top_p` stays
       when `:temperature` changes; `temperature: 1.0` and `suppressed_token_ids: []` turn the model's
       off). A sampling strategy map sets `top_k` and `top_p` both, as Bumblebee's replaces the loaded
-      strategy: a key it leaves out is none, not the model's
+      strategy: a key it leaves out is none, not the model's. The fields are transformers': the
+      temperature applies when sampling, as transformers applies it (Bumblebee's also scales beam
+      scores: give `Temperature` in `:processors` for that), and a value the sidecar refuses is
+      `reason: :invalid_argument` with `details["option"] == "generation_config"`, its message naming
+      the field (`generation_config.suppress_tokens` for `:suppressed_token_ids`)
     * `:generation_config` - a map of more fields of the model's generation config to change, as
-      transformers names them (`%{repetition_penalty: 1.2, min_p: 0.05}`: any of the model info's
-      `"generation_defaults"` fields, PROTOCOL.md "Generation defaults"), atom or string keys; the
-      options above win over it for their own fields. Beside `:processors`, only its fields that make
-      no processor (`do_sample`, `max_new_tokens`, `stop_strings`)
+      transformers names them (`%{repetition_penalty: 1.2, min_p: 0.05}`), atom or string keys:
+      `sequence_bias`, `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`, `min_length`,
+      `min_new_tokens`, `forced_bos_token_id`, `suppress_tokens`, `begin_suppress_tokens`,
+      `temperature`, `top_k`, `top_p`, `min_p`, `typical_p`, `epsilon_cutoff`, `eta_cutoff`,
+      `do_sample`, `max_new_tokens`, `stop_strings` (PROTOCOL.md, "Generation defaults"); the options
+      above win over it for their own fields. Beside `:processors`, only its fields that make no
+      processor (`do_sample`, `max_new_tokens`, `stop_strings`)
     * `:eos_token_id` - an id or a list of ids (default: the model's; `[]` never stops early)
     * `:seed` - makes sampling reproducible
     * `:stop` - stop strings, trimmed from the text (not in Bumblebee; default: the model's)
