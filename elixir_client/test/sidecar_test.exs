@@ -10,7 +10,12 @@ defmodule SidecarTest do
 
   setup_all do
     # `cold` shares no prefixes across sessions: a fresh session there computes everything, the reference
-    conn = start_supervised!({Sidecar, sidecar_opts(device: "cpu")}, id: :conn)
+    # models may be loaded from the temporary directory (a copy of the default model with its own generation config)
+    conn =
+      start_supervised!({Sidecar, sidecar_opts(device: "cpu", args: ["--model-root", System.tmp_dir!()])},
+        id: :conn
+      )
+
     cold = start_supervised!({Sidecar, sidecar_opts(share_prefixes: false)}, id: :cold)
     %{conn: conn, cold: cold}
   end
@@ -891,7 +896,8 @@ defmodule SidecarTest do
     :ok = Sidecar.close_session(conn, session)
   end
 
-  test "an option changes its field of the model's generation config and keeps the others, as Bumblebee's configure" do
+  test "an option changes its field of the model's generation config and keeps the others, as Bumblebee's configure",
+       %{conn: conn} do
     alias Sidecar.Processors.{RepetitionPenalty, Temperature}
     cache = sidecar_opts()[:env] |> Map.new() |> Map.fetch!("SIDECAR_CACHE_DIR")
     [default_dir | _] = Path.wildcard(Path.join(cache, "default-*"))
@@ -905,7 +911,6 @@ defmodule SidecarTest do
       ~s({"do_sample": true, "temperature": 0.7, "top_k": 20, "repetition_penalty": 1.3, "eos_token_id": 2})
 
     File.write!(Path.join(dir, "generation_config.json"), config)
-    conn = start_supervised!({Sidecar, sidecar_opts(args: ["--model-root", root])}, id: :configured)
     {:ok, _} = Sidecar.load_model(conn, name: "configured", path: dir)
     {:ok, session} = Sidecar.open_session(conn, model: "configured")
     opts = [seed: 5, eos_token_id: [], max_new_tokens: 8]
@@ -950,6 +955,8 @@ defmodule SidecarTest do
     # a value the sidecar refuses names the option it came from, the generation config
     assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "generation_config"}}} =
              Sidecar.generate(conn, session, "x", temperature: -1.0)
+
+    assert :ok = Sidecar.unload_model(conn, "configured")
   end
 
   test "load_model takes a device; one this machine lacks is unknown_device", %{conn: conn} do
