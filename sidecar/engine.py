@@ -15,6 +15,7 @@ from numbers import Integral, Real
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 import processors as proc
 from processors.structured import Vocabulary
@@ -202,6 +203,8 @@ class Engine:
             raise InvalidArgument(f"generate has no option {name!r}" + (
                 f": a field of the model's generation config is changed by generation_config={{{name!r}: ...}}" if field
                 else f"; valid: {', '.join(generate_options())}"), option=name)
+        if isinstance(generation_config, GenerationConfig):  # the fields it sets, as transformers' generate reads it
+            generation_config = generation_defaults.changes_of(generation_config)
         defaults = self.defaults_for(generation_config, processors_given=processors is not None, strategy=strategy)
         input_ids = inputs.input_ids(self.tokenizer, self.vocab_size, prompt, token_ids=token_ids, messages=messages,
                                      chat_template=chat_template, add_generation_prompt=add_generation_prompt,

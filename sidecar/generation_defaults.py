@@ -100,6 +100,13 @@ class GenerationDefaults:
                 "sampling_processors": wire(self.sampling), "stop": list(self.stop), "not_applied": list(self.not_applied)}
 
 
+def changes_of(config: GenerationConfig) -> dict:
+    """The fields a transformers `GenerationConfig` object sets, as a call's changes: `generate` fills the
+    fields it leaves unset from the model's config, as `model.generate(generation_config=config)` does in
+    transformers 5."""
+    return {field: value for field, value in config.to_diff_dict().items() if field != "transformers_version"}
+
+
 def overridden(generation_config, changes: dict, vocab_size: int) -> GenerationDefaults:
     """The defaults of a call that changes the fields `changes` names (among `CALL_FIELDS`) of the model's
     `generation_config`; the others stay the model's. Raises `InvalidField` for a field not among them, a

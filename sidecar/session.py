@@ -196,7 +196,8 @@ class Session:
         callables), `stop` (strings), `eos_token_ids` (default: the model's; `[]` never stops early; left
         out, `max_new_tokens` (16 unless the config says), `strategy`, `processors` and `stop` are the model's
         generation config's, `Engine.generation_defaults`; `generation_config={"temperature": 0.7}` changes its
-        fields for this call, the others kept, as `model.generate(temperature=0.7)` does),
+        fields for this call, the others kept, as `model.generate(temperature=0.7)` does; a transformers
+        `GenerationConfig` there changes the fields it sets, as `model.generate(generation_config=...)` does),
         `num_samples` (sample), `num_beams`, `num_return_sequences`, `length_penalty`, `early_stopping`
         (beam, as in transformers), `reuse="prefix" | "shift"` and `keep` (shift: leading tokens kept).
         """

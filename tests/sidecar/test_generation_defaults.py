@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from protocol.peer import Peer
 from sidecar import Engine, errors
@@ -112,8 +113,6 @@ def test_the_models_token_processors_are_transformers_greedy_with_and_without_en
 
 
 def test_min_new_tokens_replaces_min_length_as_in_transformers():
-    from transformers import GenerationConfig
-
     from sidecar import generation_defaults
 
     both = generation_defaults.of(GenerationConfig(min_length=20, min_new_tokens=3), 1024).describe()["processors"]
@@ -152,8 +151,6 @@ def test_values_read_as_vllm_and_transformers_read_them():
     """(helper-74) A max_new_tokens of true was taken as 1 and refused every call; a temperature of 0 with do_sample
     sampled at 1 (vLLM: greedy; transformers refuses it); one id past the vocabulary dropped a whole suppress list,
     where transformers passes over that id."""
-    from transformers import GenerationConfig
-
     from sidecar import generation_defaults
 
     read = generation_defaults.of(GenerationConfig(max_new_tokens=True, suppress_tokens=[436, 5000],
@@ -169,8 +166,6 @@ def test_min_new_tokens_of_0_replaces_min_length_too_and_temperature_0_checks_th
     """(helper-77) transformers replaces min_length by any min_new_tokens, 0 included (the prompt's length then
     bounds nothing): 0 kept the model's min_length (40 tokens where transformers gives 1); a min_new_tokens of true,
     refused, hid min_length; a call's temperature 0 (greedy) skipped the checks of its other sampling fields."""
-    from transformers import GenerationConfig
-
     from sidecar import generation_defaults
 
     prompt = list(range(10, 22))
@@ -231,6 +226,14 @@ def test_a_call_changes_fields_of_the_models_config_as_transformers_generate_kwa
         theirs = configured.model.generate(torch.tensor([prompt]), eos_token_id=None, pad_token_id=0, **NOT_APPLIED,
                                            **changes)
     assert ours == theirs[0, len(prompt):].tolist() and len(ours) == changes.get("max_new_tokens", 9)
+    with configured.session() as session:  # a GenerationConfig object sets its fields, the others the model's
+        from_object = session.generate(token_ids=prompt, seed=4, eos_token_ids=[],
+                                       generation_config=GenerationConfig(**changes)).token_ids
+    torch.manual_seed(4)
+    with torch.inference_mode():
+        theirs = configured.model.generate(torch.tensor([prompt]), eos_token_id=None, pad_token_id=0, **NOT_APPLIED,
+                                           generation_config=GenerationConfig(**changes))
+    assert from_object == ours == theirs[0, len(prompt):].tolist()
     assert configured.generation_defaults.describe()["sampling_processors"][0]["options"]["temperature"] == 0.7
 
 
