@@ -29,8 +29,14 @@ def _check_arguments(function, index: int) -> None:
                             f"two arguments", index=index) from None
 
 
+def _is_transformers_processor(p) -> bool:
+    """Whether `p` is a transformers `LogitsProcessor` (found by name: this module does not import transformers)."""
+    return any(cls.__name__ == "LogitsProcessor" and cls.__module__.startswith("transformers.") for cls in type(p).__mro__)
+
+
 class Chain:
-    """An ordered list of processors; plain callables `f(logits, context) -> logits` become stateless ones."""
+    """An ordered list of processors; plain callables `f(logits, context) -> logits` become stateless ones, and
+    transformers' own `LogitsProcessor`s are called as transformers calls them."""
 
     __slots__ = ("processors", "max_token_id", "indices")
 
@@ -42,6 +48,10 @@ class Chain:
             elif isinstance(p, type) and issubclass(p, LogitsProcessor):  # callable, but not f(logits, context)
                 raise InvalidOption(f"processors[{index}] is the class {p.__name__}, not a processor: configure it, "
                                     f"configure({p.__name__}, option=value, ...)", index=index)
+            elif _is_transformers_processor(p):  # called as p(input_ids, scores), the other way round
+                from .hf import from_hf_logits_processor
+
+                items.append(from_hf_logits_processor(p))
             elif callable(p):
                 _check_arguments(p, index)
                 items.append(FunctionProcessor(p))

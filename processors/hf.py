@@ -1,4 +1,5 @@
-"""transformers interop: a `Chain` as a `transformers.LogitsProcessor` for `model.generate`.
+"""transformers interop: a `Chain` as a `transformers.LogitsProcessor` for `model.generate`, and a transformers
+processor as one of ours.
 
 transformers calls a processor with the whole `input_ids` at every step and never says when beam search
 reorders or replaces rows. The adapter therefore finds each row's parent among the previous step's rows
@@ -23,7 +24,7 @@ from transformers import GenerationConfig
 from transformers import LogitsProcessor as HFLogitsProcessor
 
 from .chain import Chain
-from .contract import Context
+from .contract import Context, FunctionProcessor
 
 
 class ChainLogitsProcessor(HFLogitsProcessor):
@@ -78,3 +79,14 @@ def _generate_call(depth: int = 12) -> GenerationConfig | None:
 def as_hf_logits_processor(chain) -> ChainLogitsProcessor:
     """Wraps a `Chain` (or a list of processors) for `model.generate(logits_processor=[...])`."""
     return ChainLogitsProcessor(chain)
+
+
+def from_hf_logits_processor(processor: HFLogitsProcessor) -> FunctionProcessor:
+    """A transformers `LogitsProcessor` (or warper) as a stateless processor of ours: transformers calls it with
+    every token so far (prompt and generated, one row per sequence) and the scores, and so does this, at each
+    step. It keeps no state of ours, so beams and samples reorder freely: it reads each row's tokens again."""
+    def step(logits, context):
+        return processor(context.sequence[:, : context.length], logits)
+
+    step.__name__ = step.__qualname__ = type(processor).__name__
+    return FunctionProcessor(step)

@@ -204,7 +204,7 @@ class Engine:
                 f": a field of the model's generation config is changed by generation_config={{{name!r}: ...}}" if field
                 else f"; valid: {', '.join(generate_options())}"), option=name)
         if isinstance(generation_config, GenerationConfig):  # the fields it sets, as transformers' generate reads it
-            generation_config = generation_defaults.changes_of(generation_config)
+            generation_config = generation_defaults.changes_of(generation_config, self.model.generation_config)
         defaults = self.defaults_for(generation_config, processors_given=processors is not None, strategy=strategy)
         input_ids = inputs.input_ids(self.tokenizer, self.vocab_size, prompt, token_ids=token_ids, messages=messages,
                                      chat_template=chat_template, add_generation_prompt=add_generation_prompt,
@@ -239,6 +239,8 @@ class Engine:
         if eos_token_ids is None:
             eos = self.default_eos_token_ids
         else:
+            if hasattr(eos_token_ids, "tolist") and getattr(eos_token_ids, "ndim", None) == 1:  # a torch or numpy vector
+                eos_token_ids = eos_token_ids.tolist()
             if _is_int(eos_token_ids):
                 eos_token_ids = [eos_token_ids]
             if not isinstance(eos_token_ids, (list, tuple)) or not all(_is_int(t) for t in eos_token_ids):
@@ -350,7 +352,9 @@ class Engine:
             given = [name for name, value in (("num_beams", num_beams), ("num_return_sequences", num_return_sequences),
                      ("length_penalty", length_penalty), ("early_stopping", early_stopping)) if value is not None]
             if given:
-                raise InvalidArgument(f"{given[0]} goes with strategy 'beam', not {strategy!r}", option=given[0])
+                also = ("; n samples are num_samples with strategy 'sample'"
+                        if given[0] == "num_return_sequences" and strategy == "sample" else "")
+                raise InvalidArgument(f"{given[0]} goes with strategy 'beam', not {strategy!r}{also}", option=given[0])
             return {"num_samples": int(num_samples)}
         num_beams = DEFAULT_NUM_BEAMS if num_beams is None else num_beams  # the protocol's default
         if not _is_int(num_beams) or not 1 <= num_beams <= self.max_rows:

@@ -56,10 +56,11 @@ SAMPLING = (
 )
 NEEDS_EOS = {"min_length", "min_new_tokens"}  # transformers leaves these out without an EOS
 TAKES_EOS = {"no_bad_words"} | NEEDS_EOS  # given the end tokens there are (bad words keep them allowed)
-# Read elsewhere, or saying nothing about what is generated
-READ = {"do_sample", "eos_token_id", "stop_strings", "max_new_tokens", "bos_token_id", "pad_token_id",
-        "decoder_start_token_id", "use_cache", "cache_implementation", "transformers_version", "output_scores",
-        "output_logits", "output_attentions", "output_hidden_states", "return_dict_in_generate"}
+# Saying nothing about what is generated here; then the fields read elsewhere
+SILENT = {"bos_token_id", "pad_token_id", "decoder_start_token_id", "use_cache", "cache_implementation",
+          "transformers_version", "output_scores", "output_logits", "output_attentions", "output_hidden_states",
+          "return_dict_in_generate"}
+READ = {"do_sample", "eos_token_id", "stop_strings", "max_new_tokens"} | SILENT
 NO_EFFECT = {"num_beams": 1, "remove_invalid_values": False,
              "encoder_repetition_penalty": 1.0, "encoder_no_repeat_ngram_size": 0, "guidance_scale": 1.0,
              "diversity_penalty": 0.0, "num_beam_groups": 1, "renormalize_logits": False, "low_memory": False,
@@ -67,6 +68,14 @@ NO_EFFECT = {"num_beams": 1, "remove_invalid_values": False,
 DEFAULT_MAX_NEW_TOKENS = 16  # where the config does not say (transformers' max_length of 20 counts the prompt)
 PROCESSOR_FIELDS = tuple(field for field, *_ in ANY_STRATEGY + SAMPLING)
 CALL_FIELDS = PROCESSOR_FIELDS + ("do_sample", "max_new_tokens", "stop_strings")  # what a call may change
+
+
+# What a call changing these fields of its config means here instead
+INSTEAD = {"eos_token_id": "give the end tokens as eos_token_ids",
+           "num_beams": "beam search is strategy='beam' with num_beams",
+           "num_return_sequences": "give num_samples (sampling) or num_return_sequences (beam search)",
+           "max_length": "give max_new_tokens (max_length counts the prompt)",
+           **{field: "it says nothing about the tokens generated here: leave it out" for field in SILENT}}
 
 
 class InvalidField(ValueError):
@@ -100,11 +109,16 @@ class GenerationDefaults:
                 "sampling_processors": wire(self.sampling), "stop": list(self.stop), "not_applied": list(self.not_applied)}
 
 
-def changes_of(config: GenerationConfig) -> dict:
+def changes_of(config: GenerationConfig, model_config: GenerationConfig) -> dict:
     """The fields a transformers `GenerationConfig` object sets, as a call's changes: `generate` fills the
     fields it leaves unset from the model's config, as `model.generate(generation_config=config)` does in
-    transformers 5."""
-    return {field: value for field, value in config.to_diff_dict().items() if field != "transformers_version"}
+    transformers 5. Fields that say nothing about the tokens generated here, which such an object carries
+    (`model.generation_config`, `GenerationConfig.from_pretrained`: its pad and bos tokens, `use_cache`), are
+    left out, and so are those it sets to the model's own values (its end tokens, a `max_length` that does
+    nothing here): they change nothing."""
+    model = model_config.to_dict()
+    return {field: value for field, value in config.to_diff_dict().items()
+            if field not in SILENT and not (field in model and value == model[field])}
 
 
 def overridden(generation_config, changes: dict, vocab_size: int) -> GenerationDefaults:
@@ -113,6 +127,8 @@ def overridden(generation_config, changes: dict, vocab_size: int) -> GenerationD
     value of None (a field is left out to keep the model's, or given its neutral value to turn it off), and a
     value the engine would not apply (a `top_p` of 1.5, a token id past `vocab_size`)."""
     for field, value in changes.items():
+        if field in INSTEAD:
+            raise InvalidField(f"generation_config.{field}: {INSTEAD[field]}")
         if field not in CALL_FIELDS:
             raise InvalidField(f"generation_config has no field {str(field)[:64]!r} the engine applies; valid: "
                                f"{', '.join(CALL_FIELDS)} (beams: strategy and num_beams)")

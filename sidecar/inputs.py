@@ -39,14 +39,19 @@ def input_ids(tokenizer, vocab_size: int, prompt=None, *, token_ids=None, messag
         ids = sequences.input_ids(tokenizer, prompt)
     elif prompt is not None:
         if not isinstance(prompt, str):
-            raise InvalidArgument(f"prompt must be a string, got {type(prompt).__name__}", option="prompt")
+            hint = "; token ids go in token_ids=[...]" if hasattr(prompt, "tolist") or isinstance(prompt, (list, tuple)) else ""
+            raise InvalidArgument(f"prompt must be a string, got {type(prompt).__name__}{hint}", option="prompt")
         check_unicode(prompt, "prompt")
         ids = tokenizer.encode(prompt, add_special_tokens=True)
     elif isinstance(token_ids, InputIds) and token_ids:
         return list(token_ids)
     else:
+        if hasattr(token_ids, "tolist") and getattr(token_ids, "ndim", None) == 1:  # a torch or numpy vector
+            token_ids = token_ids.tolist()
         if not isinstance(token_ids, (list, tuple)):
-            raise InvalidArgument("token_ids must be a list of integers", option="token_ids")
+            raise InvalidArgument(f"token_ids must be a list of integers, got {type(token_ids).__name__}"
+                                  + (" of more than one dimension: give one row" if hasattr(token_ids, "tolist") else ""),
+                                  option="token_ids")
         if set(map(type, token_ids)) <= {int}:  # the common case, checked without a Python step per id
             ids = list(token_ids)
         elif all(_is_int(t) for t in token_ids):  # numpy's and other integers

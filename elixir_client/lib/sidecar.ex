@@ -129,7 +129,7 @@ defmodule Sidecar do
     of `Sidecar.await/2`.
     """
     @enforce_keys [:conn, :ref, :id, :timeout, :owner]
-    defstruct [:conn, :ref, :id, :timeout, :owner]
+    defstruct [:conn, :ref, :id, :timeout, :owner, option_processors: []]
     @type t :: %__MODULE__{}
   end
 
@@ -449,6 +449,9 @@ defmodule Sidecar do
       :timeout ->
         {:error, Error.new(:timeout, "the generation did not finish in time and was cancelled")}
 
+      {:error, error} ->
+        {:error, Generation.blame(error, request.option_processors)}
+
       reply ->
         generation_result(reply)
     end
@@ -517,7 +520,7 @@ defmodule Sidecar do
               {:halt, {request, true}}
 
             {Sidecar, ^ref, {:reply, {:error, error}}} ->
-              raise error
+              raise Generation.blame(error, request.option_processors)
 
             {:DOWN, ^ref, :process, _, _} ->
               raise Error.new(:sidecar_exited, "the sidecar connection went down")
@@ -664,12 +667,15 @@ defmodule Sidecar do
   defp start_request(conn, session, input, opts, stream?) do
     {name, eos_token_ids, incarnation} = identify(session)
 
-    params =
+    {made, params} =
       input
       |> Generation.params(opts, eos_token_ids)
       |> Map.merge(%{"session" => name, "stream" => stream?})
+      |> Map.pop(:option_processors, [])
 
-    request(conn, "generate", params, incarnation, opts[:timeout])
+    # the processors the options made come first: the sidecar's errors about them are the options'
+    with {:ok, request} <- request(conn, "generate", params, incarnation, opts[:timeout]),
+         do: {:ok, %{request | option_processors: made}}
   end
 
   defp new_session(name, model, incarnation),

@@ -211,6 +211,41 @@ defmodule Sidecar.GenerationTest do
       Generation.params("a", [generation_config: [top_k: 3]], nil)
     end
 
+    assert_raise ArgumentError, ~r/names a field twice/, fn ->
+      Generation.params("a", [generation_config: %{"top_k" => 3, top_k: 4}], nil)
+    end
+
+    # beside :processors: left out where Bumblebee leaves them out, and the options that made the rest listed
+    assert %{"processors" => []} =
+             params =
+             Generation.params("a", [no_repeat_ngram_length: 0, min_new_tokens: 2, processors: []], [])
+
+    refute Map.has_key?(params, :option_processors)
+
+    assert %{option_processors: [:temperature, :strategy]} =
+             Generation.params(
+               "a",
+               [temperature: 0.5, strategy: %{type: :multinomial_sampling, top_k: 3}, processors: []],
+               nil
+             )
+  end
+
+  test "an error about a processor an option made names the option; about the caller's, its own index" do
+    error = %Sidecar.Error{
+      reason: :invalid_processor,
+      message: "processors[1] (top_k): option 'k' must be >= 1",
+      details: %{"index" => 1}
+    }
+
+    assert %{message: "processors[0] (top_k): option 'k' must be >= 1", details: %{"index" => 0}} =
+             Generation.blame(error, [:temperature])
+
+    assert %{message: "option :strategy (top_k): option 'k' must be >= 1", details: details} =
+             Generation.blame(error, [:temperature, :strategy])
+
+    assert details == %{"option" => "strategy"}
+    assert Generation.blame(error, []) == error
+
     refute Map.has_key?(Generation.params("a", [strategy: %{type: :greedy_search}], nil), "generation_config")
 
     # false is the sidecar's to refuse, naming the parameter

@@ -952,9 +952,21 @@ defmodule SidecarTest do
                  opts
              )
 
-    # a value the sidecar refuses names the option it came from, the generation config
+    # a value the sidecar refuses names the option it came from, the generation config; beside :processors,
+    # the option, and the caller's processors by their own index
     assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "generation_config"}}} =
              Sidecar.generate(conn, session, "x", temperature: -1.0)
+
+    assert {:error, %Error{reason: :invalid_processor, details: %{"option" => "temperature"}}} =
+             Sidecar.generate(conn, session, "x", temperature: -1.0, processors: [])
+
+    assert {:error,
+            %Error{reason: :invalid_processor, details: %{"index" => 0}, message: "processors[0] " <> _}} =
+             Sidecar.generate(conn, session, "x", temperature: 0.5, processors: [%TopK{k: -3}])
+
+    assert_raise Error, ~r/^processors\[0\]/, fn ->
+      conn |> Sidecar.stream(session, "x", temperature: 0.5, processors: [%TopK{k: -3}]) |> Enum.to_list()
+    end
 
     assert :ok = Sidecar.unload_model(conn, "configured")
   end

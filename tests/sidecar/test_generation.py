@@ -146,3 +146,50 @@ def test_budget_evicts_least_recently_used_first(default_dir):
         session.generate(token_ids=tokens(20, seed=i), max_new_tokens=5)
     assert (a.cached, b.cached > 0, c.cached > 0) == (0, True, True)
     assert engine.stats()["evictions"] == 1
+
+
+def test_transformers_own_processors_run_as_transformers_runs_them(engine):
+    """(helper-79) A transformers LogitsProcessor given as a processor was called as f(logits, context), the other
+    way round, and failed at the first step with a raw AttributeError: it is called as transformers calls it, with
+    every token so far, greedy, sampled and in beams (whose reordering it reads from the rows)."""
+    import transformers as T
+
+    prompt = tokens(12, seed=40) * 2
+    greedy = [T.RepetitionPenaltyLogitsProcessor(1.3), T.NoRepeatNGramLogitsProcessor(2)]
+    with engine.session() as session:
+        ours = session.generate(token_ids=prompt, max_new_tokens=10, eos_token_ids=[], processors=greedy).token_ids
+        listed = session.generate(token_ids=prompt, max_new_tokens=10, eos_token_ids=[],
+                                  processors=T.LogitsProcessorList(greedy)).token_ids
+        sampled = session.generate(token_ids=prompt, max_new_tokens=10, eos_token_ids=[], strategy="sample", seed=3,
+                                   processors=[T.TemperatureLogitsWarper(0.7), T.TopKLogitsWarper(5)]).token_ids
+        beams = session.generate(token_ids=prompt, max_new_tokens=8, eos_token_ids=[2], strategy="beam", num_beams=3,
+                                 processors=[T.RepetitionPenaltyLogitsProcessor(1.3)]).token_ids
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        expected = engine.model.generate(ids, max_new_tokens=10, do_sample=False, repetition_penalty=1.3,
+                                         no_repeat_ngram_size=2, eos_token_id=None, pad_token_id=0)
+        torch.manual_seed(3)
+        expected_sampled = engine.model.generate(ids, max_new_tokens=10, do_sample=True, temperature=0.7, top_k=5,
+                                                 eos_token_id=None, pad_token_id=0)
+        expected_beams = engine.model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False,
+                                               repetition_penalty=1.3, eos_token_id=2, pad_token_id=0)
+    assert ours == listed == expected[0, len(prompt):].tolist()
+    assert sampled == expected_sampled[0, len(prompt):].tolist()
+    assert beams == expected_beams[0, len(prompt):].tolist()[: len(beams)]
+
+
+def test_token_ids_may_be_a_torch_or_numpy_vector_and_a_matrix_or_a_tensor_prompt_says_what_to_give(engine):
+    """(helper-79) transformers users hold their ids as tensors: `token_ids=torch.tensor([...])` was refused as no list."""
+    import numpy as np
+
+    from sidecar import errors
+
+    with engine.session() as session:
+        listed = session.generate(token_ids=[5, 6, 7], max_new_tokens=3, eos_token_ids=[2]).token_ids
+        assert session.generate(token_ids=torch.tensor([5, 6, 7]), max_new_tokens=3,
+                                eos_token_ids=torch.tensor([2])).token_ids == listed
+        assert session.generate(token_ids=np.array([5, 6, 7]), max_new_tokens=3, eos_token_ids=[2]).token_ids == listed
+        with pytest.raises(errors.InvalidArgument, match="give one row"):
+            session.generate(token_ids=torch.tensor([[5, 6, 7]]))
+        with pytest.raises(errors.InvalidArgument, match=r"token ids go in token_ids="):
+            session.generate(torch.tensor([5, 6, 7]))

@@ -234,6 +234,12 @@ def test_a_call_changes_fields_of_the_models_config_as_transformers_generate_kwa
         theirs = configured.model.generate(torch.tensor([prompt]), eos_token_id=None, pad_token_id=0, **NOT_APPLIED,
                                            generation_config=GenerationConfig(**changes))
     assert from_object == ours == theirs[0, len(prompt):].tolist()
+    with configured.session() as session:  # what such objects carry besides (pad and end tokens, use_cache)
+        carried = GenerationConfig(**changes, pad_token_id=0, use_cache=True, eos_token_id=2)
+        assert session.generate(token_ids=prompt, seed=4, eos_token_ids=[], generation_config=carried).token_ids == ours
+        bare = session.generate(token_ids=prompt, seed=4, eos_token_ids=[]).token_ids
+        assert session.generate(token_ids=prompt, seed=4, eos_token_ids=[],
+                                generation_config=configured.model.generation_config).token_ids == bare
     assert configured.generation_defaults.describe()["sampling_processors"][0]["options"]["temperature"] == 0.7
 
 
@@ -243,7 +249,9 @@ def test_a_call_changes_fields_of_the_models_config_as_transformers_generate_kwa
     ({"do_sample": 1}, "do_sample must be true or false"), ({"stop_strings": [""]}, "generation_config.stop_strings"),
     ({"max_new_tokens": -1}, "generation_config.max_new_tokens"), ({"min_new_tokens": "3"}, "min_new_tokens"),
     ([("top_k", 5)], "must be a map"), ({"temperature": True}, "temperature is true, which is no number"),
-    ({"top_k": False}, "top_k is false"),
+    ({"top_k": False}, "top_k is false"), ({"pad_token_id": 0}, "says nothing about the tokens generated here"),
+    ({"num_beams": 3}, "strategy='beam' with num_beams"), ({"eos_token_id": 5}, "as eos_token_ids"),
+    (GenerationConfig(max_length=30), "give max_new_tokens"),
 ])
 def test_a_change_the_engine_would_not_apply_is_refused_naming_the_field(configured, changes, says):
     with configured.session() as session:

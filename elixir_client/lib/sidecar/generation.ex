@@ -51,10 +51,13 @@ defmodule Sidecar.Generation do
       when `:temperature` changes; `temperature: 1.0` and `suppressed_token_ids: []` turn the model's
       off). A sampling strategy map sets `top_k` and `top_p` both, as Bumblebee's replaces the loaded
       strategy: a key it leaves out is none, not the model's. The fields are transformers': the
-      temperature applies when sampling, as transformers applies it (Bumblebee's also scales beam
-      scores: give `Temperature` in `:processors` for that), and a value the sidecar refuses is
+      temperature applies when sampling, as transformers applies it (beams ignore it: give
+      `Temperature` in `:processors` to scale their scores), and a value the sidecar refuses is
       `reason: :invalid_argument` with `details["option"] == "generation_config"`, its message naming
-      the field (`generation_config.suppress_tokens` for `:suppressed_token_ids`)
+      the field (`generation_config.suppress_tokens` for `:suppressed_token_ids`). Beside
+      `:processors` they make processors instead (below), left out at the values Bumblebee leaves
+      them out at (`no_repeat_ngram_length: 0`, `:min_new_tokens` without an end token), and an error
+      about one of them names the option: `details["option"]`, `"temperature"` say
     * `:generation_config` - a map of more fields of the model's generation config to change, as
       transformers names them (`%{repetition_penalty: 1.2, min_p: 0.05}`), atom or string keys:
       `sequence_bias`, `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`, `min_length`,
@@ -81,7 +84,9 @@ defmodule Sidecar.Generation do
     * `:timeout` - milliseconds before the generation is cancelled (default: the `:call_timeout`)
 
   An option given as `nil` takes its default, as if it were left out; `false` is refused where it
-  would mean the same.
+  would mean the same. A value of the wrong type or sign for one of the protocol's own parameters
+  (`:max_new_tokens`, `:seed`, `:eos_token_id`) is `reason: :invalid_params` with `details["param"]`
+  naming it; the processors' and the generation config's values are the sidecar's to judge, as above.
 
   Beside `:processors`, the options' processors come first, in Bumblebee's order: no-repeat n-gram,
   min new tokens, suppressed tokens, forced BOS, temperature, then top-k and top-p when sampling.
@@ -236,31 +241,17 @@ defmodule Sidecar.Generation do
     {strategy, sequence_params, sampling} =
       if opts[:strategy], do: strategy(opts[:strategy]), else: {nil, %{}, []}
 
-    # made whichever way they are sent: a value of the wrong type raises here, not in the sidecar
-    built_in =
-      [
-        opts[:no_repeat_ngram_length] &&
-          Processors.configure(Processors.NoRepeatNGram, ngram_size: opts[:no_repeat_ngram_length]),
-        opts[:min_new_tokens] &&
-          Processors.configure(Processors.MinNewTokens,
-            min_new_tokens: opts[:min_new_tokens],
-            eos_token_ids: List.wrap(eos_ids || [])
-          ),
-        non_empty(opts[:suppressed_token_ids]) &&
-          Processors.configure(Processors.SuppressTokens, token_ids: opts[:suppressed_token_ids]),
-        opts[:forced_bos_token_id] &&
-          Processors.configure(Processors.ForcedBOS, token_id: opts[:forced_bos_token_id]),
-        opts[:temperature] && opts[:temperature] != 1.0 &&
-          Processors.configure(Processors.Temperature, temperature: opts[:temperature])
-      ] ++ sampling
-
     # With :processors given, the processors are these options' and those, the whole list; without, the
     # options change their fields of the model's generation config, as `Bumblebee.configure/2` changes the
     # loaded one: its other fields stay (`generation_config`)
-    {processors, config} =
-      if opts[:processors] != nil,
-        do: {for(p <- built_in ++ opts[:processors], p, do: Processors.to_wire(p)), generation_config!(opts)},
-        else: {nil, config_changes(opts)}
+    {processors, made, config} =
+      if opts[:processors] != nil do
+        made = option_processors(opts, eos_ids, sampling)
+        wire = for(p <- Enum.map(made, &elem(&1, 1)) ++ opts[:processors], p, do: Processors.to_wire(p))
+        {wire, Enum.map(made, &elem(&1, 0)), generation_config!(opts)}
+      else
+        {nil, [], config_changes(opts)}
+      end
 
     input
     |> input_param(opts)
@@ -274,7 +265,60 @@ defmodule Sidecar.Generation do
     |> put_present("seed", opts[:seed])
     |> put_present("reuse", reuse!(opts[:reuse]))
     |> put_present("keep", keep!(opts[:keep]))
+    |> put_present(:option_processors, if(made != [], do: made))
   end
+
+  # {option, processor} for each option that makes one beside :processors, in Bumblebee's order and as
+  # Bumblebee leaves them out: no n-gram ban of length 0, no minimum without an end token.
+  defp option_processors(opts, eos_ids, sampling) do
+    eos_ids = List.wrap(eos_ids || [])
+
+    made = [
+      no_repeat_ngram_length:
+        (opts[:no_repeat_ngram_length] || 0) != 0 &&
+          Processors.configure(Processors.NoRepeatNGram, ngram_size: opts[:no_repeat_ngram_length]),
+      min_new_tokens:
+        opts[:min_new_tokens] && eos_ids != [] &&
+          Processors.configure(Processors.MinNewTokens,
+            min_new_tokens: opts[:min_new_tokens],
+            eos_token_ids: eos_ids
+          ),
+      suppressed_token_ids:
+        non_empty(opts[:suppressed_token_ids]) &&
+          Processors.configure(Processors.SuppressTokens, token_ids: opts[:suppressed_token_ids]),
+      forced_bos_token_id:
+        opts[:forced_bos_token_id] &&
+          Processors.configure(Processors.ForcedBOS, token_id: opts[:forced_bos_token_id]),
+      temperature:
+        opts[:temperature] && opts[:temperature] != 1.0 &&
+          Processors.configure(Processors.Temperature, temperature: opts[:temperature])
+    ]
+
+    for {option, p} <- made ++ Enum.map(sampling, &{:strategy, &1}), p, do: {option, p}
+  end
+
+  @doc false
+  # The sidecar's error about processors[i] of a request whose first processors `made` (their options'
+  # names) were made from options: blamed on the option, or on the caller's own processors[i - length(made)].
+  @spec blame(Sidecar.Error.t(), [atom()]) :: Sidecar.Error.t()
+  def blame(
+        %Sidecar.Error{reason: :invalid_processor, details: %{"index" => i} = details} = error,
+        [_ | _] = made
+      )
+      when is_integer(i) do
+    n = length(made)
+    rest = String.replace_prefix(error.message, "processors[#{i}]", "")
+
+    if i < n do
+      option = Enum.at(made, i)
+      details = details |> Map.delete("index") |> Map.put("option", Atom.to_string(option))
+      %{error | message: "option #{inspect(option)}" <> rest, details: details}
+    else
+      %{error | message: "processors[#{i - n}]" <> rest, details: Map.put(details, "index", i - n)}
+    end
+  end
+
+  def blame(error, _made), do: error
 
   @doc false
   # Raises unless `opts` is a keyword list of generation options: checked before any of them is read.
@@ -528,12 +572,23 @@ defmodule Sidecar.Generation do
         nil
 
       %{} = config ->
-        for {key, value} <- config, into: %{} do
-          unless is_atom(key) or is_binary(key),
-            do: raise(ArgumentError, ":generation_config keys are atoms or strings, got #{inspect(key)}")
+        changes =
+          for {key, value} <- config, into: %{} do
+            unless is_atom(key) or is_binary(key),
+              do: raise(ArgumentError, ":generation_config keys are atoms or strings, got #{inspect(key)}")
 
-          {to_string(key), value}
-        end
+            {to_string(key), value}
+          end
+
+        # an atom key and its string spelled the same: which value is meant cannot be told
+        if map_size(changes) < map_size(config),
+          do:
+            raise(
+              ArgumentError,
+              ":generation_config names a field twice, as an atom and a string: #{inspect(config)}"
+            )
+
+        changes
 
       other ->
         raise ArgumentError,
