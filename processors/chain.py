@@ -29,9 +29,17 @@ def _check_arguments(function, index: int) -> None:
                             f"two arguments", index=index) from None
 
 
-def _is_transformers_processor(p) -> bool:
-    """Whether `p` is a transformers `LogitsProcessor` (found by name: this module does not import transformers)."""
-    return any(cls.__name__ == "LogitsProcessor" and cls.__module__.startswith("transformers.") for cls in type(p).__mro__)
+def _is_transformers_processor(p, kind: bool = False) -> bool:
+    """Whether `p` is a transformers `LogitsProcessor`, or with `kind` such a class (found by name: this module
+    does not import transformers)."""
+    if kind != isinstance(p, type):
+        return False
+    return any(cls.__name__ == "LogitsProcessor" and cls.__module__.startswith("transformers.")
+               for cls in (p if kind else type(p)).__mro__)
+
+
+def _is_transformers_list(p) -> bool:
+    return isinstance(p, list) and type(p).__name__ == "LogitsProcessorList" and type(p).__module__.startswith("transformers.")
 
 
 class Chain:
@@ -52,6 +60,12 @@ class Chain:
                 from .hf import from_hf_logits_processor
 
                 items.append(from_hf_logits_processor(p))
+            elif _is_transformers_processor(p, kind=True):
+                raise InvalidOption(f"processors[{index}] is the class {p.__name__}, not a processor: make one, "
+                                    f"{p.__name__}(...)", index=index)
+            elif _is_transformers_list(p):
+                raise InvalidOption(f"processors[{index}] is a {type(p).__name__}: give its processors, "
+                                    "processors=[*the_list, ...], or the list itself as processors", index=index)
             elif callable(p):
                 _check_arguments(p, index)
                 items.append(FunctionProcessor(p))

@@ -23,8 +23,10 @@ import torch
 from transformers import GenerationConfig
 from transformers import LogitsProcessor as HFLogitsProcessor
 
+from dataclasses import dataclass
+
 from .chain import Chain
-from .contract import Context, FunctionProcessor
+from .contract import Context, StatelessProcessor, option
 
 
 class ChainLogitsProcessor(HFLogitsProcessor):
@@ -81,12 +83,26 @@ def as_hf_logits_processor(chain) -> ChainLogitsProcessor:
     return ChainLogitsProcessor(chain)
 
 
-def from_hf_logits_processor(processor: HFLogitsProcessor) -> FunctionProcessor:
-    """A transformers `LogitsProcessor` (or warper) as a stateless processor of ours: transformers calls it with
-    every token so far (prompt and generated, one row per sequence) and the scores, and so does this, at each
-    step. It keeps no state of ours, so beams and samples reorder freely: it reads each row's tokens again."""
-    def step(logits, context):
-        return processor(context.sequence[:, : context.length], logits)
 
-    step.__name__ = step.__qualname__ = type(processor).__name__
-    return FunctionProcessor(step)
+@dataclass(frozen=True)
+class TransformersProcessor(StatelessProcessor):
+    """A transformers `LogitsProcessor` (or warper) as one of ours, called as transformers calls it: with every
+    token so far of each row (prompt and generated) and the scores, at each step. It keeps no state of ours:
+    it reads each row's tokens again, so beams and samples reorder freely. Its rows are the generation's live
+    ones: a sample that ended leaves the batch here, where transformers keeps it padded to the end, so one that
+    reads its row's position (`PrefixConstrainedLogitsProcessor`'s batch id) or keeps state per row across
+    steps (SynthID's watermark) sees another batch than in transformers once a sample ends early."""
+
+    processor: object = option("the transformers processor")
+
+    @property
+    def name(self) -> str:  # what errors call it
+        return type(self.processor).__name__
+
+    def transform(self, logits, context):
+        return self.processor(context.sequence[:, : context.length], logits)
+
+
+def from_hf_logits_processor(processor: HFLogitsProcessor) -> TransformersProcessor:
+    """`processor`, a transformers `LogitsProcessor`, as one of ours (`TransformersProcessor`)."""
+    return TransformersProcessor(processor)

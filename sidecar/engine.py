@@ -239,8 +239,9 @@ class Engine:
         if eos_token_ids is None:
             eos = self.default_eos_token_ids
         else:
-            if hasattr(eos_token_ids, "tolist") and getattr(eos_token_ids, "ndim", None) == 1:  # a torch or numpy vector
-                eos_token_ids = eos_token_ids.tolist()
+            if hasattr(eos_token_ids, "tolist") and getattr(eos_token_ids, "ndim", None) == 0:  # as an int is taken
+                eos_token_ids = inputs.vector_as_list(eos_token_ids.reshape(1), "eos_token_ids")
+            eos_token_ids = inputs.vector_as_list(eos_token_ids, "eos_token_ids")
             if _is_int(eos_token_ids):
                 eos_token_ids = [eos_token_ids]
             if not isinstance(eos_token_ids, (list, tuple)) or not all(_is_int(t) for t in eos_token_ids):

@@ -117,8 +117,21 @@ def changes_of(config: GenerationConfig, model_config: GenerationConfig) -> dict
     left out, and so are those it sets to the model's own values (its end tokens, a `max_length` that does
     nothing here): they change nothing."""
     model = model_config.to_dict()
+
+    def unchanged(field, value):
+        if field == "eos_token_id":  # one id or a list of them
+            return set(_end_tokens(value)) == set(_end_tokens(model.get(field)))
+        return value == model.get(field, _UNSET) or value == NO_EFFECT.get(field, _UNSET)  # num_return_sequences=1 too
+
     return {field: value for field, value in config.to_diff_dict().items()
-            if field not in SILENT and not (field in model and value == model[field])}
+            if field not in SILENT and not unchanged(field, value)}
+
+
+_UNSET = object()
+
+
+def _end_tokens(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
 
 
 def overridden(generation_config, changes: dict, vocab_size: int) -> GenerationDefaults:

@@ -46,11 +46,11 @@ def input_ids(tokenizer, vocab_size: int, prompt=None, *, token_ids=None, messag
     elif isinstance(token_ids, InputIds) and token_ids:
         return list(token_ids)
     else:
-        if hasattr(token_ids, "tolist") and getattr(token_ids, "ndim", None) == 1:  # a torch or numpy vector
-            token_ids = token_ids.tolist()
+        token_ids = vector_as_list(token_ids, "token_ids")
         if not isinstance(token_ids, (list, tuple)):
+            dims = getattr(token_ids, "ndim", None)
             raise InvalidArgument(f"token_ids must be a list of integers, got {type(token_ids).__name__}"
-                                  + (" of more than one dimension: give one row" if hasattr(token_ids, "tolist") else ""),
+                                  + (f" of {dims} dimensions: give one row" if isinstance(dims, int) else ""),
                                   option="token_ids")
         if set(map(type, token_ids)) <= {int}:  # the common case, checked without a Python step per id
             ids = list(token_ids)
@@ -75,3 +75,15 @@ def check_token_ids(token_ids, vocab_size: int, what: str = "token ids") -> None
 
 def _is_int(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def vector_as_list(value, option: str):
+    """A torch or numpy vector as the list of its values (transformers users hold ids as tensors); anything
+    else as it is. A tensor whose values cannot be read (on the meta device, sparse) is refused naming `option`."""
+    if not (hasattr(value, "tolist") and getattr(value, "ndim", None) == 1):
+        return value
+    try:
+        return value.tolist()
+    except Exception as error:  # torch's meta and sparse tensors have no values to give
+        raise InvalidArgument(f"{option} is a {type(value).__name__} whose values cannot be read ({str(error)[:100]}): "
+                              "give a list of integers", option=option) from None

@@ -129,7 +129,7 @@ defmodule Sidecar do
     of `Sidecar.await/2`.
     """
     @enforce_keys [:conn, :ref, :id, :timeout, :owner]
-    defstruct [:conn, :ref, :id, :timeout, :owner, option_processors: []]
+    defstruct [:conn, :ref, :id, :timeout, :owner, processor_origins: []]
     @type t :: %__MODULE__{}
   end
 
@@ -386,7 +386,10 @@ defmodule Sidecar do
   `{Sidecar, ref, {:event, map}}` for each token (the protocol's `token` event: `"text"`,
   `"token_ids"`, and `"sequence"`, the sequence's index, when `num_samples:` is above 1; beam search
   of more than one beam sends none, and one beam is greedy search) and one
-  `{Sidecar, ref, {:reply, result}}`. Pass the request to `await/2` or `cancel/1`.
+  `{Sidecar, ref, {:reply, result}}`. Pass the request to `await/2` or `cancel/1`. An error read from
+  that message is the sidecar's as it is: beside `:processors`, its `details["index"]` counts the
+  processors the options made first and skips `nil` entries, where `await/2` (as `generate/4` and
+  `stream/4`) names the option, or gives the index in the caller's own list.
   """
   @spec start_generate(conn(), session(), Generation.input(), keyword()) ::
           {:ok, Request.t()} | {:error, Error.t()}
@@ -450,7 +453,7 @@ defmodule Sidecar do
         {:error, Error.new(:timeout, "the generation did not finish in time and was cancelled")}
 
       {:error, error} ->
-        {:error, Generation.blame(error, request.option_processors)}
+        {:error, Generation.blame(error, request.processor_origins)}
 
       reply ->
         generation_result(reply)
@@ -520,7 +523,7 @@ defmodule Sidecar do
               {:halt, {request, true}}
 
             {Sidecar, ^ref, {:reply, {:error, error}}} ->
-              raise Generation.blame(error, request.option_processors)
+              raise Generation.blame(error, request.processor_origins)
 
             {:DOWN, ^ref, :process, _, _} ->
               raise Error.new(:sidecar_exited, "the sidecar connection went down")
@@ -671,11 +674,11 @@ defmodule Sidecar do
       input
       |> Generation.params(opts, eos_token_ids)
       |> Map.merge(%{"session" => name, "stream" => stream?})
-      |> Map.pop(:option_processors, [])
+      |> Map.pop(:processor_origins, [])
 
     # the processors the options made come first: the sidecar's errors about them are the options'
     with {:ok, request} <- request(conn, "generate", params, incarnation, opts[:timeout]),
-         do: {:ok, %{request | option_processors: made}}
+         do: {:ok, %{request | processor_origins: made}}
   end
 
   defp new_session(name, model, incarnation),

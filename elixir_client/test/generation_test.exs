@@ -220,31 +220,19 @@ defmodule Sidecar.GenerationTest do
              params =
              Generation.params("a", [no_repeat_ngram_length: 0, min_new_tokens: 2, processors: []], [])
 
-    refute Map.has_key?(params, :option_processors)
+    refute Map.has_key?(params, :processor_origins)
 
-    assert %{option_processors: [:temperature, :strategy]} =
+    # where each processor sent came from: an option, or the caller's list (nil entries skipped)
+    assert %{processor_origins: [{:option, :temperature}, {:option, :strategy}, {:processors, 1}]} =
              Generation.params(
                "a",
-               [temperature: 0.5, strategy: %{type: :multinomial_sampling, top_k: 3}, processors: []],
+               [
+                 temperature: 0.5,
+                 strategy: %{type: :multinomial_sampling, top_k: 3},
+                 processors: [nil, Sidecar.configure(Sidecar.Processors.TopK, k: 2)]
+               ],
                nil
              )
-  end
-
-  test "an error about a processor an option made names the option; about the caller's, its own index" do
-    error = %Sidecar.Error{
-      reason: :invalid_processor,
-      message: "processors[1] (top_k): option 'k' must be >= 1",
-      details: %{"index" => 1}
-    }
-
-    assert %{message: "processors[0] (top_k): option 'k' must be >= 1", details: %{"index" => 0}} =
-             Generation.blame(error, [:temperature])
-
-    assert %{message: "option :strategy (top_k): option 'k' must be >= 1", details: details} =
-             Generation.blame(error, [:temperature, :strategy])
-
-    assert details == %{"option" => "strategy"}
-    assert Generation.blame(error, []) == error
 
     refute Map.has_key?(Generation.params("a", [strategy: %{type: :greedy_search}], nil), "generation_config")
 
@@ -381,5 +369,33 @@ defmodule Sidecar.GenerationTest do
         ] do
       assert_raise ArgumentError, pattern, fn -> Generation.params("Hi", [strategy: strategy], nil) end
     end
+  end
+
+  test "an error about a processor an option made names the option; about the caller's, its own index" do
+    error = %Sidecar.Error{
+      reason: :invalid_processor,
+      message: "processors[1] (top_k): option 'k' must be >= 1",
+      details: %{"index" => 1}
+    }
+
+    origins = [{:option, :temperature}, {:processors, 2}]
+
+    assert %{message: "processors[2] (top_k): option 'k' must be >= 1", details: %{"index" => 2}} =
+             Generation.blame(error, origins)
+
+    assert %{message: "option :strategy (top_k): option 'k' must be >= 1", details: details} =
+             Generation.blame(error, [{:option, :temperature}, {:option, :strategy}])
+
+    assert details == %{"option" => "strategy"}
+    assert Generation.blame(error, []) == error
+
+    # any error naming a processor by index (limit_exceeded too); a message that does not begin with its name
+    over = %Sidecar.Error{reason: :limit_exceeded, message: "grammar: too slow", details: %{"index" => 0}}
+
+    assert %{message: "option :temperature: grammar: too slow", details: %{"option" => "temperature"}} =
+             Generation.blame(over, origins)
+
+    assert %{message: "grammar: too slow", details: %{"index" => 2}} =
+             Generation.blame(%{over | details: %{"index" => 1}}, origins)
   end
 end

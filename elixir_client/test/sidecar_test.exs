@@ -961,8 +961,8 @@ defmodule SidecarTest do
              Sidecar.generate(conn, session, "x", temperature: -1.0, processors: [])
 
     assert {:error,
-            %Error{reason: :invalid_processor, details: %{"index" => 0}, message: "processors[0] " <> _}} =
-             Sidecar.generate(conn, session, "x", temperature: 0.5, processors: [%TopK{k: -3}])
+            %Error{reason: :invalid_processor, details: %{"index" => 1}, message: "processors[1] " <> _}} =
+             Sidecar.generate(conn, session, "x", temperature: 0.5, processors: [nil, %TopK{k: -3}])
 
     assert_raise Error, ~r/^processors\[0\]/, fn ->
       conn |> Sidecar.stream(session, "x", temperature: 0.5, processors: [%TopK{k: -3}]) |> Enum.to_list()

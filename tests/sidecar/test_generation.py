@@ -154,6 +154,8 @@ def test_transformers_own_processors_run_as_transformers_runs_them(engine):
     every token so far, greedy, sampled and in beams (whose reordering it reads from the rows)."""
     import transformers as T
 
+    from sidecar import errors
+
     prompt = tokens(12, seed=40) * 2
     greedy = [T.RepetitionPenaltyLogitsProcessor(1.3), T.NoRepeatNGramLogitsProcessor(2)]
     with engine.session() as session:
@@ -174,6 +176,11 @@ def test_transformers_own_processors_run_as_transformers_runs_them(engine):
         expected_beams = engine.model.generate(ids, max_new_tokens=8, num_beams=3, do_sample=False,
                                                repetition_penalty=1.3, eos_token_id=2, pad_token_id=0)
     assert ours == listed == expected[0, len(prompt):].tolist()
+    with engine.session() as session:  # (helper-80) called the other way round, with raw errors at the first step
+        with pytest.raises(errors.InvalidProcessor, match="is a LogitsProcessorList: give its processors"):
+            session.generate(token_ids=prompt, processors=[T.LogitsProcessorList(greedy)])
+        with pytest.raises(errors.InvalidProcessor, match="is the class RepetitionPenaltyLogitsProcessor, not a processor"):
+            session.generate(token_ids=prompt, processors=[T.RepetitionPenaltyLogitsProcessor])
     assert sampled == expected_sampled[0, len(prompt):].tolist()
     assert beams == expected_beams[0, len(prompt):].tolist()[: len(beams)]
 
@@ -193,3 +200,6 @@ def test_token_ids_may_be_a_torch_or_numpy_vector_and_a_matrix_or_a_tensor_promp
             session.generate(token_ids=torch.tensor([[5, 6, 7]]))
         with pytest.raises(errors.InvalidArgument, match=r"token ids go in token_ids="):
             session.generate(torch.tensor([5, 6, 7]))
+        assert session.generate(token_ids=[5, 6, 7], max_new_tokens=3, eos_token_ids=torch.tensor(2)).token_ids == listed
+        with pytest.raises(errors.InvalidArgument, match="values cannot be read"):  # (helper-80) a raw error before
+            session.generate(token_ids=torch.empty(3, dtype=torch.long, device="meta"))

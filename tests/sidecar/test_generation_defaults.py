@@ -235,7 +235,7 @@ def test_a_call_changes_fields_of_the_models_config_as_transformers_generate_kwa
                                            generation_config=GenerationConfig(**changes))
     assert from_object == ours == theirs[0, len(prompt):].tolist()
     with configured.session() as session:  # what such objects carry besides (pad and end tokens, use_cache)
-        carried = GenerationConfig(**changes, pad_token_id=0, use_cache=True, eos_token_id=2)
+        carried = GenerationConfig(**changes, pad_token_id=0, use_cache=True, eos_token_id=[2], num_return_sequences=1)
         assert session.generate(token_ids=prompt, seed=4, eos_token_ids=[], generation_config=carried).token_ids == ours
         bare = session.generate(token_ids=prompt, seed=4, eos_token_ids=[]).token_ids
         assert session.generate(token_ids=prompt, seed=4, eos_token_ids=[],

@@ -244,11 +244,16 @@ defmodule Sidecar.Generation do
     # With :processors given, the processors are these options' and those, the whole list; without, the
     # options change their fields of the model's generation config, as `Bumblebee.configure/2` changes the
     # loaded one: its other fields stay (`generation_config`)
-    {processors, made, config} =
+    {processors, origins, config} =
       if opts[:processors] != nil do
-        made = option_processors(opts, eos_ids, sampling)
-        wire = for(p <- Enum.map(made, &elem(&1, 1)) ++ opts[:processors], p, do: Processors.to_wire(p))
-        {wire, Enum.map(made, &elem(&1, 0)), generation_config!(opts)}
+        # each processor sent, with where it came from: {:option, name}, or {:processors, its index there}
+        # (nil and false entries are skipped)
+        sent =
+          for({option, p} <- option_processors(opts, eos_ids, sampling), do: {{:option, option}, p}) ++
+            for {p, i} <- Enum.with_index(opts[:processors]), p, do: {{:processors, i}, p}
+
+        {Enum.map(sent, &Processors.to_wire(elem(&1, 1))), Enum.map(sent, &elem(&1, 0)),
+         generation_config!(opts)}
       else
         {nil, [], config_changes(opts)}
       end
@@ -265,7 +270,7 @@ defmodule Sidecar.Generation do
     |> put_present("seed", opts[:seed])
     |> put_present("reuse", reuse!(opts[:reuse]))
     |> put_present("keep", keep!(opts[:keep]))
-    |> put_present(:option_processors, if(made != [], do: made))
+    |> put_present(:processor_origins, if(origins != [], do: origins))
   end
 
   # {option, processor} for each option that makes one beside :processors, in Bumblebee's order and as
@@ -298,27 +303,36 @@ defmodule Sidecar.Generation do
   end
 
   @doc false
-  # The sidecar's error about processors[i] of a request whose first processors `made` (their options'
-  # names) were made from options: blamed on the option, or on the caller's own processors[i - length(made)].
-  @spec blame(Sidecar.Error.t(), [atom()]) :: Sidecar.Error.t()
-  def blame(
-        %Sidecar.Error{reason: :invalid_processor, details: %{"index" => i} = details} = error,
-        [_ | _] = made
-      )
-      when is_integer(i) do
-    n = length(made)
-    rest = String.replace_prefix(error.message, "processors[#{i}]", "")
+  # The sidecar's error about the processor it sent at `details["index"]`, of a request whose processors
+  # came from `origins` (`params/3`'s :processor_origins): blamed on the option that made it, or given the
+  # index the caller's own :processors list has it at. Its message is renamed where it begins with that
+  # processor's name (`processors[i]`), and says the option's name otherwise.
+  @spec blame(Sidecar.Error.t(), [{:option, atom()} | {:processors, non_neg_integer()}]) :: Sidecar.Error.t()
+  def blame(%Sidecar.Error{details: %{"index" => i} = details} = error, [_ | _] = origins)
+      when is_integer(i) and i >= 0 and i < length(origins) do
+    {name, details} =
+      case Enum.at(origins, i) do
+        {:option, option} ->
+          {"option #{inspect(option)}",
+           details |> Map.delete("index") |> Map.put("option", Atom.to_string(option))}
 
-    if i < n do
-      option = Enum.at(made, i)
-      details = details |> Map.delete("index") |> Map.put("option", Atom.to_string(option))
-      %{error | message: "option #{inspect(option)}" <> rest, details: details}
-    else
-      %{error | message: "processors[#{i - n}]" <> rest, details: Map.put(details, "index", i - n)}
-    end
+        {:processors, j} ->
+          {"processors[#{j}]", Map.put(details, "index", j)}
+      end
+
+    prefix = "processors[#{i}]"
+
+    message =
+      cond do
+        String.starts_with?(error.message, prefix) -> name <> String.replace_prefix(error.message, prefix, "")
+        match?({:option, _}, Enum.at(origins, i)) -> name <> ": " <> error.message
+        true -> error.message
+      end
+
+    %{error | message: message, details: details}
   end
 
-  def blame(error, _made), do: error
+  def blame(error, _origins), do: error
 
   @doc false
   # Raises unless `opts` is a keyword list of generation options: checked before any of them is read.
