@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import sys
 import weakref
+from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
 from transformers import LogitsProcessor as HFLogitsProcessor
-
-from dataclasses import dataclass
 
 from .chain import Chain
 from .contract import Context, StatelessProcessor, option
@@ -81,7 +80,6 @@ def _generate_call(depth: int = 12) -> GenerationConfig | None:
 def as_hf_logits_processor(chain) -> ChainLogitsProcessor:
     """Wraps a `Chain` (or a list of processors) for `model.generate(logits_processor=[...])`."""
     return ChainLogitsProcessor(chain)
-
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class Engine:
         _check_options(cache_budget_bytes=cache_budget_bytes, prefill_chunk=prefill_chunk, max_rows=max_rows,
                        share_prefixes=share_prefixes)
         eos = model.generation_config.eos_token_id
-        if not all(_is_int(e) and e >= 0 for e in _end_tokens(eos)):
+        if not all(_is_int(e) and e >= 0 for e in generation_defaults.end_tokens(eos)):
             raise InvalidModel(f"the model's generation config has eos_token_id {str(eos)[:100]}, which is not a token "
                                "id or a list of them", **({"path": str(path)} if path is not None else {}))
         training, self.model = model.training, model.eval()  # dropout off, as from_pretrained leaves it (or it drew at random)
@@ -450,17 +450,12 @@ def _default_eos(model, tokenizer, vocab_size: int) -> frozenset[int]:
     eos = model.generation_config.eos_token_id
     if eos is None:
         eos = tokenizer.eos_token_id
-    ids = _end_tokens(eos)
+    ids = generation_defaults.end_tokens(eos)
     outside = [e for e in ids if not (_is_int(e) and 0 <= e < vocab_size)]
     if outside:
         log.warning("the model's end-of-sequence ids %s are outside its vocabulary of %d tokens: it can never write "
                     "them, and they are left out of its default eos_token_ids", outside[:5], vocab_size)
     return frozenset(e for e in ids if e not in outside)
-
-
-def _end_tokens(eos) -> list:
-    """An `eos_token_id` as transformers keeps it (None, an id, or a list of ids) as a list."""
-    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
 def _naming(processor, token_id: int) -> str:

@@ -120,7 +120,7 @@ def changes_of(config: GenerationConfig, model_config: GenerationConfig) -> dict
 
     def unchanged(field, value):
         if field == "eos_token_id":  # one id or a list of them
-            return set(_end_tokens(value)) == set(_end_tokens(model.get(field)))
+            return set(end_tokens(value)) == set(end_tokens(model.get(field)))
         return value == model.get(field, _UNSET) or value == NO_EFFECT.get(field, _UNSET)  # num_return_sequences=1 too
 
     return {field: value for field, value in config.to_diff_dict().items()
@@ -130,8 +130,9 @@ def changes_of(config: GenerationConfig, model_config: GenerationConfig) -> dict
 _UNSET = object()
 
 
-def _end_tokens(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [] if value is None else [value]
+def end_tokens(eos) -> list:
+    """An `eos_token_id` as transformers keeps it (None, an id, or a list of ids) as a list."""
+    return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
 def overridden(generation_config, changes: dict, vocab_size: int) -> GenerationDefaults:
