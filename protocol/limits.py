@@ -61,8 +61,8 @@ class Limits:
         bounds=(("generate", "num_beams"), ("generate", "num_samples")), measure="value")
     max_processors: int = _limit(64, "processors in one generate", bounds=(("generate", "processors"),), measure="items")
     max_processor_values: int = _limit(
-        65_536, "numbers and strings in the options of one generate's processors together, and in its "
-        "generation_config", bounds=(("generate", "processors"), ("generate", "generation_config")), measure="option_values")
+        65_536, "numbers and strings in the options of one generate's processors together; apart from them, "
+        "those in its generation_config", bounds=(("generate", "processors"), ("generate", "generation_config")), measure="option_values")
     max_name_bytes: int = _limit(4096, "UTF-8 bytes of a session, model, saved session or chat template name or a model path",
                                  bounds=NAMES, measure="bytes")
     max_sessions: int = _limit(1024, "open sessions over all models, with the names pending forks reserve")

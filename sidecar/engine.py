@@ -307,17 +307,18 @@ class Engine:
                                   f"{type(generation_config).__name__}", option="generation_config")
         if strategy == "beam" and generation_config.get("stop_strings"):
             raise InvalidArgument("generation_config.stop_strings do not go with strategy 'beam' (beams are scored to "
-                                  "their end), as stop does not", option="generation_config")
+                                  "their end), as stop does not", option="generation_config", field="stop_strings")
         if processors_given:
-            made = [field for field in generation_config if field in generation_defaults.PROCESSOR_FIELDS]
+            made = [field for field, value in generation_config.items()
+                    if generation_defaults.makes_processor(field, value)]
             if made:
                 raise InvalidArgument(f"generation_config.{made[0]} makes a processor, and processors is given: the "
                                       "processors given are the whole list, so give it there, or leave processors "
-                                      "out to change the model's one field", option="generation_config")
+                                      "out to change the model's one field", option="generation_config", field=made[0])
         try:
             defaults = generation_defaults.overridden(self.model.generation_config, generation_config, self.vocab_size)
         except generation_defaults.InvalidField as error:
-            raise InvalidArgument(str(error), option="generation_config") from None
+            raise InvalidArgument(str(error), option="generation_config", field=error.field) from None
         return self._sampling_checked(defaults, strategy, processors_given,
                                       "generation_config" if "temperature" in generation_config else "strategy")
 
@@ -328,7 +329,7 @@ class Engine:
         if strategy == "sample" and defaults.zero_temperature and not processors_given:
             raise InvalidArgument("the generation config's temperature is 0, which is greedy decoding, and strategy is "
                                   "'sample': give generation_config={'temperature': t} with t > 0, or leave strategy out",
-                                  option=option)
+                                  option=option, **({"field": "temperature"} if option == "generation_config" else {}))
         return defaults
 
     @functools.cached_property

@@ -79,7 +79,19 @@ INSTEAD = {"eos_token_id": "give the end tokens as eos_token_ids",
 
 
 class InvalidField(ValueError):
-    """A call's change of the generation config that the engine cannot apply: the message names the field."""
+    """A call's change of the generation config that the engine cannot apply: `field` names it."""
+
+    def __init__(self, message: str, field):
+        super().__init__(message)
+        self.field = str(field)[:64]
+
+
+def makes_processor(field: str, value) -> bool:
+    """Whether a call's `field` at `value` makes a processor (its neutral value, a penalty of 1, does not)."""
+    inert = next((row[3] for row in ANY_STRATEGY + SAMPLING if row[0] == field), None)
+    if field not in PROCESSOR_FIELDS or value is None or (isinstance(value, (list, tuple, dict)) and not value):
+        return False
+    return isinstance(value, bool) or value != inert
 
 
 @dataclass(frozen=True)
@@ -142,16 +154,16 @@ def overridden(generation_config, changes: dict, vocab_size: int) -> GenerationD
     value the engine would not apply (a `top_p` of 1.5, a token id past `vocab_size`)."""
     for field, value in changes.items():
         if field in INSTEAD:
-            raise InvalidField(f"generation_config.{field}: {INSTEAD[field]}")
+            raise InvalidField(f"generation_config.{field}: {INSTEAD[field]}", field)
         if field not in CALL_FIELDS:
             raise InvalidField(f"generation_config has no field {str(field)[:64]!r} the engine applies; valid: "
-                               f"{', '.join(CALL_FIELDS)} (beams: strategy and num_beams)")
+                               f"{', '.join(CALL_FIELDS)} (beams: strategy and num_beams)", field)
         if value is None:
             raise InvalidField(f"generation_config.{field} is nil: leave the field out to keep the model's, or give "
-                               "its neutral value to turn it off")
+                               "its neutral value to turn it off", field)
         if isinstance(value, bool) != (field == "do_sample"):  # true == 1.0: read as a neutral value, it was no error
             raise InvalidField(f"generation_config.{field} must be true or false, got {str(value)[:64]}" if field == "do_sample"
-                               else f"generation_config.{field} is {str(value).lower()}, which is no number or list")
+                               else f"generation_config.{field} is {str(value).lower()}, which is no number or list", field)
     merged = copy.deepcopy(generation_config)
     for field, value in changes.items():
         setattr(merged, field, value)
@@ -167,7 +179,7 @@ def of(generation_config, vocab_size: int, strict: frozenset = frozenset()) -> G
 
     def passed_over(field, message, *args):
         if field in strict:
-            raise InvalidField(f"generation_config.{field}: " + message % args)
+            raise InvalidField(f"generation_config.{field}: " + message % args, field)
         if not strict:
             log.warning(f"the model's generation config has {field} = %s, " + message + ": not applied",
                         str(getattr(generation_config, field))[:100], *args)

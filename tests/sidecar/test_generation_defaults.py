@@ -260,6 +260,9 @@ def test_a_change_the_engine_would_not_apply_is_refused_naming_the_field(configu
         with pytest.raises(errors.InvalidArgument, match=says) as refused:
             session.generate(token_ids=tokens(6, seed=103), generation_config=changes)
         assert refused.value.details["option"] == "generation_config" and session.history == history
+        named = refused.value.details.get("field")  # the field, where there is one to name (a map is none)
+        fields = changes if isinstance(changes, dict) else {"max_length": 30} if isinstance(changes, GenerationConfig) else {}
+        assert named == next((str(field) for field in fields), None), refused.value.details
 
 
 def test_a_calls_config_refused_with_the_strategy_it_gives_and_its_max_new_tokens_its_own(configured):
@@ -283,7 +286,8 @@ def test_a_field_that_makes_a_processor_is_refused_beside_processors_given(confi
         with pytest.raises(errors.InvalidArgument, match="generation_config.temperature makes a processor"):
             session.generate(prompt="x", processors=[], generation_config={"temperature": 0.5})
         strategy_only = session.generate(token_ids=tokens(6, seed=104), processors=[], eos_token_ids=[],
-                                         generation_config={"do_sample": False, "max_new_tokens": 3})
+                                         generation_config={"do_sample": False, "max_new_tokens": 3, "top_k": 0,
+                                                            "repetition_penalty": 1.0})  # (helper-81) neutral: none made
         assert len(strategy_only.token_ids) == 3
 
 

@@ -53,8 +53,8 @@ defmodule Sidecar.Generation do
       strategy: a key it leaves out is none, not the model's. The fields are transformers': the
       temperature applies when sampling, as transformers applies it (beams ignore it: give
       `Temperature` in `:processors` to scale their scores), and a value the sidecar refuses is
-      `reason: :invalid_argument` with `details["option"] == "generation_config"`, its message naming
-      the field (`generation_config.suppress_tokens` for `:suppressed_token_ids`). Beside
+      `reason: :invalid_argument` with `details["option"] == "generation_config"` and
+      `details["field"]` the field (`"suppress_tokens"` for `:suppressed_token_ids`). Beside
       `:processors` they make processors instead (below), left out at the values Bumblebee leaves
       them out at (`no_repeat_ngram_length: 0`, `:min_new_tokens` without an end token), and an error
       about one of them names the option: `details["option"]`, `"temperature"` say
