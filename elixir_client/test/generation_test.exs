@@ -397,5 +397,14 @@ defmodule Sidecar.GenerationTest do
 
     assert %{message: "grammar: too slow", details: %{"index" => 2}} =
              Generation.blame(%{over | details: %{"index" => 1}}, origins)
+
+    # (helper-82) an error about another parameter's element is that parameter's
+    eos = %Sidecar.Error{
+      reason: :invalid_params,
+      message: "eos",
+      details: %{"param" => "eos_token_ids", "index" => 0}
+    }
+
+    assert Generation.blame(eos, origins) == eos
   end
 end

@@ -57,15 +57,16 @@ defmodule Sidecar.Generation do
       `details["field"]` the field (`"suppress_tokens"` for `:suppressed_token_ids`). Beside
       `:processors` they make processors instead (below), left out at the values Bumblebee leaves
       them out at (`no_repeat_ngram_length: 0`, `:min_new_tokens` without an end token), and an error
-      about one of them names the option: `details["option"]`, `"temperature"` say
+      about one of those processors names its option in `details["option"]` (`"temperature"`, say)
     * `:generation_config` - a map of more fields of the model's generation config to change, as
       transformers names them (`%{repetition_penalty: 1.2, min_p: 0.05}`), atom or string keys:
       `sequence_bias`, `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`, `min_length`,
       `min_new_tokens`, `forced_bos_token_id`, `suppress_tokens`, `begin_suppress_tokens`,
       `temperature`, `top_k`, `top_p`, `min_p`, `typical_p`, `epsilon_cutoff`, `eta_cutoff`,
       `do_sample`, `max_new_tokens`, `stop_strings` (PROTOCOL.md, "Generation defaults"); the options
-      above win over it for their own fields. Beside `:processors`, only its fields that make no
-      processor (`do_sample`, `max_new_tokens`, `stop_strings`)
+      above win over it for their own fields. Beside `:processors` it is sent as given, and the
+      sidecar refuses its fields that make a processor: only `do_sample`, `max_new_tokens`,
+      `stop_strings` and neutral values go there
     * `:eos_token_id` - an id or a list of ids (default: the model's; `[]` never stops early)
     * `:seed` - makes sampling reproducible
     * `:stop` - stop strings, trimmed from the text (not in Bumblebee; default: the model's)
@@ -303,13 +304,15 @@ defmodule Sidecar.Generation do
   end
 
   @doc false
-  # The sidecar's error about the processor it sent at `details["index"]`, of a request whose processors
+  # The sidecar's error about the processor it sent at `details["index"]` (an error about another
+  # parameter, naming it in `details["param"]`, indexes that one's elements), of a request whose processors
   # came from `origins` (`params/3`'s :processor_origins): blamed on the option that made it, or given the
   # index the caller's own :processors list has it at. Its message is renamed where it begins with that
   # processor's name (`processors[i]`), and says the option's name otherwise.
   @spec blame(Sidecar.Error.t(), [{:option, atom()} | {:processors, non_neg_integer()}]) :: Sidecar.Error.t()
   def blame(%Sidecar.Error{details: %{"index" => i} = details} = error, [_ | _] = origins)
-      when is_integer(i) and i >= 0 and i < length(origins) do
+      when is_integer(i) and i >= 0 and i < length(origins) and
+             (not is_map_key(details, "param") or :erlang.map_get("param", details) == "processors") do
     {name, details} =
       case Enum.at(origins, i) do
         {:option, option} ->
