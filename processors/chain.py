@@ -29,13 +29,9 @@ def _check_arguments(function, index: int) -> None:
                             f"two arguments", index=index) from None
 
 
-def _is_transformers_processor(p, kind: bool = False) -> bool:
-    """Whether `p` is a transformers `LogitsProcessor`, or with `kind` such a class (found by name: this module
-    does not import transformers)."""
-    if kind != isinstance(p, type):
-        return False
-    return any(cls.__name__ == "LogitsProcessor" and cls.__module__.startswith("transformers.")
-               for cls in (p if kind else type(p)).__mro__)
+def _is_transformers_processor_class(cls: type) -> bool:
+    """Whether `cls` is a transformers `LogitsProcessor` (found by name: this module does not import transformers)."""
+    return any(c.__name__ == "LogitsProcessor" and c.__module__.startswith("transformers.") for c in cls.__mro__)
 
 
 def _is_transformers_list(p) -> bool:
@@ -56,11 +52,11 @@ class Chain:
             elif isinstance(p, type) and issubclass(p, LogitsProcessor):  # callable, but not f(logits, context)
                 raise InvalidOption(f"processors[{index}] is the class {p.__name__}, not a processor: configure it, "
                                     f"configure({p.__name__}, option=value, ...)", index=index)
-            elif _is_transformers_processor(p):  # called as p(input_ids, scores), the other way round
+            elif _is_transformers_processor_class(type(p)):  # called as p(input_ids, scores), the other way round
                 from .hf import from_hf_logits_processor
 
                 items.append(from_hf_logits_processor(p))
-            elif _is_transformers_processor(p, kind=True):
+            elif isinstance(p, type) and _is_transformers_processor_class(p):
                 raise InvalidOption(f"processors[{index}] is the class {p.__name__}, not a processor: make one, "
                                     f"{p.__name__}(...)", index=index)
             elif _is_transformers_list(p):

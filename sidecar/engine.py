@@ -282,17 +282,6 @@ class Engine:
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows,
                        shift_keep=shift_keep)
 
-    def default_processors(self, strategy: str | None, eos_token_ids=None, generation_config=None) -> list:
-        """The processors of a call that names none: the model's generation config's, with the fields
-        `generation_config` changes, for `strategy` (None: the config's) ending on `eos_token_ids` (None: the
-        model's)."""
-        defaults = self.defaults_for(generation_config)
-        strategy = defaults.strategy if strategy is None else strategy
-        eos = self.default_eos_token_ids if eos_token_ids is None else eos_token_ids
-        if eos_token_ids is not None:  # the server asks before validate: its end tokens are named as validate names them
-            self.check_token_ids(eos_token_ids, "eos_token_ids")
-        return defaults.processors_for(strategy, eos)
-
     def defaults_for(self, generation_config=None, processors_given=False, strategy=None) -> generation_defaults.GenerationDefaults:
         """What a call leaving out strategy, max_new_tokens, processors or stop takes: the model's
         `generation_defaults`, with the fields the call's `generation_config` (a dict) changes, as

@@ -66,8 +66,8 @@ NO_EFFECT = {"num_beams": 1, "remove_invalid_values": False,
              "diversity_penalty": 0.0, "num_beam_groups": 1, "renormalize_logits": False, "low_memory": False,
              "num_return_sequences": 1, "length_penalty": 1.0, "early_stopping": False}
 DEFAULT_MAX_NEW_TOKENS = 16  # where the config does not say (transformers' max_length of 20 counts the prompt)
-PROCESSOR_FIELDS = tuple(field for field, *_ in ANY_STRATEGY + SAMPLING)
-CALL_FIELDS = PROCESSOR_FIELDS + ("do_sample", "max_new_tokens", "stop_strings")  # what a call may change
+INERT = {field: inert for field, _, _, inert in ANY_STRATEGY + SAMPLING}  # each processor field's neutral value
+CALL_FIELDS = tuple(INERT) + ("do_sample", "max_new_tokens", "stop_strings")  # what a call may change
 
 
 # What a call changing these fields of its config means here instead
@@ -87,11 +87,14 @@ class InvalidField(ValueError):
 
 
 def makes_processor(field: str, value) -> bool:
-    """Whether a call's `field` at `value` makes a processor (its neutral value, a penalty of 1, does not)."""
-    inert = next((row[3] for row in ANY_STRATEGY + SAMPLING if row[0] == field), None)
-    if field not in PROCESSOR_FIELDS or value is None or (isinstance(value, (list, tuple, dict)) and not value):
-        return False
-    return isinstance(value, bool) or value != inert
+    """Whether a call's `field` at `value` makes a processor (its neutral value, a penalty of 1, does not; true
+    for a number is no neutral value, and is refused)."""
+    return field in INERT and (isinstance(value, bool) or not _neutral(value, INERT[field]))
+
+
+def _neutral(value, inert) -> bool:
+    """What transformers applies to no effect: nothing, a penalty of 1, no suppressed tokens."""
+    return value is None or value == inert or (isinstance(value, (list, tuple, dict)) and not value)
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,9 @@ class GenerationDefaults:
                 "sampling_processors": wire(self.sampling), "stop": list(self.stop), "not_applied": list(self.not_applied)}
 
 
+_UNSET = object()
+
+
 def changes_of(config: GenerationConfig, model_config: GenerationConfig) -> dict:
     """The fields a transformers `GenerationConfig` object sets, as a call's changes: `generate` fills the
     fields it leaves unset from the model's config, as `model.generate(generation_config=config)` does in
@@ -138,8 +144,6 @@ def changes_of(config: GenerationConfig, model_config: GenerationConfig) -> dict
     return {field: value for field, value in config.to_diff_dict().items()
             if field not in SILENT and not unchanged(field, value)}
 
-
-_UNSET = object()
 
 
 def end_tokens(eos) -> list:
@@ -189,8 +193,8 @@ def of(generation_config, vocab_size: int, strict: frozenset = frozenset()) -> G
         made = []
         for field, name, option, inert in table:
             value = getattr(generation_config, field, None)
-            if value is None or value == inert or (isinstance(value, (list, tuple, dict)) and not value):
-                continue  # what transformers applies to no effect: no suppressed tokens, a penalty of 1
+            if _neutral(value, inert):
+                continue
             value = _wire(value)
             if field not in strict:  # a call's own are refused (below) rather than cut
                 value = _within(field, value, vocab_size, quiet=bool(strict))

@@ -102,13 +102,16 @@ class Scheduler:
 
     def _finish_cancelled(self) -> None:
         """Ends the running generations marked cancelled, and forgets them: a run ended part-way through its
-        prefill still has tokens to feed, which a plan would feed."""
+        prefill still has tokens to feed, which a plan would feed. Most steps end none: the lists stay as they are."""
+        ended = False
         for run in self.running:
             if run.cancelled and not run.done:
                 self.current = run
                 run.finish("cancelled")
                 self.current = None
-        self._forget_done()
+                ended = True
+        if ended:
+            self._forget_done()
 
     def _interrupted(self, stopping: BaseException) -> None:
         """Makes whole a step that an exception stopped part-way: the decode group is let go (its members'

@@ -46,7 +46,6 @@ from protocol.limits import check_params
 from protocol.schema import request_id_of
 
 from . import __version__, inputs
-from .generation_defaults import PROCESSOR_FIELDS
 from .engine import DEFAULT_PREFILL_CHUNK, Engine
 from .errors import InvalidArgument, InvalidProcessor, InvalidSessionFile, ReplyTooLarge, SessionClosed, SidecarError
 from .generation import Generation
@@ -445,9 +444,10 @@ class Server:
                                           defaults["processors"] + defaults["sampling_processors"],
                                           "stop": defaults["stop"] if params["stop"] is None else None},
                              self.limits, job.request.id)
-            if specs is None:  # the model's own, which compile nothing
-                job.processors = session.engine.default_processors(params["strategy"], params["eos_token_ids"],
-                                                                   params["generation_config"])
+            if specs is None:  # the model's own, which compile nothing: the engine makes them from its config
+                if params["eos_token_ids"] is not None:  # which they take: named as validate names them
+                    session.engine.check_token_ids(params["eos_token_ids"], "eos_token_ids")
+                job.processors = []
             elif specs and len(pack(specs)) > CONFIGURE_INLINE_BYTES:
                 job.configuring = True
                 self.configures.put((self._configure, job))
@@ -602,18 +602,17 @@ class Server:
             raise job.input_failure
         input_ids = _input_ids(*_input_source(session), p) if job.input_ids is None else job.input_ids
         job.input_ids = None  # the generation holds them now
-        defaults = session.engine.defaults_for(p["generation_config"])
-        if p["max_new_tokens"] is None and defaults.max_new_tokens > self.limits.max_new_tokens:
+        if p["max_new_tokens"] is None:
             # the model's, or the call's generation_config's, unmeasured by the parse (the engine fits the model's
             # to the context)
-            param = "generation_config" if "max_new_tokens" in (p["generation_config"] or {}) else "max_new_tokens"
-            raise self.limits.exceeded("max_new_tokens", defaults.max_new_tokens, job.request.id, param=param)
+            max_new_tokens = session.engine.defaults_for(p["generation_config"]).max_new_tokens
+            if max_new_tokens > self.limits.max_new_tokens:
+                param = "generation_config" if "max_new_tokens" in (p["generation_config"] or {}) else "max_new_tokens"
+                raise self.limits.exceeded("max_new_tokens", max_new_tokens, job.request.id, param=param)
         job.generation = session.stream(
-            # the strategy of the whole config: greedy where the call's temperature is 0, which the config left to
-            # the engine (less the fields whose processors are made) would not say
-            token_ids=input_ids, max_new_tokens=p["max_new_tokens"], strategy=p["strategy"] or defaults.strategy,
-            seed=p["seed"], processors=job.processors, stop=p["stop"],
-            eos_token_ids=p["eos_token_ids"], generation_config=_config_less_processors(p["generation_config"]),
+            token_ids=input_ids, max_new_tokens=p["max_new_tokens"], strategy=p["strategy"], seed=p["seed"],
+            processors=None if p["processors"] is None else job.processors,  # None: the model's, made by the engine
+            stop=p["stop"], eos_token_ids=p["eos_token_ids"], generation_config=p["generation_config"],
             num_samples=p["num_samples"], num_beams=p["num_beams"],
             num_return_sequences=p["num_return_sequences"], length_penalty=p["length_penalty"],
             early_stopping=p["early_stopping"], reuse=p["reuse"], keep=p["keep"],
@@ -1030,14 +1029,6 @@ def _input_ids(last, tokenizer, vocab_size: int, p: dict) -> InputIds:
         chat_template=p["chat_template"], add_generation_prompt=p["add_generation_prompt"],
         continue_final_message=p["continue_final_message"], tools=p["tools"], documents=p["documents"],
         chat_template_kwargs=p["chat_template_kwargs"]))
-
-
-def _config_less_processors(generation_config: dict | None) -> dict | None:
-    """A call's generation_config once its processors are made (`_compile_first`, from the fields that make
-    them): its other fields, the strategy, max_new_tokens and stop strings it changes, are for the engine."""
-    if generation_config is None:
-        return None
-    return {field: value for field, value in generation_config.items() if field not in PROCESSOR_FIELDS}
 
 
 def _large_input(request: Request) -> bool:

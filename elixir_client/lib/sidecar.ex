@@ -670,7 +670,7 @@ defmodule Sidecar do
   defp start_request(conn, session, input, opts, stream?) do
     {name, eos_token_ids, incarnation} = identify(session)
 
-    {made, params} =
+    {origins, params} =
       input
       |> Generation.params(opts, eos_token_ids)
       |> Map.merge(%{"session" => name, "stream" => stream?})
@@ -678,7 +678,7 @@ defmodule Sidecar do
 
     # the processors the options made come first: the sidecar's errors about them are the options'
     with {:ok, request} <- request(conn, "generate", params, incarnation, opts[:timeout]),
-         do: {:ok, %{request | processor_origins: made}}
+         do: {:ok, %{request | processor_origins: origins}}
   end
 
   defp new_session(name, model, incarnation),

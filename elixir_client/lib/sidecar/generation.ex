@@ -313,8 +313,10 @@ defmodule Sidecar.Generation do
   def blame(%Sidecar.Error{details: %{"index" => i} = details} = error, [_ | _] = origins)
       when is_integer(i) and i >= 0 and i < length(origins) and
              (not is_map_key(details, "param") or :erlang.map_get("param", details) == "processors") do
+    origin = Enum.at(origins, i)
+
     {name, details} =
-      case Enum.at(origins, i) do
+      case origin do
         {:option, option} ->
           {"option #{inspect(option)}",
            details |> Map.delete("index") |> Map.put("option", Atom.to_string(option))}
@@ -328,7 +330,7 @@ defmodule Sidecar.Generation do
     message =
       cond do
         String.starts_with?(error.message, prefix) -> name <> String.replace_prefix(error.message, prefix, "")
-        match?({:option, _}, Enum.at(origins, i)) -> name <> ": " <> error.message
+        match?({:option, _}, origin) -> name <> ": " <> error.message
         true -> error.message
       end
 
