@@ -105,8 +105,9 @@ def parse_args(argv=None):
     parser.add_argument("--stderr", help="send this process's stderr (logs, stray writes) to PATH, e.g. a FIFO the client reads")
     limits = parser.add_argument_group("limits (each reported in hello's limits, and named in the error it causes)")
     for name, doc in Limits.docs().items():
+        least = "; at least 65536, for hello's reply, errors and token events" if name == "max_frame_bytes" else ""
         limits.add_argument(f"--{name.replace('_', '-')}", type=_whole(0), default=getattr(Limits(), name), metavar="N",
-                            help=f"{doc} (default %(default)s)")
+                            help=f"{doc} (default %(default)s{least})")
     args = parser.parse_args(argv)
     for flag in ("model", "dtype", "chat_template", "session_dir", "stderr", "fds"):  # "" is not "not given"
         if getattr(args, flag) == "":

@@ -127,7 +127,9 @@ def render(tokenizer, messages, *, chat_template=None, add_generation_prompt=Non
             messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tokenize=True, return_dict=False, **extra)
     except TemplateSyntaxError as error:  # the template itself, whatever the messages
-        raise InvalidArgument(f"chat_template is not a valid template: {str(error)[:300]}", option="chat_template") from error
+        whose = (f"the model's chat template {chat_template or (names[0] if len(names) == 1 else DEFAULT)!r} (from its "
+                 "directory)" if chat_template is None or chat_template in names else "the chat_template given")
+        raise InvalidArgument(f"{whose} is not a valid template: {str(error)[:300]}", option="chat_template") from error
     except Exception as error:  # jinja2's TemplateError (raise_exception in a template), ValueError, ...
         raise InvalidArgument(f"the chat template refused the messages: {type(error).__name__}: {str(error)[:300]}",
                               option="messages") from error

@@ -41,6 +41,7 @@ log = logging.getLogger("sidecar")
 DEFAULT_CACHE_BUDGET = 2 * 1024**3
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_MAX_ROWS = 64
+MAX_LOGPROBS = 20  # the most likely tokens a step reports besides its own (OpenAI's top_logprobs, vLLM's default)
 
 
 class Engine:
@@ -192,7 +193,7 @@ class Engine:
     def validate(self, prompt=None, *, token_ids=None, messages=None, chat_template=None, add_generation_prompt=None,
                  continue_final_message=False, tools=None, documents=None, chat_template_kwargs=None, max_new_tokens=None, strategy=None, seed=None,
                  processors=None, stop=None, eos_token_ids=None, generation_config=None, num_samples=1, num_beams=None,
-                 num_return_sequences=None, length_penalty=None, early_stopping=None, reuse="prefix",
+                 num_return_sequences=None, length_penalty=None, early_stopping=None, logprobs=None, reuse="prefix",
                  keep=None, **unknown) -> Request:
         """Checks a generate call completely, before anything changes; returns it in normal form. `strategy`,
         `max_new_tokens`, `processors` and `stop` left out (None) are the model's (`generation_defaults`), with
@@ -203,6 +204,9 @@ class Engine:
             raise InvalidArgument(f"generate has no option {name!r}" + (
                 f": a field of the model's generation config is changed by generation_config={{{name!r}: ...}}" if field
                 else f"; valid: {', '.join(generate_options())}"), option=name)
+        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise InvalidArgument(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the most likely tokens reported "
+                                  f"beside each generated one), got {logprobs!r}", option="logprobs")
         if isinstance(generation_config, GenerationConfig):  # the fields it sets, as transformers' generate reads it
             generation_config = generation_defaults.changes_of(generation_config, self.model.generation_config)
         defaults = self.defaults_for(generation_config, processors_given=processors is not None, strategy=strategy)
@@ -277,10 +281,13 @@ class Engine:
         rows = self._check_rows(strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty, early_stopping)
         if rows.get("num_beams") == 1:  # one beam is greedy search, as in transformers
             strategy, rows = "greedy", {}
+        if strategy == "beam" and logprobs is not None:
+            raise InvalidArgument("logprobs does not go with strategy 'beam': a beam's tokens are chosen by its score, "
+                                  "which each sequence carries", option="logprobs")
         shift_keep = self._check_reuse(reuse, keep)
         seed = None if seed is None else int(seed)  # numpy's integers too: torch's generator takes only int
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows,
-                       shift_keep=shift_keep)
+                       logprobs=None if logprobs is None else int(logprobs), shift_keep=shift_keep)
 
     def defaults_for(self, generation_config=None, processors_given=False, strategy=None) -> generation_defaults.GenerationDefaults:
         """What a call leaving out strategy, max_new_tokens, processors or stop takes: the model's

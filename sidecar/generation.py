@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from array import array
 from collections import deque
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ import torch
 
 import processors as proc
 
-from . import sharing
+from . import logprobs, sharing
 from .attention import Segment
 from .beams import BeamSearch
 from .decode import check_logits, pick
@@ -68,16 +69,20 @@ class Feed:
 class _Row:
     """One sequence being sampled: its tokens, its text so far, and its stop matcher."""
 
-    def __init__(self, index: int, tokenizer, vocabulary, stop, context):
+    def __init__(self, index: int, tokenizer, vocabulary, stop, context, with_logprobs: bool):
         self.index = index
         self.token_ids: list[int] = []
+        self.records = array("d") if with_logprobs else None  # `logprobs.records`, one after another
         self.pieces: list[str] = []
         self.detokenizer = detokenizer(tokenizer, vocabulary, context)
         self.stops = StopMatcher(stop)
         self.finish: str | None = None
 
     def sequence(self) -> Sequence:
-        return Sequence("".join(self.pieces), self.token_ids, self.finish or "cancelled")
+        sequence = Sequence("".join(self.pieces), self.token_ids, self.finish or "cancelled")
+        if self.records is not None:
+            sequence.logprobs, sequence.top_logprobs = logprobs.unpacked(self.records, len(self.token_ids))
+        return sequence
 
 
 class Run:
@@ -243,8 +248,8 @@ class Run:
         if request.strategy == "beam":
             self.beams = BeamSearch(width, request.max_new_tokens, request.eos_token_ids, request.length_penalty,
                                     request.early_stopping, logits.shape[-1], logits.device)
-        self.rows = self.all_rows = [_Row(i, engine.tokenizer, engine.vocabulary, request.stop, request.input_ids)
-                                     for i in range(width)]
+        self.rows = self.all_rows = [_Row(i, engine.tokenizer, engine.vocabulary, request.stop, request.input_ids,
+                                          request.logprobs is not None) for i in range(width)]
 
     def _choose(self, logits: torch.Tensor) -> None:
         """Processes the logits of the decoding rows and appends one token to each."""
@@ -253,6 +258,8 @@ class Run:
         if self.beams is not None:
             logits = logits.log_softmax(dim=-1)  # beam search scores log-probabilities, as transformers does
         chain = self.request.chain
+        # the model's own, for logprobs (beams have none), before processors edit `logits`, in place or not
+        model_log_probs = logits.log_softmax(dim=-1) if self.request.logprobs is not None else None
         processed = logits
         if chain.processors:
             self.states, processed = chain.process(self.states, logits, self.context)
@@ -262,23 +269,27 @@ class Run:
         if self.beams is not None:
             self._beam_step(processed)
         else:
-            self._sample_step(processed)
+            self._sample_step(processed, model_log_probs)
 
     def _advance_context(self, tokens: torch.Tensor) -> None:
         length = self.context.length
         self.sequence[:, length] = tokens
         self.context = proc.Context(self.sequence, length + 1, self.context.input_length, self.context.vocab_size)
 
-    def _sample_step(self, processed: torch.Tensor) -> None:
+    def _sample_step(self, processed: torch.Tensor, model_log_probs: torch.Tensor | None) -> None:
         request = self.request
         ended = len(self.rows) < self.width  # samples that ended still draw (`pick`)
         tokens = pick(processed, request.strategy == "greedy", self.generator,
                       [row.index for row in self.rows] if ended else None, self.width)
         self._advance_context(tokens)
         token_list = tokens.tolist()
+        found = (logprobs.records(model_log_probs, tokens, request.logprobs).tolist()
+                 if model_log_probs is not None else None)
         keep = []
         for position, (row, token) in enumerate(zip(self.rows, token_list)):
             row.token_ids.append(token)
+            if found is not None:
+                row.records.extend(found[position])
             if self.width == 1:
                 self.session.history.append(token)
             is_eos = token in request.eos_token_ids
@@ -289,7 +300,11 @@ class Run:
                 text += row.stops.feed_last(row.detokenizer.flush(), row.detokenizer.cut())
                 row.finish = "stop" if row.stops.stopped else ("eos" if is_eos else "length")
             row.pieces.append(text)
-            self.events.append(TokenEvent(token, text, row.index))
+            if found is None:
+                self.events.append(TokenEvent(token, text, row.index))
+            else:
+                (logprob,), (top,) = logprobs.unpacked(found[position], 1)
+                self.events.append(TokenEvent(token, text, row.index, logprob, tuple(top)))
             if row.finish is None:
                 keep.append(position)
         if not keep:
@@ -350,7 +365,8 @@ class Run:
         max_new_tokens 0, so there is no score of its own to follow)."""
         if self.request.strategy == "beam":
             return [Sequence("", [], reason, 0.0) for _ in range(self.request.num_return_sequences)]
-        return [Sequence("", [], reason) for _ in range(self.width)]
+        empty = ([], []) if self.request.logprobs is not None else (None, None)
+        return [Sequence("", [], reason, None, *empty) for _ in range(self.width)]
 
     def _settle(self, sequences: list[Sequence], reason: str) -> None:
         session = self.session
@@ -367,7 +383,7 @@ class Run:
             sequence.prompt_ids, sequence.tokenizer = self.request.input_ids, session.engine.tokenizer
         self.stats.generated_tokens = sum(len(s.token_ids) for s in sequences)
         self.stats.total_s = time.perf_counter() - self.started
-        result = Result(best.text, best.token_ids, reason, self.stats, sequences)
+        result = Result(best.text, best.token_ids, reason, self.stats, sequences, best.logprobs, best.top_logprobs)
         if self.admitted and self.accept_result is not None:
             try:
                 self.accept_result(result)

@@ -75,7 +75,9 @@ INSTEAD = {"eos_token_id": "give the end tokens as eos_token_ids",
            "num_beams": "beam search is strategy='beam' with num_beams",
            "num_return_sequences": "give num_samples (sampling) or num_return_sequences (beam search)",
            "max_length": "give max_new_tokens (max_length counts the prompt)",
-           **{field: "it says nothing about the tokens generated here: leave it out" for field in SILENT}}
+           **{field: "it says nothing about the tokens generated here: leave it out" for field in SILENT},
+           **{field: "give logprobs=k for each token's log-probability under the model and the k most likely"
+              for field in ("output_logits", "output_scores")}}
 
 
 class InvalidField(ValueError):

@@ -151,12 +151,14 @@ def _brief(error: BaseException) -> str:
 
 def _check_generation_config(path: Path) -> None:
     """A generation_config.json that is JSON but no object failed inside transformers' loading, blamed on the
-    weights. One that is not JSON at all transformers passes over (the config's defaults serve), as we do."""
+    weights. One that is not JSON at all (truncated) transformers passes over, logging at INFO, and the model
+    ran with its config's defaults instead of the file's: greedy where the file samples (helper-86). Both are
+    refused, as a malformed config.json is."""
     file = path / "generation_config.json"
     try:
         parsed = json.loads(file.read_text()) if file.is_file() else {}
-    except (OSError, UnicodeDecodeError, ValueError):
-        return
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise InvalidModel(f"{str(file)!r} cannot be read as JSON: {_brief(error)}", path=str(path)) from error
     if not isinstance(parsed, dict):
         raise InvalidModel(f"{str(file)!r} is not a JSON object", path=str(path))
     try:  # what transformers' loading refuses in it (a max_new_tokens of 0), named as its own

@@ -602,24 +602,39 @@ class Server:
             raise job.input_failure
         input_ids = _input_ids(*_input_source(session), p) if job.input_ids is None else job.input_ids
         job.input_ids = None  # the generation holds them now
-        if p["max_new_tokens"] is None:
+        max_new_tokens = p["max_new_tokens"]
+        if max_new_tokens is None:
             # the model's, or the call's generation_config's, unmeasured by the parse (the engine fits the model's
             # to the context)
             max_new_tokens = session.engine.defaults_for(p["generation_config"]).max_new_tokens
             if max_new_tokens > self.limits.max_new_tokens:
                 param = "generation_config" if "max_new_tokens" in (p["generation_config"] or {}) else "max_new_tokens"
                 raise self.limits.exceeded("max_new_tokens", max_new_tokens, job.request.id, param=param)
+        if p["logprobs"] is not None:
+            self._check_logprobs_fit(job.request.id, p["logprobs"], p["num_samples"] or 1, max_new_tokens)
         job.generation = session.stream(
             token_ids=input_ids, max_new_tokens=p["max_new_tokens"], strategy=p["strategy"], seed=p["seed"],
             processors=None if p["processors"] is None else job.processors,  # None: the model's, made by the engine
             stop=p["stop"], eos_token_ids=p["eos_token_ids"], generation_config=p["generation_config"],
             num_samples=p["num_samples"], num_beams=p["num_beams"],
             num_return_sequences=p["num_return_sequences"], length_penalty=p["length_penalty"],
-            early_stopping=p["early_stopping"], reuse=p["reuse"], keep=p["keep"],
+            early_stopping=p["early_stopping"], logprobs=p["logprobs"], reuse=p["reuse"], keep=p["keep"],
         )
         rid = job.request.id  # not the job: its generation would hold it in a cycle
         job.generation.accept_result = lambda result: self._check_reply_fits(rid, result)
         self.active.append(job)
+
+    def _check_logprobs_fit(self, rid: int, k: int, sequences: int, max_new_tokens: int) -> None:
+        """Refuses, before any work, logprobs whose reply could not fit in a frame were every sequence to run
+        to max_new_tokens: at least 9 bytes a log-probability (a float64) and one an id, for each sequence and
+        again for the first at the top of the reply. What the rows hold meanwhile is bounded with it."""
+        least = (sequences + 1) * max_new_tokens * (9 + 10 * k)
+        if least > self.limits.max_frame_bytes:
+            raise ProtocolError(codes.LIMIT_EXCEEDED, f"logprobs {k} over {sequences} sequence(s) of max_new_tokens "
+                                f"{max_new_tokens} would make a reply of at least {least} bytes, over the limit "
+                                f"max_frame_bytes = {self.limits.max_frame_bytes}: ask for fewer tokens, samples or "
+                                "logprobs", rid, limit="max_frame_bytes", max=self.limits.max_frame_bytes, value=least,
+                                param="logprobs")
 
     def _check_reply_fits(self, rid: int, result) -> None:
         """Refuses a result whose reply would not fit in a frame, before the session keeps it: the reply is
@@ -642,6 +657,8 @@ class Server:
                     first = not job.streamed
                     job.streamed = True
                     fields = {"sequence": token.sequence} if tagged else {}
+                    if token.logprob is not None:
+                        fields["logprob"], fields["top_logprobs"] = token.logprob, token.top_logprobs
                     # the first token goes out at once (time to first token); later ones may be coalesced
                     self.writer.send(event(job.request.id, "token", token_ids=[token.token_id], text=token.text, **fields),
                                      urgent=first)
@@ -1109,6 +1126,8 @@ def generation_reply(job: Job) -> dict:
 def result_reply(rid: int, result) -> dict:
     body = {"text": result.text, "token_ids": result.token_ids, "finish_reason": result.finish_reason,
             "stats": asdict(result.stats), "sequences": [sequence_map(s) for s in result.sequences]}
+    if result.logprobs is not None:
+        body["logprobs"], body["top_logprobs"] = result.logprobs, result.top_logprobs
     if result.finish_reason == "cancelled":
         return error(rid, codes.CANCELLED, "the generation was cancelled", **body)
     return ok(rid, body)
@@ -1118,6 +1137,8 @@ def sequence_map(sequence) -> dict:
     body = {"text": sequence.text, "token_ids": sequence.token_ids, "finish_reason": sequence.finish_reason}
     if sequence.score is not None:
         body["score"] = sequence.score
+    if sequence.logprobs is not None:
+        body["logprobs"], body["top_logprobs"] = sequence.logprobs, sequence.top_logprobs
     return body
 
 

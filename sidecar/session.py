@@ -52,6 +52,8 @@ class Sequence(Continuable):
     token_ids: list[int]
     finish_reason: str  # "length" | "eos" | "stop" | "cancelled"
     score: float | None = None  # beam search: sum of log-probs / generated length ** length_penalty
+    logprobs: list[float] | None = None  # with logprobs=k: each token's log-probability under the model
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # and each step's k most likely (id, logprob)
     prompt_ids: list[int] = field(default_factory=list, repr=False)  # the call's input ids
     tokenizer: object = field(default=None, repr=False, compare=False)
 
@@ -76,6 +78,8 @@ class Result(Continuable):
     finish_reason: str  # "length" | "eos" | "stop" | "cancelled"
     stats: Stats
     sequences: list[Sequence] = field(default_factory=list)
+    logprobs: list[float] | None = None  # the best sequence's, with logprobs=k
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def tokens(self) -> Tokens:
@@ -90,6 +94,8 @@ class TokenEvent:
     token_id: int
     text: str  # the text this token completes; '' while held back (partial character, possible stop)
     sequence: int = 0  # which of the `num_samples` sequences it extends
+    logprob: float | None = None  # with logprobs=k: the token's log-probability under the model
+    top_logprobs: tuple[tuple[int, float], ...] | None = None  # and the step's k most likely (id, logprob)
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,7 @@ class Request:
     num_return_sequences: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
+    logprobs: int | None = None  # report each token's log-probability and this many of the most likely
     shift_keep: int | None = None  # reuse="shift": the leading tokens a shift keeps; None: prefix reuse only
 
 

@@ -88,15 +88,22 @@ defmodule Sidecar do
           token_ids: [non_neg_integer()],
           finish_reason: String.t(),
           sequences: [sequence()],
-          stats: map()
+          stats: map(),
+          logprobs: [float()] | nil,
+          top_logprobs: [[{non_neg_integer(), float()}]] | nil
         }
 
-  @typedoc "One generated sequence; `score` is the beam's score with beam search, `nil` otherwise."
+  @typedoc """
+  One generated sequence; `score` is the beam's score with beam search, `nil` otherwise; `logprobs` and
+  `top_logprobs` are its tokens' with the `:logprobs` option (`Sidecar.Generation`), `nil` otherwise.
+  """
   @type sequence :: %{
           text: String.t(),
           token_ids: [non_neg_integer()],
           finish_reason: String.t(),
-          score: float() | nil
+          score: float() | nil,
+          logprobs: [float()] | nil,
+          top_logprobs: [[{non_neg_integer(), float()}]] | nil
         }
 
   @typedoc """
@@ -107,7 +114,9 @@ defmodule Sidecar do
   @type chunk :: %{
           required(:text) => String.t(),
           required(:token_ids) => [non_neg_integer()],
-          optional(:sequence) => non_neg_integer()
+          optional(:sequence) => non_neg_integer(),
+          optional(:logprob) => float(),
+          optional(:top_logprobs) => [{non_neg_integer(), float()}]
         }
 
   defmodule Session do
@@ -502,7 +511,8 @@ defmodule Sidecar do
 
           receive do
             {Sidecar, ^ref, {:event, %{"event" => "token", "token_ids" => ids, "text" => text} = event}} ->
-              {[put_sequence(%{text: text, token_ids: ids}, event["sequence"])], {request, false}}
+              chunk = put_sequence(%{text: text, token_ids: ids}, event["sequence"])
+              {[put_logprobs(chunk, event)], {request, false}}
 
             # an event of a kind this client does not know (a later protocol version's): nothing to yield
             {Sidecar, ^ref, {:event, _}} ->
@@ -547,7 +557,9 @@ defmodule Sidecar do
   Loads a model into the sidecar and returns its model info (string keys, as the protocol gives it:
   `"name"`, `"path"`, `"architecture"`, `"vocab_size"`, `"max_context"`, `"eos_token_ids"`,
   `"chat_templates"`, `"device"` such as `"cpu"` or `"cuda:0"`, `"dtype"` in torch's spelling such
-  as `"float32"` or `"bfloat16"`, `"prefill_chunk"`). Open sessions on it with `open_session(conn, model: name)`.
+  as `"float32"` or `"bfloat16"`, `"prefill_chunk"`, `"generation_defaults"`: what a generate that leaves
+  out its strategy, `:max_new_tokens`, processors or stop strings takes from the model's generation
+  config). Open sessions on it with `open_session(conn, model: name)`.
   Options:
 
     * `:name` - the name to refer to it by (default `"default"`, which the sidecar started with
@@ -921,12 +933,14 @@ defmodule Sidecar do
                 text: s["text"],
                 token_ids: s["token_ids"],
                 finish_reason: s["finish_reason"],
-                score: s["score"]
+                score: s["score"],
+                logprobs: s["logprobs"],
+                top_logprobs: pairs(s["top_logprobs"])
               }
 
         # a sidecar older than result.sequences
         _ ->
-          [%{text: text, token_ids: ids, finish_reason: finish, score: nil}]
+          [%{text: text, token_ids: ids, finish_reason: finish, score: nil, logprobs: nil, top_logprobs: nil}]
       end
 
     {:ok,
@@ -935,7 +949,9 @@ defmodule Sidecar do
        token_ids: ids,
        finish_reason: finish,
        sequences: sequences,
-       stats: Map.new(stats, fn {k, v} -> {Map.get(@stats_keys, k, k), v} end)
+       stats: Map.new(stats, fn {k, v} -> {Map.get(@stats_keys, k, k), v} end),
+       logprobs: result["logprobs"],
+       top_logprobs: pairs(result["top_logprobs"])
      }}
   end
 
@@ -943,6 +959,15 @@ defmodule Sidecar do
 
   defp put_sequence(chunk, nil), do: chunk
   defp put_sequence(chunk, index), do: Map.put(chunk, :sequence, index)
+
+  defp put_logprobs(chunk, %{"logprob" => logprob, "top_logprobs" => top}),
+    do: Map.merge(chunk, %{logprob: logprob, top_logprobs: Enum.map(top, &List.to_tuple/1)})
+
+  defp put_logprobs(chunk, _event), do: chunk
+
+  # [[id, logprob], ...] for each token, as {id, logprob} tuples
+  defp pairs(nil), do: nil
+  defp pairs(steps), do: for(step <- steps, do: Enum.map(step, &List.to_tuple/1))
 
   # Removes the request's messages from the mailbox; returns its reply if one was among them, else `found`.
   defp flush(ref, found) do

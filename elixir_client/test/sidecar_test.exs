@@ -828,6 +828,51 @@ defmodule SidecarTest do
       :ok = Sidecar.close_session(conn, session)
     end
 
+    test "logprobs: each token's log-probability under the model, in the result, its sequences and chunks",
+         %{conn: conn} do
+      opts = [max_new_tokens: 5, eos_token_id: [], logprobs: 3]
+      {:ok, greedy} = fresh_generate(conn, [9, 10, 11], opts)
+      [sequence] = greedy.sequences
+      assert {sequence.logprobs, sequence.top_logprobs} == {greedy.logprobs, greedy.top_logprobs}
+
+      for {token, logprob, top} <- Enum.zip([greedy.token_ids, greedy.logprobs, greedy.top_logprobs]) do
+        # greedy with no processor: the token is the model's most likely, reported as such
+        assert [{^token, ^logprob}, {_, second}, {_, third}] = top
+        assert logprob < 0 and logprob >= second and second >= third
+      end
+
+      # the model's distribution, before the temperature: the first step's is the same hot or cold
+      sample = fn t -> [strategy: %{type: :multinomial_sampling}, temperature: t, seed: 1] ++ opts end
+      {:ok, hot} = fresh_generate(conn, [9, 10, 11], sample.(3.0))
+      {:ok, cold} = fresh_generate(conn, [9, 10, 11], sample.(0.3))
+
+      for {id, logprob} <- hd(greedy.top_logprobs),
+          other <- [hd(hot.top_logprobs), hd(cold.top_logprobs)] do
+        assert {^id, near} = List.keyfind(other, id, 0)
+        assert abs(near - logprob) < 1.0e-4
+      end
+
+      {:ok, session} = Sidecar.open_session(conn)
+      chunks = conn |> Sidecar.stream(session, [9, 10, 11], opts) |> Enum.to_list()
+      assert Enum.flat_map(chunks, & &1.token_ids) == greedy.token_ids
+
+      for {chunk, logprob, top} <- Enum.zip([chunks, greedy.logprobs, greedy.top_logprobs]) do
+        assert abs(chunk.logprob - logprob) < 1.0e-4 and
+                 Enum.map(chunk.top_logprobs, &elem(&1, 0)) == Enum.map(top, &elem(&1, 0))
+      end
+
+      {:ok, plain} = Sidecar.generate(conn, session, [9, 10, 11], max_new_tokens: 2)
+      assert plain.logprobs == nil and hd(plain.sequences).top_logprobs == nil
+
+      assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "logprobs"}}} =
+               Sidecar.generate(conn, session, [9, 10], strategy: %{type: :beam_search}, logprobs: 1)
+
+      assert {:error, %Error{reason: :invalid_params, details: %{"param" => "logprobs"}}} =
+               Sidecar.generate(conn, session, [9, 10], logprobs: -1)
+
+      :ok = Sidecar.close_session(conn, session)
+    end
+
     test "combinations the sidecar refuses come back as errors naming the option", %{conn: conn} do
       {:ok, session} = Sidecar.open_session(conn)
 

@@ -149,6 +149,22 @@ def test_bad_chat_input_is_a_typed_error_and_changes_nothing(engine, options, op
         assert (session.history, session.cached) == before
 
 
+def test_a_template_that_is_no_template_says_whose_it_is(plain_engine):
+    """(helper-86) A model directory's broken template was "chat_template is not a valid template", an option
+    the call never gave."""
+    with plain_engine.session() as session:
+        with pytest.raises(errors.InvalidArgument, match="^the chat_template given is not a valid template"):
+            session.generate(messages=CONVERSATION, chat_template="{% if true %}")
+        plain_engine.tokenizer.chat_template = "{% if true %}"
+        try:
+            with pytest.raises(errors.InvalidArgument, match="^the model's chat template 'default' \\(from its "
+                               "directory\\) is not a valid template") as caught:
+                session.generate(messages=CONVERSATION)
+        finally:
+            plain_engine.tokenizer.chat_template = None
+        assert caught.value.details["option"] == "chat_template"
+
+
 def test_chat_over_the_protocol(default_dir, plain_dir, plain_engine, engine, tmp_path):
     template = tmp_path / "plain.jinja"
     template.write_text(PLAIN_TEMPLATE)

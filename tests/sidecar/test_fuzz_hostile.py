@@ -444,6 +444,7 @@ class Fuzz:
             "num_return_sequences": lambda: rng.choice([None, 1, 2]),
             "length_penalty": lambda: rng.choice([None, 1.0, -0.5, 2]),
             "early_stopping": lambda: rng.choice([None, True, False, "never"]),
+            "logprobs": lambda: rng.choice([None, None, 0, 3, 20, 21]),
             "reuse": lambda: rng.choice(["prefix", "prefix", "shift"]),
             "keep": lambda: rng.choice([None, None, 0, 4]),
             "device": lambda: rng.choice([None, "cpu"]),
@@ -619,7 +620,7 @@ class Fuzz:
                  {"id": self.new_id(), "op": "session_info", "session": name}]
         gone = {"unknown_session", "too_many_requests"}  # the open may fail: max_sessions
         self.expect[opened["id"]] = {"ok", "limit_exceeded"}
-        self.expect[work["id"]] = {"ok"} | gone
+        self.expect[work["id"]] = {"ok"} | gone | too_big(work["token_ids"], 8)  # 1 in 100 is 2040 tokens
         self.expect[info["id"]] = {"ok"} | gone
         self.expect[close["id"]] = {"ok"} | gone
         for message in after:

@@ -98,6 +98,12 @@ def generation_config_a_list(default, d, markers):
     (d / "generation_config.json").write_text("[2]")
 
 
+def generation_config_truncated(default, d, markers):
+    """transformers passes over it: the model sampled greedy where its file said do_sample (helper-86)."""
+    copy_model(default, d)
+    (d / "generation_config.json").write_text('{"do_sample": tru')
+
+
 def auto_map_other_repo(default, d, markers):
     copy_model(default, d)
     edit_json(d / "config.json", auto_map={"AutoModelForCausalLM": "someone/repo--modeling_x.Model"})
@@ -163,6 +169,7 @@ BROKEN = [  # (kind, builder, trust_remote_code, code)
     ("weights of another architecture than the config's", config_of_another_architecture, False, "invalid_model"),
     ("an end token in generation_config.json that is no token id", end_token_not_an_id, False, "invalid_model"),
     ("generation_config.json a JSON list", generation_config_a_list, False, "invalid_model"),
+    ("generation_config.json truncated", generation_config_truncated, False, "invalid_model"),
     ("malicious pickle as pytorch_model.bin", malicious_pickle, False, "invalid_model"),
     ("auto_map without trust", auto_map_local, False, "remote_code_required"),
     ("auto_map naming another repository, trusted", auto_map_other_repo, True, "invalid_model"),
@@ -172,8 +179,8 @@ BROKEN = [  # (kind, builder, trust_remote_code, code)
 ]
 IDS = [getattr(row, "id", None) or row[0] for row in BROKEN]
 BUILDERS = [no_weights, config_not_json, config_a_list, truncated_safetensors, config_of_another_architecture,
-            end_token_not_an_id, generation_config_a_list, malicious_pickle, auto_map_local, auto_map_module_missing,
-            auto_map_other_repo, tokenizer_auto_map_other_repo, auto_map_outside_path, shipped_code, waits_for_a_file]
+            end_token_not_an_id, generation_config_a_list, generation_config_truncated, malicious_pickle, auto_map_local,
+            auto_map_module_missing, auto_map_other_repo, tokenizer_auto_map_other_repo, auto_map_outside_path, shipped_code, waits_for_a_file]
 SERVER = [sys.executable, "-m", "sidecar", "--log-level", "WARNING", "--max-models", "16"]
 
 

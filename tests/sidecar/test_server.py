@@ -909,3 +909,28 @@ def test_a_model_loaded_with_a_smaller_prefill_chunk_lets_the_other_models_strea
     assert between["chunked"] >= 24 > between["whole"], between  # its 25 ticks, with the stream's steps between
     peer.send({"id": 103, "op": "cancel", "target": 100})
     assert peer.reply_for(100)[1]["error"]["code"] == "cancelled"
+
+
+@shared_server
+def test_logprobs_over_the_protocol(peer):
+    """Each sequence, the top level and each event carry them; refused before any work where the reply could not fit."""
+    session = peer.call("open_session")["result"]["session"]
+    rid = peer.next_id()
+    peer.send({"id": rid, "op": "generate", "session": session, "prompt": "Hello", "max_new_tokens": 4,
+               "eos_token_ids": [], "logprobs": 2, "stream": True, "strategy": "sample", "seed": 7, "num_samples": 2})
+    events, reply = peer.reply_for(rid)
+    body = reply["result"]
+    assert (body["logprobs"], body["top_logprobs"]) == (body["sequences"][0]["logprobs"], body["sequences"][0]["top_logprobs"])
+    for index, sequence in enumerate(body["sequences"]):
+        mine = [e for e in events if e["sequence"] == index]
+        assert [e["logprob"] for e in mine] == sequence["logprobs"] and len(sequence["logprobs"]) == 4
+        assert [e["top_logprobs"] for e in mine] == sequence["top_logprobs"]
+        assert all(len(pairs) == 2 and all(len(p) == 2 for p in pairs) for pairs in sequence["top_logprobs"])
+    plain = peer.call("generate", session=session, prompt="Hello", max_new_tokens=2)["result"]
+    assert "logprobs" not in plain and "top_logprobs" not in plain["sequences"][0]
+    refused = peer.call("generate", session=session, prompt="Hello", max_new_tokens=2000, logprobs=20,
+                        strategy="sample", num_samples=64)["error"]
+    assert (refused["code"], refused["limit"], refused["param"]) == ("limit_exceeded", "max_frame_bytes", "logprobs")
+    assert refused["value"] > refused["max"]
+    refused = peer.call("generate", session=session, prompt="Hello", max_new_tokens=2, logprobs=1, strategy="beam")["error"]
+    assert (refused["code"], refused["option"]) == ("invalid_argument", "logprobs")

@@ -70,6 +70,13 @@ defmodule Sidecar.Generation do
     * `:eos_token_id` - an id or a list of ids (default: the model's; `[]` never stops early)
     * `:seed` - makes sampling reproducible
     * `:stop` - stop strings, trimmed from the text (not in Bumblebee; default: the model's)
+    * `:logprobs` - `k` from 0 to 20: each sequence (and the result, for the first) also carries
+      `:logprobs`, each generated token's log-probability under the model (before any processor,
+      as vLLM's `logprobs`), and `:top_logprobs`, for each token the step's `k` most likely as
+      `{token_id, logprob}`, most likely first; each streamed chunk its `:logprob` and
+      `:top_logprobs`. Not with beam search (`reason: :invalid_argument`, `details["option"] ==
+      "logprobs"`); a reply that could not fit the sidecar's frame were every sequence to reach
+      `:max_new_tokens` is `reason: :limit_exceeded` before it starts. Left out, they are `nil`
     * `:processors` - processor structs (`Sidecar.Processors`); `nil` and `false` entries are
       skipped, so `if(...)` may stand in the list. Without it, the model's generation config gives
       the processors, as in transformers and Bumblebee (`repetition_penalty`, `temperature`... of its
@@ -148,6 +155,7 @@ defmodule Sidecar.Generation do
     :stop,
     :processors,
     :generation_config,
+    :logprobs,
     :reuse,
     :keep,
     :timeout
@@ -269,6 +277,7 @@ defmodule Sidecar.Generation do
     |> put_present("stop", stop)
     |> put_present("eos_token_ids", eos_ids && List.wrap(eos_ids))
     |> put_present("seed", opts[:seed])
+    |> put_present("logprobs", opts[:logprobs])
     |> put_present("reuse", reuse!(opts[:reuse]))
     |> put_present("keep", keep!(opts[:keep]))
     |> put_present(:processor_origins, if(origins != [], do: origins))
