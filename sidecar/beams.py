@@ -21,6 +21,11 @@ except that a power too large for a float, which Python raises OverflowError for
 itself fails there, e.g. `length_penalty` 1000.0 from the third token), is taken as inf: a score
 divided by it is 0 with the score's sign, the limit of the formula, as 250.0 already gives through
 float32. A reported score is always finite (`finite`).
+
+With `logprobs` k, each token also has a record (`logprobs.records`). A step keeps those of the beams it
+leaves running and of the hypotheses it finishes, each with the running beam of the step before that
+it continues, and a sequence's records are read back along those links at the end: nothing is copied
+as beams reorder, and a step holds at most 2 x num_beams records however many candidates it weighs.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from . import logprobs
 
 DEAD = -1.0e9
 
@@ -59,7 +66,7 @@ def normalised(score: float, length: int, length_penalty: float) -> float:
 
 class BeamSearch:
     def __init__(self, num_beams: int, max_new_tokens: int, eos_token_ids, length_penalty: float,
-                 early_stopping, vocab_size: int, device):
+                 early_stopping, vocab_size: int, device, logprobs: int | None = None):
         self.num_beams = num_beams
         self.max_new_tokens = max_new_tokens
         self.length_penalty = length_penalty
@@ -79,13 +86,21 @@ class BeamSearch:
         self.in_order = torch.arange(num_beams, device=device)  # the finished set's slots, unchanged
         self.improvable = True
         self.done = False
+        self.logprobs = logprobs
+        self.trail: list[tuple[torch.Tensor, torch.Tensor]] = []  # each step's (running beams' records, their parents)
+        self.finished_records: torch.Tensor | None = None  # each finished hypothesis' last token's record
+        self.finished_parents = torch.zeros(num_beams, dtype=torch.long, device=device)
+        self._candidates = None  # this step's (model log-probs, their top k, each candidate's source and token)
 
-    def step(self, log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Takes [num_beams, vocab] processed log-probs; returns (source beam per new beam, its new token)."""
+    def step(self, log_probs: torch.Tensor, model_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Takes [num_beams, vocab] processed log-probs (and with `logprobs`, the model's own); returns (source
+        beam per new beam, its new token)."""
         vocab = log_probs.shape[-1]
         total = (log_probs + self.running_scores[:, None]).reshape(-1)
         top_scores, top_index = total.topk(self.keep)
         source, tokens = top_index // vocab, top_index % vocab
+        if self.logprobs is not None:
+            self._candidates = (model_log_probs, logprobs.top_of(model_log_probs, self.logprobs), source, tokens)
         step = self.step_count
         candidates = self.running.index_select(0, source)
         candidates[:, step] = tokens
@@ -99,6 +114,8 @@ class BeamSearch:
         self.running = candidates.index_select(0, keep)
         self.running_scores = alive_scores.index_select(0, keep)
         beam_index, beam_tokens = source.index_select(0, keep), tokens.index_select(0, keep)
+        if self._candidates is not None:
+            self.trail.append((self._records(keep), beam_index))
 
         self._finish_hypotheses(candidates, top_scores, ends, step + 1)
         self.step_count = step + 1
@@ -120,6 +137,14 @@ class BeamSearch:
         if torch.equal(best, self.in_order):  # no candidate entered: the finished set stays as it is
             return
         lengths = torch.full((len(scores),), length, dtype=torch.long, device=scores.device)
+        if self._candidates is not None:  # the records of the candidates that entered, the others' kept
+            entered, kept = best >= self.num_beams, best.clamp(max=self.num_beams - 1)
+            candidate = (best - self.num_beams).clamp(min=0)
+            found = self._records(candidate)
+            before = self.finished_records if self.finished_records is not None else torch.zeros_like(found)
+            self.finished_records = torch.where(entered[:, None], found, before.index_select(0, kept))
+            self.finished_parents = torch.where(entered, self._candidates[2].index_select(0, candidate),
+                                                self.finished_parents.index_select(0, kept))
         self.finished = torch.cat([self.finished, candidates]).index_select(0, best)
         self.finished_scores = merged_scores.index_select(0, best)
         self.finished_lengths = torch.cat([self.finished_lengths, lengths]).index_select(0, best)
@@ -140,14 +165,42 @@ class BeamSearch:
         self.improvable = ((not all(finished) and best_running > DEAD)
                            or (any(finished) and best_running > float(self.finished_scores.min())))
 
-    def results(self, count: int) -> list[tuple[list[int], float]]:
-        """The best `count` finished hypotheses, best first: (generated tokens, score)."""
-        return [(self.finished[i, : int(self.finished_lengths[i])].tolist(), finite(float(self.finished_scores[i])))
-                for i in range(count)]
+    def _records(self, index: torch.Tensor) -> torch.Tensor:
+        """`logprobs.records` of this step's candidates `index`: each token's model log-probability, and the
+        top k of the beam it continues."""
+        model_log_probs, top, source, tokens = self._candidates
+        return logprobs.records(model_log_probs, tokens.index_select(0, index), top, source.index_select(0, index))
 
-    def running_results(self, count: int) -> list[tuple[list[int], float]]:
+    def _trace(self, last: torch.Tensor, parent: int, length: int) -> list[float]:
+        """The records of a sequence of `length` tokens whose last token's record is `last`, continuing the
+        running beam `parent` of the step before: read back along the trail, one after another."""
+        found = [last]
+        for step in range(length - 2, -1, -1):
+            records, parents = self.trail[step]
+            found.append(records[parent])
+            parent = int(parents[parent])
+        return torch.stack(found[::-1]).reshape(-1).tolist() if length else []
+
+    def results(self, count: int) -> list[tuple[list[int], float, list[float] | None]]:
+        """The best `count` finished hypotheses, best first: (generated tokens, score, their records one after
+        another, or None without `logprobs`)."""
+        found = []
+        for i in range(count):
+            length = int(self.finished_lengths[i])
+            records = None if self.logprobs is None else self._trace(
+                self.finished_records[i], int(self.finished_parents[i]), length) if self.finished_records is not None else []
+            found.append((self.finished[i, :length].tolist(), finite(float(self.finished_scores[i])), records))
+        return found
+
+    def running_results(self, count: int) -> list[tuple[list[int], float, list[float] | None]]:
         """The best `count` running beams as they stand (a search cancelled part-way), best first, scored
         like finished ones at their current length."""
         length = max(self.step_count, 1)
-        return [(self.running[i, : self.step_count].tolist(), normalised(float(self.running_scores[i]), length, self.length_penalty))
-                for i in range(count)]
+        found = []
+        for i in range(count):
+            records = None
+            if self.logprobs is not None:
+                records = self._trace(self.trail[-1][0][i], int(self.trail[-1][1][i]), self.step_count) if self.trail else []
+            found.append((self.running[i, : self.step_count].tolist(),
+                          normalised(float(self.running_scores[i]), length, self.length_penalty), records))
+        return found

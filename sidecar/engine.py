@@ -281,9 +281,6 @@ class Engine:
         rows = self._check_rows(strategy, stop, num_samples, num_beams, num_return_sequences, length_penalty, early_stopping)
         if rows.get("num_beams") == 1:  # one beam is greedy search, as in transformers
             strategy, rows = "greedy", {}
-        if strategy == "beam" and logprobs is not None:
-            raise InvalidArgument("logprobs does not go with strategy 'beam': a beam's tokens are chosen by its score, "
-                                  "which each sequence carries", option="logprobs")
         shift_keep = self._check_reuse(reuse, keep)
         seed = None if seed is None else int(seed)  # numpy's integers too: torch's generator takes only int
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows,

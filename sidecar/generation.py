@@ -247,7 +247,7 @@ class Run:
             self.generator.manual_seed(request.seed if request.seed is not None else secrets.randbits(63))
         if request.strategy == "beam":
             self.beams = BeamSearch(width, request.max_new_tokens, request.eos_token_ids, request.length_penalty,
-                                    request.early_stopping, logits.shape[-1], logits.device)
+                                    request.early_stopping, logits.shape[-1], logits.device, request.logprobs)
         self.rows = self.all_rows = [_Row(i, engine.tokenizer, engine.vocabulary, request.stop, request.input_ids,
                                           request.logprobs is not None) for i in range(width)]
 
@@ -258,8 +258,10 @@ class Run:
         if self.beams is not None:
             logits = logits.log_softmax(dim=-1)  # beam search scores log-probabilities, as transformers does
         chain = self.request.chain
-        # the model's own, for logprobs (beams have none), before processors edit `logits`, in place or not
-        model_log_probs = logits.log_softmax(dim=-1) if self.request.logprobs is not None else None
+        # the model's own, for logprobs, before processors edit `logits` (in place or not): a copy for beams
+        model_log_probs = None
+        if self.request.logprobs is not None:
+            model_log_probs = logits.clone() if self.beams is not None else logits.log_softmax(dim=-1)
         processed = logits
         if chain.processors:
             self.states, processed = chain.process(self.states, logits, self.context)
@@ -267,7 +269,7 @@ class Run:
         if self.stats.ttft_s is None:
             self.stats.ttft_s = time.perf_counter() - self.started
         if self.beams is not None:
-            self._beam_step(processed)
+            self._beam_step(processed, model_log_probs)
         else:
             self._sample_step(processed, model_log_probs)
 
@@ -283,7 +285,7 @@ class Run:
                       [row.index for row in self.rows] if ended else None, self.width)
         self._advance_context(tokens)
         token_list = tokens.tolist()
-        found = (logprobs.records(model_log_probs, tokens, request.logprobs).tolist()
+        found = (logprobs.records(model_log_probs, tokens, logprobs.top_of(model_log_probs, request.logprobs)).tolist()
                  if model_log_probs is not None else None)
         keep = []
         for position, (row, token) in enumerate(zip(self.rows, token_list)):
@@ -322,8 +324,8 @@ class Run:
         self.context = proc.Context(self.sequence, self.context.length, self.context.input_length, self.context.vocab_size)
         self.rows = [self.rows[i] for i in index.tolist()]
 
-    def _beam_step(self, processed: torch.Tensor) -> None:
-        index, tokens = self.beams.step(processed)
+    def _beam_step(self, processed: torch.Tensor, model_log_probs: torch.Tensor | None) -> None:
+        index, tokens = self.beams.step(processed, model_log_probs)
         if self.beams.done:
             self.finish_beams()
             return
@@ -342,11 +344,13 @@ class Run:
         count = request.num_return_sequences
         found = self.beams.running_results(count) if cancelled else self.beams.results(count)
         sequences = []
-        for token_ids, score in found:
+        for token_ids, score, records in found:
             is_eos = bool(token_ids) and token_ids[-1] in request.eos_token_ids
             text = generated_text(tokenizer, vocabulary, token_ids[:-1] if is_eos else token_ids, request.input_ids)
             reason = "cancelled" if cancelled else "eos" if is_eos else "length"
             sequences.append(Sequence(text, token_ids, reason, score))
+            if records is not None:
+                sequences[-1].logprobs, sequences[-1].top_logprobs = logprobs.unpacked(records, len(token_ids))
         self._settle(sequences, sequences[0].finish_reason)
 
     def finish(self, reason: str) -> None:
@@ -363,9 +367,9 @@ class Run:
         many sequences as one that generated: every sample, or the best `num_return_sequences` beams, all
         empty. An empty beam is scored 0.0, the sum of no log-probabilities (transformers' generate refuses
         max_new_tokens 0, so there is no score of its own to follow)."""
-        if self.request.strategy == "beam":
-            return [Sequence("", [], reason, 0.0) for _ in range(self.request.num_return_sequences)]
         empty = ([], []) if self.request.logprobs is not None else (None, None)
+        if self.request.strategy == "beam":
+            return [Sequence("", [], reason, 0.0, *empty) for _ in range(self.request.num_return_sequences)]
         return [Sequence("", [], reason, None, *empty) for _ in range(self.width)]
 
     def _settle(self, sequences: list[Sequence], reason: str) -> None:

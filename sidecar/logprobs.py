@@ -12,14 +12,20 @@ from __future__ import annotations
 import torch
 
 
-def records(log_probs: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-    """[rows, 1 + 2k] float64: each row's token's log-probability, then its k most likely ids (most likely
-    first) and theirs. `log_probs` [rows, vocab] is the model's log-softmax; k is at most the vocabulary."""
-    chosen = log_probs.gather(1, tokens[:, None]).double()
-    if not k:
+def top_of(log_probs: torch.Tensor, k: int):
+    """Each row's k most likely (most likely first), or None for k = 0; k past the vocabulary is all of it."""
+    return log_probs.topk(min(k, log_probs.shape[-1]), dim=-1) if k else None
+
+
+def records(log_probs: torch.Tensor, tokens: torch.Tensor, top, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[n, 1 + 2k] float64: the log-probability of each token, then its row's k most likely ids and theirs
+    (`top`, from `top_of`). `log_probs` [rows, vocab] is the model's log-softmax; token i is of row
+    `rows[i]` (beam candidates continue any running beam), or of row i."""
+    rows = torch.arange(len(tokens), device=tokens.device) if rows is None else rows
+    chosen = log_probs[rows, tokens].double()[:, None]
+    if top is None:
         return chosen
-    top = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)
-    return torch.cat([chosen, top.indices.double(), top.values.double()], dim=1)
+    return torch.cat([chosen, top.indices.index_select(0, rows).double(), top.values.index_select(0, rows).double()], dim=1)
 
 
 def unpacked(records, tokens: int) -> tuple[list[float], list[list[tuple[int, float]]]]:

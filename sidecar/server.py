@@ -43,10 +43,10 @@ from protocol import (
 )
 from protocol import errors as codes
 from protocol.limits import check_params
-from protocol.schema import request_id_of
+from protocol.schema import DEFAULT_NUM_BEAMS, request_id_of
 
 from . import __version__, inputs
-from .engine import DEFAULT_PREFILL_CHUNK, Engine
+from .engine import DEFAULT_PREFILL_CHUNK, MAX_LOGPROBS, Engine
 from .errors import InvalidArgument, InvalidProcessor, InvalidSessionFile, ReplyTooLarge, SessionClosed, SidecarError
 from .generation import Generation
 from .inputs import InputIds
@@ -610,8 +610,9 @@ class Server:
             if max_new_tokens > self.limits.max_new_tokens:
                 param = "generation_config" if "max_new_tokens" in (p["generation_config"] or {}) else "max_new_tokens"
                 raise self.limits.exceeded("max_new_tokens", max_new_tokens, job.request.id, param=param)
-        if p["logprobs"] is not None:
-            self._check_logprobs_fit(job.request.id, p["logprobs"], p["num_samples"] or 1, max_new_tokens)
+        if p["logprobs"] is not None and p["logprobs"] <= MAX_LOGPROBS:  # one past it is the engine's to refuse
+            rows = (p["num_beams"] or DEFAULT_NUM_BEAMS) if p["strategy"] == "beam" else (p["num_samples"] or 1)
+            self._check_logprobs_fit(job.request.id, p["logprobs"], rows, max_new_tokens, session.engine.vocab_size)
         job.generation = session.stream(
             token_ids=input_ids, max_new_tokens=p["max_new_tokens"], strategy=p["strategy"], seed=p["seed"],
             processors=None if p["processors"] is None else job.processors,  # None: the model's, made by the engine
@@ -624,17 +625,20 @@ class Server:
         job.generation.accept_result = lambda result: self._check_reply_fits(rid, result)
         self.active.append(job)
 
-    def _check_logprobs_fit(self, rid: int, k: int, sequences: int, max_new_tokens: int) -> None:
-        """Refuses, before any work, logprobs whose reply could not fit in a frame were every sequence to run
-        to max_new_tokens: at least 9 bytes a log-probability (a float64) and one an id, for each sequence and
-        again for the first at the top of the reply. What the rows hold meanwhile is bounded with it."""
-        least = (sequences + 1) * max_new_tokens * (9 + 10 * k)
+    def _check_logprobs_fit(self, rid: int, k: int, sequences: int, max_new_tokens: int, vocab_size: int) -> None:
+        """Refuses, before any work, logprobs whose reply could not fit in a frame were every row (sample or
+        beam) to run to max_new_tokens, for each row and again for the first at the top of the reply: each
+        token's k + 1 log-probabilities (float64s), its id and its k pairs' at the vocabulary's widest, and the
+        pairs' and its list's headers (the text and the rest are weighed at the end, as for any reply). What
+        the rows hold meanwhile is bounded with it."""
+        id_bytes = len(pack(vocab_size - 1))  # msgpack's width of the largest id: 1, 2, 3 or 5 bytes
+        least = (sequences + 1) * max_new_tokens * (9 * (k + 1) + (id_bytes + 1) * (k + 1))
         if least > self.limits.max_frame_bytes:
-            raise ProtocolError(codes.LIMIT_EXCEEDED, f"logprobs {k} over {sequences} sequence(s) of max_new_tokens "
-                                f"{max_new_tokens} would make a reply of at least {least} bytes, over the limit "
-                                f"max_frame_bytes = {self.limits.max_frame_bytes}: ask for fewer tokens, samples or "
-                                "logprobs", rid, limit="max_frame_bytes", max=self.limits.max_frame_bytes, value=least,
-                                param="logprobs")
+            raise ProtocolError(codes.LIMIT_EXCEEDED, f"logprobs {k} over {sequences} row(s) of max_new_tokens "
+                                f"{max_new_tokens} would take {least} bytes of the reply were every row to reach "
+                                f"max_new_tokens, over the limit max_frame_bytes = {self.limits.max_frame_bytes}: ask "
+                                "for fewer tokens, rows or logprobs", rid, limit="max_frame_bytes",
+                                max=self.limits.max_frame_bytes, value=least, param="logprobs")
 
     def _check_reply_fits(self, rid: int, result) -> None:
         """Refuses a result whose reply would not fit in a frame, before the session keeps it: the reply is

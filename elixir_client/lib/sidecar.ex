@@ -78,6 +78,8 @@ defmodule Sidecar do
               )
 
   @type conn :: GenServer.server()
+  @typedoc "A token's log-probability: `:neg_infinity` where the model gives it none (a logit of -inf)."
+  @type logprob :: float() | :neg_infinity
   @typedoc """
   A generation's result: the first (or best) sequence's `text`, `token_ids` and `finish_reason`,
   every sequence in `sequences` (one but for `num_samples:` or `num_return_sequences:`), and `stats`
@@ -89,8 +91,8 @@ defmodule Sidecar do
           finish_reason: String.t(),
           sequences: [sequence()],
           stats: map(),
-          logprobs: [float()] | nil,
-          top_logprobs: [[{non_neg_integer(), float()}]] | nil
+          logprobs: [logprob()] | nil,
+          top_logprobs: [[{non_neg_integer(), logprob()}]] | nil
         }
 
   @typedoc """
@@ -102,8 +104,8 @@ defmodule Sidecar do
           token_ids: [non_neg_integer()],
           finish_reason: String.t(),
           score: float() | nil,
-          logprobs: [float()] | nil,
-          top_logprobs: [[{non_neg_integer(), float()}]] | nil
+          logprobs: [logprob()] | nil,
+          top_logprobs: [[{non_neg_integer(), logprob()}]] | nil
         }
 
   @typedoc """
@@ -115,8 +117,8 @@ defmodule Sidecar do
           required(:text) => String.t(),
           required(:token_ids) => [non_neg_integer()],
           optional(:sequence) => non_neg_integer(),
-          optional(:logprob) => float(),
-          optional(:top_logprobs) => [{non_neg_integer(), float()}]
+          optional(:logprob) => logprob(),
+          optional(:top_logprobs) => [{non_neg_integer(), logprob()}]
         }
 
   defmodule Session do

@@ -864,8 +864,16 @@ defmodule SidecarTest do
       {:ok, plain} = Sidecar.generate(conn, session, [9, 10, 11], max_new_tokens: 2)
       assert plain.logprobs == nil and hd(plain.sequences).top_logprobs == nil
 
+      assert {:ok, %{sequences: [%{logprobs: [_, _], top_logprobs: [[{_, _}], [{_, _}]]}]}} =
+               Sidecar.generate(conn, session, [9, 10],
+                 strategy: %{type: :beam_search},
+                 logprobs: 1,
+                 max_new_tokens: 2,
+                 eos_token_id: []
+               )
+
       assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "logprobs"}}} =
-               Sidecar.generate(conn, session, [9, 10], strategy: %{type: :beam_search}, logprobs: 1)
+               Sidecar.generate(conn, session, [9, 10], logprobs: 21)
 
       assert {:error, %Error{reason: :invalid_params, details: %{"param" => "logprobs"}}} =
                Sidecar.generate(conn, session, [9, 10], logprobs: -1)

@@ -111,10 +111,49 @@ def test_bad_logprobs_are_refused_naming_the_option(engine, value):
         assert session.history == []
 
 
-def test_logprobs_with_beams_and_output_logits_are_refused(engine):
+def test_beams_report_each_tokens_log_probability_along_their_reorderings(engine):
+    """Against transformers' raw logits of the beam each token came from (`beam_indices`), with hypotheses
+    ending on EOS at different steps (end tokens the greedy run writes early) and early_stopping each way."""
+    checked, ended, lengths = 0, 0, set()
+    for seed, (num_beams, returned, early_stopping) in enumerate([(4, 2, False), (3, 3, True), (2, 1, "never")]):
+        prompt = tokens(8 + seed, seed=50 + seed)
+        with engine.session() as session:
+            greedy = session.generate(token_ids=prompt, max_new_tokens=8, eos_token_ids=[])
+            eos = sorted(set(greedy.token_ids[1:7]))
+            result = session.generate(token_ids=prompt, strategy="beam", num_beams=num_beams, max_new_tokens=10,
+                                      num_return_sequences=returned, early_stopping=early_stopping, eos_token_ids=eos,
+                                      logprobs=K, generation_config={"repetition_penalty": 1.3})
+        with torch.inference_mode():
+            out = engine.model.generate(torch.tensor([prompt]), num_beams=num_beams, num_return_sequences=returned,
+                                        early_stopping=early_stopping, do_sample=False, max_new_tokens=10, eos_token_id=eos,
+                                        pad_token_id=0, repetition_penalty=1.3, output_logits=True, return_dict_in_generate=True)
+        for i, sequence in enumerate(result.sequences):
+            n = len(sequence.token_ids)
+            assert sequence.token_ids == out.sequences[i, len(prompt): len(prompt) + n].tolist()
+            steps = [out.logits[t][out.beam_indices[i, t]].log_softmax(-1) for t in range(n)]
+            assert_matches(sequence.token_ids, sequence.logprobs, sequence.top_logprobs, steps)
+            checked, ended = checked + 1, ended + (sequence.finish_reason == "eos")
+            lengths.add(n)
+    assert (checked, ended, len(lengths) > 1) == (6, 6, True)  # finished hypotheses' records, of several lengths
+    steps = []
+
+    def cancel_at_the_fourth_step(logits, context):
+        steps.append(context.length)
+        if len(steps) == 4:
+            stream.cancel()
+        return logits
+
+    with engine.session() as session:  # cancelled: the best running beams as they stood, a record a token
+        stream = session.stream(token_ids=prompt, strategy="beam", num_beams=3, num_return_sequences=3, max_new_tokens=20,
+                                eos_token_ids=[], logprobs=1, processors=[cancel_at_the_fourth_step])
+        list(stream)
+    assert stream.result.finish_reason == "cancelled"
+    for sequence in stream.result.sequences:
+        assert len(sequence.logprobs) == len(sequence.top_logprobs) == len(sequence.token_ids) == 4
+
+
+def test_output_logits_in_generation_config_is_refused_naming_logprobs(engine):
     with engine.session() as session:
-        with pytest.raises(errors.InvalidArgument, match="logprobs does not go with strategy 'beam'"):
-            session.generate("hi", max_new_tokens=2, strategy="beam", logprobs=1)
         for field in ("output_logits", "output_scores"):
             with pytest.raises(errors.InvalidArgument, match="give logprobs=k") as caught:
                 session.generate("hi", max_new_tokens=2, generation_config={field: True})

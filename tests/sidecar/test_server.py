@@ -932,5 +932,12 @@ def test_logprobs_over_the_protocol(peer):
                         strategy="sample", num_samples=64)["error"]
     assert (refused["code"], refused["limit"], refused["param"]) == ("limit_exceeded", "max_frame_bytes", "logprobs")
     assert refused["value"] > refused["max"]
-    refused = peer.call("generate", session=session, prompt="Hello", max_new_tokens=2, logprobs=1, strategy="beam")["error"]
-    assert (refused["code"], refused["option"]) == ("invalid_argument", "logprobs")
+    beams = peer.call("generate", session=session, token_ids=[5, 6], max_new_tokens=3, logprobs=1, strategy="beam",
+                      num_return_sequences=2, eos_token_ids=[])["result"]
+    assert [len(s["logprobs"]) for s in beams["sequences"]] == [3, 3] and beams["logprobs"] == beams["sequences"][0]["logprobs"]
+    refused = peer.call("generate", session=session, token_ids=[5, 6], max_new_tokens=2000, logprobs=20,
+                        strategy="beam", num_beams=64)["error"]  # each beam counts, however few come back
+    assert (refused["code"], refused["param"]) == ("limit_exceeded", "logprobs")
+    for huge in (21, 10**6, 2**64 - 1):  # (helper-87) weighed by the frame check first: an internal error past 2^64
+        refused = peer.call("generate", session=session, prompt="Hello", max_new_tokens=2000, logprobs=huge)["error"]
+        assert (refused["code"], refused["option"]) == ("invalid_argument", "logprobs")

@@ -74,9 +74,10 @@ defmodule Sidecar.Generation do
       `:logprobs`, each generated token's log-probability under the model (before any processor,
       as vLLM's `logprobs`), and `:top_logprobs`, for each token the step's `k` most likely as
       `{token_id, logprob}`, most likely first; each streamed chunk its `:logprob` and
-      `:top_logprobs`. Not with beam search (`reason: :invalid_argument`, `details["option"] ==
-      "logprobs"`); a reply that could not fit the sidecar's frame were every sequence to reach
-      `:max_new_tokens` is `reason: :limit_exceeded` before it starts. Left out, they are `nil`
+      `:top_logprobs` (beam search streams none; its beams carry theirs). A value past 20 is
+      `reason: :invalid_argument` with `details["option"] == "logprobs"`; a reply that could not fit
+      the sidecar's frame were every row to reach `:max_new_tokens` is `reason: :limit_exceeded`
+      before it starts. Left out, they are `nil`
     * `:processors` - processor structs (`Sidecar.Processors`); `nil` and `false` entries are
       skipped, so `if(...)` may stand in the list. Without it, the model's generation config gives
       the processors, as in transformers and Bumblebee (`repetition_penalty`, `temperature`... of its

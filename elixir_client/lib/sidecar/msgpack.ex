@@ -194,8 +194,8 @@ defmodule Sidecar.Msgpack do
 
   defp dec(_), do: throw({:invalid, :truncated})
 
-  # The BEAM has no NaN or infinity: a reply that carries one (the protocol says none does) keeps its
-  # place as an atom, so that its request still gets it.
+  # The BEAM has no NaN or infinity: a reply that carries one (a log-probability of -inf, the only one
+  # the protocol sends) keeps its place as an atom, so that its request still gets it.
   defp non_finite(_sign, fraction) when fraction != 0, do: :nan
   defp non_finite(0, 0), do: :infinity
   defp non_finite(1, 0), do: :neg_infinity
