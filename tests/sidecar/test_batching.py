@@ -235,7 +235,7 @@ def test_running_beams_scored_with_an_underflowing_length_penalty_are_finite():
     for _ in range(2):
         search.step(torch.randn(3, 50, generator=generator).log_softmax(-1))
     found = search.running_results(3)
-    assert [len(ids) for ids, _ in found] == [2, 2, 2] and [score for _, score in found] == [-1e9, -1e9, -1e9]
+    assert [len(ids) for ids, _, _ in found] == [2, 2, 2] and [score for _, score, _ in found] == [-1e9, -1e9, -1e9]
 
 
 def test_beam_search_where_every_token_ends_keeps_all_there_is(engine):
