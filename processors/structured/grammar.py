@@ -56,15 +56,18 @@ _step = threading.local()
 
 
 class _CollectorTime(threading.local):
-    """The CPU seconds Python's garbage collector took on this thread (`gc.callbacks`): a collection that an
-    allocation in a grammar's step sets off is the heap's cost, not the grammar's, and a full one of a large
-    heap (a process holding several vocabularies' structures) took 240-260 ms, failing a step of 0.2 ms."""
+    """The CPU seconds Python's garbage collector took on this thread while grammar steps ran (`gc.callbacks`):
+    a collection that an allocation in a step sets off is the heap's cost, not the grammar's, and a full one of
+    a large heap (a process holding several vocabularies' structures) took 240-260 ms, failing a step of 0.2 ms.
+    Counted only while a step runs (`_collections_counted`): a callback makes every collection 50x dearer."""
 
     spent = 0.0
     started: float | None = None
 
 
 _collector = _CollectorTime()
+_counting_steps = 0  # grammar steps running, on any thread, while `_count_collection` is registered
+_counting_lock = ForkSafeLock()
 
 
 def _count_collection(phase: str, info: dict) -> None:
@@ -75,7 +78,20 @@ def _count_collection(phase: str, info: dict) -> None:
         _collector.started = None
 
 
-gc.callbacks.append(_count_collection)
+@contextlib.contextmanager
+def _collections_counted():
+    global _counting_steps
+    with _counting_lock:
+        if not _counting_steps:
+            gc.callbacks.append(_count_collection)
+        _counting_steps += 1
+    try:
+        yield
+    finally:
+        with _counting_lock:
+            _counting_steps -= 1
+            if not _counting_steps:
+                gc.callbacks.remove(_count_collection)
 
 
 def _gone():
@@ -305,7 +321,7 @@ class GrammarProcessor(LogitsProcessor):
         return self.eos_token_ids.cpu().numpy()
 
     def process(self, state, logits, context):
-        with rust_panics_as(InvalidInput, f"{self.constraint.name}: the parser failed"):
+        with rust_panics_as(InvalidInput, f"{self.constraint.name}: the parser failed"), _collections_counted():
             return self._process(state, logits, context)
 
     def _process(self, state, logits, context):

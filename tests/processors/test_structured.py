@@ -1531,25 +1531,30 @@ def test_a_garbage_collection_inside_a_grammar_step_is_not_counted_against_its_l
     import llguidance.numpy as llg
 
     monkeypatch.setattr(grammar_module, "_step_limit_s", 0.05)
-    mask = llg.fill_next_token_bitmask
-    monkeypatch.setattr(llg, "fill_next_token_bitmask", lambda *args: (gc.collect(), mask(*args))[1])
 
-    def burn(phase, info):
+    def burn(phase, info):  # after the step's own callback: inside the collection it times
         if phase == "start":
             started = time.thread_time()
             while time.thread_time() - started < 0.1:
                 pass
 
+    def collecting(*args):
+        gc.callbacks.append(burn)
+        try:
+            gc.collect()
+        finally:
+            gc.callbacks.remove(burn)
+        return mask(*args)
+
+    mask = llg.fill_next_token_bitmask
+    monkeypatch.setattr(llg, "fill_next_token_bitmask", collecting)
     chain = Chain([configure(Grammar, grammar="start: /[a-z]+/")]).bind(vocab, [EOS])
     sequence = torch.zeros(1, 4, dtype=torch.long)
     states = chain.init(Context(sequence, 1, 1, 1024))
-    gc.callbacks.append(burn)
-    try:
-        for step in range(2):
-            states, logits = chain.process(states, torch.zeros(1, 1024), Context(sequence, step + 1, 1, 1024))
-            sequence[0, step + 1] = int(logits[0].isfinite().nonzero()[0])
-    finally:
-        gc.callbacks.remove(burn)
+    for step in range(2):
+        states, logits = chain.process(states, torch.zeros(1, 1024), Context(sequence, step + 1, 1, 1024))
+        sequence[0, step + 1] = int(logits[0].isfinite().nonzero()[0])
+    assert grammar_module._count_collection not in gc.callbacks  # registered only while a step runs
 
 
 def test_the_grammars_of_one_generation_count_together_against_the_step_limit(vocab, tokenizer, monkeypatch):
