@@ -16,6 +16,7 @@ requests answers each of them before the closing op's own reply.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import re
@@ -84,6 +85,17 @@ INPUT_INLINE_BYTES = 16384
 # tick: while another thread configured a dfa of 20,000 transitions, a tick of 3 ms took the whole 0.4 s of
 # it at Python's default 5 ms, 0.18 s at 0.5 ms, 44-55 ms at 0.1 ms (a thread alone is never interrupted).
 SWITCH_INTERVAL_S = 0.0001
+# KV memory let go since the heap was last trimmed (the most held since, less what is held) past which the server,
+# once idle, hands the heap's free pages back to the system (`Server._give_back_memory`).
+TRIM_BYTES = 64 * 2**20
+
+
+def _heap_trimmer():
+    """glibc's `malloc_trim`, or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 @dataclass
@@ -205,6 +217,9 @@ class Server:
         # supervisor has since restarted) is no session here, rather than another client's
         self._name_tag = secrets.token_hex(4)
         self.started = time.time()
+        self._trim_heap = _heap_trimmer()
+        self._held_peak = 0  # the most KV memory held since the heap was last trimmed
+        self._trim_due = False  # an unloaded model's weights were freed since
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -218,6 +233,7 @@ class Server:
         try:
             while True:
                 if not self.active:
+                    self._give_back_memory()
                     self.writer.flush()  # about to wait: nothing may linger in the buffer
                     inbox.wait(frames=self.aside is None)
                 with DEFAULTS.using():
@@ -244,6 +260,23 @@ class Server:
         gc.collect()
         gc.freeze()
 
+    def _give_back_memory(self) -> None:
+        """Hands the heap's free pages back to the system (`malloc_trim`) once the KV memory let go since the
+        last time passes `TRIM_BYTES`, or an unloaded model's weights were freed: glibc keeps them otherwise, and
+        the process stays at the size of its busiest moment (helper-84: 1,024 sessions closed with `cache_bytes` 0
+        left it at 1.42 GB; measured here, 600 sessions' 542 MiB of caches closed left 1,013 MB, 447 MB after a
+        trim of 44 ms). Done as the server goes idle, where the pause holds up nothing that runs."""
+        held = self._held_bytes()
+        if self._trim_heap is not None and (self._trim_due or self._held_peak - held >= TRIM_BYTES):
+            self._trim_heap(0)
+            self._trim_due, self._held_peak = False, held
+
+    def _held_bytes(self) -> int:
+        """The KV memory every model holds now, noted as the most held since the last trim."""
+        held = sum(engine.store.used_bytes for engine in self.engines.values())
+        self._held_peak = max(self._held_peak, held)
+        return held
+
     def _collect_unloaded(self, model: weakref.ref) -> None:
         """Frees an unloaded model now, where nothing holds its engine any more (see `_tick`): an engine is a
         web of cycles (its scheduler and store refer back to it), so its memory, gigabytes for a real model,
@@ -259,12 +292,14 @@ class Server:
                 log.warning("an unloaded model is still referred to; its memory is not freed")
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # give a model's device memory back to the device, not to our allocator's pool
+        self._trim_due = True
 
     def _tick(self, inbox) -> None:
         """A tick of each busy engine, each followed by what it produced and what arrived meanwhile. No frame
         holds an engine while requests are handled: an unload among them collects its engine at once."""
         for name in list(self.engines):
             if self._tick_engine(name):
+                self._held_bytes()  # a generation's rows may hold more than any idle moment shows
                 self._deliver()
                 self._drain(inbox)
 

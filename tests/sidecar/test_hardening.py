@@ -768,3 +768,34 @@ def test_a_grammar_whose_steps_pass_the_limit_stops_its_generation_and_not_the_s
         fine = peer.call("generate", session="s", prompt="x", max_new_tokens=4,
                          processors=[{"name": "grammar", "options": {"grammar": 'start: "ab" | "cd"'}}])
         assert fine["ok"] and fine["result"]["text"] in ("ab", "cd"), fine
+
+
+def test_the_heap_is_trimmed_when_the_server_goes_idle_after_letting_go_of_memory(monkeypatch):
+    """(helper-84) glibc keeps freed pages: 1,024 sessions closed, `cache_bytes` 0, left the server at 1.42 GB. Once
+    idle after letting go of more KV memory than TRIM_BYTES since the last trim, or of an unloaded model, the server
+    calls malloc_trim; not while it holds what it held."""
+    import sidecar.server as server_module
+
+    trims = []
+    with server_on_a_thread() as (send, replies, server):
+        server._trim_heap = trims.append
+        send({"id": 1, "op": "open_session", "session": "big"})
+        send({"id": 2, "op": "generate", "session": "big", "token_ids": list(range(5, 45)), "max_new_tokens": 8,
+              "eos_token_ids": []})
+        assert [replies.get(timeout=60)["ok"] for _ in range(2)] == [True, True]
+        send({"id": 3, "op": "stats"})
+        held = replies.get(timeout=60)["result"]["models"]["default"]["cache_bytes"]
+        assert held > 0
+        monkeypatch.setattr(server_module, "TRIM_BYTES", held // 2)
+        server._held_peak = 0  # idle: what it held while generating is not the test's
+        send({"id": 4, "op": "ping"})
+        assert replies.get(timeout=60)["id"] == 4 and trims == []
+        send({"id": 5, "op": "close_session", "session": "big"})
+        send({"id": 6, "op": "ping"})
+        assert [replies.get(timeout=60)["id"] for _ in range(2)] == [5, 6] and trims == [0]
+        send({"id": 7, "op": "load_model", "name": "other", "path": None})
+        assert replies.get(timeout=120)["ok"]
+        send({"id": 8, "op": "unload_model", "model": "other"})
+        send({"id": 9, "op": "ping"})
+        assert [replies.get(timeout=60)["id"] for _ in range(2)] == [8, 9] and trims == [0, 0]
+
