@@ -171,36 +171,35 @@ class BeamSearch:
         model_log_probs, top, source, tokens = self._candidates
         return logprobs.records(model_log_probs, tokens.index_select(0, index), top, source.index_select(0, index))
 
-    def _trace(self, last: torch.Tensor, parent: int, length: int) -> list[float]:
+    def _trace(self, last: torch.Tensor | None, parent: int, length: int) -> list[float] | None:
         """The records of a sequence of `length` tokens whose last token's record is `last`, continuing the
-        running beam `parent` of the step before: read back along the trail, one after another."""
+        running beam `parent` of the step before, read back along the trail, one after another (None without
+        `logprobs`)."""
+        if self.logprobs is None or not length:
+            return None if self.logprobs is None else []
         found = [last]
         for step in range(length - 2, -1, -1):
             records, parents = self.trail[step]
             found.append(records[parent])
             parent = int(parents[parent])
-        return torch.stack(found[::-1]).reshape(-1).tolist() if length else []
+        return torch.stack(found[::-1]).reshape(-1).tolist()
 
     def results(self, count: int) -> list[tuple[list[int], float, list[float] | None]]:
-        """The best `count` finished hypotheses, best first: (generated tokens, score, their records one after
-        another, or None without `logprobs`)."""
+        """The best `count` finished hypotheses, best first: (generated tokens, score, their records)."""
         found = []
         for i in range(count):
             length = int(self.finished_lengths[i])
-            records = None if self.logprobs is None else self._trace(
-                self.finished_records[i], int(self.finished_parents[i]), length) if self.finished_records is not None else []
-            found.append((self.finished[i, :length].tolist(), finite(float(self.finished_scores[i])), records))
+            last = self.finished_records[i] if self.finished_records is not None else None
+            found.append((self.finished[i, :length].tolist(), finite(float(self.finished_scores[i])),
+                          self._trace(last, int(self.finished_parents[i]), length)))
         return found
 
     def running_results(self, count: int) -> list[tuple[list[int], float, list[float] | None]]:
         """The best `count` running beams as they stand (a search cancelled part-way), best first, scored
         like finished ones at their current length."""
         length = max(self.step_count, 1)
-        found = []
-        for i in range(count):
-            records = None
-            if self.logprobs is not None:
-                records = self._trace(self.trail[-1][0][i], int(self.trail[-1][1][i]), self.step_count) if self.trail else []
-            found.append((self.running[i, : self.step_count].tolist(),
-                          normalised(float(self.running_scores[i]), length, self.length_penalty), records))
-        return found
+        records, parents = self.trail[-1] if self.trail else (None, None)
+        return [(self.running[i, : self.step_count].tolist(),
+                 normalised(float(self.running_scores[i]), length, self.length_penalty),
+                 self._trace(records[i] if self.trail else None, int(parents[i]) if self.trail else 0, self.step_count))
+                for i in range(count)]

@@ -244,7 +244,7 @@ class Engine:
             eos = self.default_eos_token_ids
         else:
             if hasattr(eos_token_ids, "tolist") and getattr(eos_token_ids, "ndim", None) == 0:  # as an int is taken
-                eos_token_ids = inputs.vector_as_list(eos_token_ids.reshape(1), "eos_token_ids")
+                eos_token_ids = eos_token_ids.reshape(1)
             eos_token_ids = inputs.vector_as_list(eos_token_ids, "eos_token_ids")
             if _is_int(eos_token_ids):
                 eos_token_ids = [eos_token_ids]

@@ -147,7 +147,6 @@ def changes_of(config: GenerationConfig, model_config: GenerationConfig) -> dict
             if field not in SILENT and not unchanged(field, value)}
 
 
-
 def end_tokens(eos) -> list:
     """An `eos_token_id` as transformers keeps it (None, an id, or a list of ids) as a list."""
     return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]

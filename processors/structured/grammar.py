@@ -90,7 +90,7 @@ def _collections_counted():
     finally:
         with _counting_lock:
             _counting_steps -= 1
-            if not _counting_steps:
+            if not _counting_steps and _count_collection in gc.callbacks:  # (the list is anyone's to clear)
                 gc.callbacks.remove(_count_collection)
 
 
