@@ -141,6 +141,8 @@ OPS: dict[str, dict[str, Param]] = {
         "early_stopping": Param("bool|str|null", doc='with beam: true, false or "never", as in transformers (default false)'),
         "logprobs": Param("uint|null", doc="report each generated token's log-probability under the model and the k "
                           "most likely at its step (0-20)"),
+        "prompt_logprobs": Param("uint|null", doc="report each prompt token's log-probability given those before it and "
+                                 "the k most likely there (0-20); the prompt is computed anew, reusing no cache"),
         "reuse": Param("str", default="prefix", doc="prefix (exact) | shift (approximate: moves the cache after dropped tokens)"),
         "keep": Param("uint|null", doc="with shift: leading tokens that stay in place (default 0)"),
         "continue": Param("map|null", doc="the input is a sequence of the session's last result, cut and extended "

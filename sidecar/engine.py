@@ -193,8 +193,8 @@ class Engine:
     def validate(self, prompt=None, *, token_ids=None, messages=None, chat_template=None, add_generation_prompt=None,
                  continue_final_message=False, tools=None, documents=None, chat_template_kwargs=None, max_new_tokens=None, strategy=None, seed=None,
                  processors=None, stop=None, eos_token_ids=None, generation_config=None, num_samples=1, num_beams=None,
-                 num_return_sequences=None, length_penalty=None, early_stopping=None, logprobs=None, reuse="prefix",
-                 keep=None, **unknown) -> Request:
+                 num_return_sequences=None, length_penalty=None, early_stopping=None, logprobs=None, prompt_logprobs=None,
+                 reuse="prefix", keep=None, **unknown) -> Request:
         """Checks a generate call completely, before anything changes; returns it in normal form. `strategy`,
         `max_new_tokens`, `processors` and `stop` left out (None) are the model's (`generation_defaults`), with
         the fields `generation_config` changes (`defaults_for`)."""
@@ -204,9 +204,8 @@ class Engine:
             raise InvalidArgument(f"generate has no option {name!r}" + (
                 f": a field of the model's generation config is changed by generation_config={{{name!r}: ...}}" if field
                 else f"; valid: {', '.join(generate_options())}"), option=name)
-        if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise InvalidArgument(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (the most likely tokens reported "
-                                  f"beside each generated one), got {logprobs!r}", option="logprobs")
+        _check_logprobs("logprobs", logprobs, "generated")
+        _check_logprobs("prompt_logprobs", prompt_logprobs, "prompt")
         if isinstance(generation_config, GenerationConfig):  # the fields it sets, as transformers' generate reads it
             generation_config = generation_defaults.changes_of(generation_config, self.model.generation_config)
         defaults = self.defaults_for(generation_config, processors_given=processors is not None, strategy=strategy)
@@ -282,9 +281,13 @@ class Engine:
         if rows.get("num_beams") == 1:  # one beam is greedy search, as in transformers
             strategy, rows = "greedy", {}
         shift_keep = self._check_reuse(reuse, keep)
+        if shift_keep is not None and prompt_logprobs is not None:
+            raise InvalidArgument("prompt_logprobs does not go with reuse 'shift': it computes the whole prompt anew, "
+                                  "where a shift keeps part of it cached", option="prompt_logprobs")
         seed = None if seed is None else int(seed)  # numpy's integers too: torch's generator takes only int
         return Request(input_ids, int(max_new_tokens), strategy, seed, chain, tuple(stop), eos, **rows,
-                       logprobs=None if logprobs is None else int(logprobs), shift_keep=shift_keep)
+                       logprobs=None if logprobs is None else int(logprobs),
+                       prompt_logprobs=None if prompt_logprobs is None else int(prompt_logprobs), shift_keep=shift_keep)
 
     def defaults_for(self, generation_config=None, processors_given=False, strategy=None) -> generation_defaults.GenerationDefaults:
         """What a call leaving out strategy, max_new_tokens, processors or stop takes: the model's
@@ -435,6 +438,13 @@ def _check_options(*, cache_budget_bytes=DEFAULT_CACHE_BUDGET, prefill_chunk=DEF
 
 def _is_int(value) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _check_logprobs(option: str, k, tokens: str) -> None:
+    """`logprobs` and `prompt_logprobs`: None, or how many of the most likely tokens to report, 0 to 20."""
+    if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+        raise InvalidArgument(f"{option} must be an integer in [0, {MAX_LOGPROBS}] (the most likely tokens reported "
+                              f"beside each {tokens} one), got {k!r}", option=option)
 
 
 def _default_eos(model, tokenizer, vocab_size: int) -> frozenset[int]:

@@ -39,6 +39,9 @@ from .text import StopMatcher, detokenizer, generated_text
 # it spares reading that much (measured on the default model: 4 beams of a 32-token prompt are faster
 # with copies, 8 samples of a 512-token prompt much faster shared).
 SHARE_PREFIX_TOKENS = 1024
+# A run asked for prompt_logprobs feeds its prompt at most this many tokens a tick: the logits of each token
+# fed are kept, 128 MiB for this many at a 128k vocabulary's width (as float32, then their log-softmax).
+PROMPT_LOGITS_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class Run:
         self.all_rows: list[_Row] = []
         self.next_tokens: list[int] = []
         self.beams: BeamSearch | None = None
+        # with prompt_logprobs: the prompt tokens' `logprobs.records` after the first, as far as computed
+        self.prompt_records = array("d") if request.prompt_logprobs is not None else None
         self.accept_result = None  # see `Generation.accept_result`
 
     # ---- admission -------------------------------------------------------------------------------
@@ -130,9 +135,11 @@ class Run:
         # whether a failure puts back what the call crops from the session's cache (a shift's always does)
         restorable = not lean or request.shift_keep is not None
         shares_prefix = self.width > 1 and bool(lean or len(request.input_ids) * (self.width - 1) >= SHARE_PREFIX_TOKENS)
-        own = 0 if from_scratch else session.reusable(request.input_ids)
+        # prompt_logprobs: every prompt token's logits, which no cache keeps, so nothing is reused (as vLLM does)
+        scored = request.prompt_logprobs is not None
+        own = 0 if from_scratch or scored else session.reusable(request.input_ids)
         source = None  # a shift reuses the session's own window: it does not look elsewhere
-        if request.shift_keep is None and not lean:
+        if request.shift_keep is None and not lean and not scored:
             source = sharing.find(session, request.input_ids[:-1], own)
         offset = source.tokens if source is not None else min(cache.offset, own)  # where its own tokens start
         if request.shift_keep is not None:  # a shift may move tokens out of a prefix it continues
@@ -188,13 +195,20 @@ class Run:
     def prefilling(self) -> bool:
         return bool(self.fresh)
 
+    @property
+    def feedable(self) -> int:
+        """The prompt tokens it can take in one tick: those left, at most PROMPT_LOGITS_TOKENS with prompt_logprobs
+        (the logits of every token fed are kept, a vocabulary's width each)."""
+        return len(self.fresh) if self.prompt_records is None else min(len(self.fresh), PROMPT_LOGITS_TOKENS)
+
     def plan(self, budget: int) -> list[Feed]:
         if self.fresh:
-            n = min(len(self.fresh), budget)
+            n = min(self.feedable, budget)
             if n <= 0:
                 return []
             cache = self.session.cache
-            return [Feed(self, Segment(cache, 0, cache.length, n), self.fresh[:n], int(n == len(self.fresh)))]
+            wanted = n if self.prompt_records is not None else int(n == len(self.fresh))
+            return [Feed(self, Segment(cache, 0, cache.length, n), self.fresh[:n], wanted)]
         rows = len(self.next_tokens)
         return [Feed(self, Segment(self.work, 0, self.work.length, 1, rows), self.next_tokens, rows)]
 
@@ -213,6 +227,8 @@ class Run:
     def _accept(self, fed: list[Feed], logits: torch.Tensor | None) -> None:
         if self.fresh:
             n = fed[0].segment.length
+            if self.prompt_records is not None:
+                logits = self._score_prompt(logits)
             self.session.cache.length += n
             self.stats.prefill_tokens += n
             self.fresh = self.fresh[n:]
@@ -225,6 +241,19 @@ class Run:
         else:
             self.work.length += 1
         self._choose(logits)
+
+    def _score_prompt(self, logits: torch.Tensor) -> torch.Tensor:
+        """Records the log-probability of each prompt token the chunk's logits predict (the logits of token i
+        predict token i + 1), and returns the last row, the next token's logits, for the prompt's last chunk."""
+        input_ids = self.request.input_ids
+        start = len(input_ids) - len(self.fresh)  # the chunk's first token, in the prompt
+        targets = input_ids[start + 1 : start + 1 + len(logits)]
+        if targets:
+            log_probs = logits[: len(targets)].log_softmax(dim=-1)
+            tokens = torch.tensor(targets, device=logits.device)
+            self.prompt_records.extend(
+                logprobs.records(log_probs, tokens, logprobs.top_of(log_probs, self.request.prompt_logprobs)).flatten().tolist())
+        return logits[-1:]
 
     def _start_decoding(self, logits: torch.Tensor) -> None:
         request, session = self.request, self.session
@@ -372,6 +401,15 @@ class Run:
             return [Sequence("", [], reason, 0.0, *empty) for _ in range(self.request.num_return_sequences)]
         return [Sequence("", [], reason, None, *empty) for _ in range(self.width)]
 
+    def _prompt_logprobs(self) -> tuple[list, list]:
+        """The prompt's log-probabilities as far as computed: none before its first chunk, then None for its
+        first token (it follows nothing) and one for each token the chunks' logits predicted."""
+        if not self.stats.prefill_tokens:
+            return [], []
+        prompt = len(self.request.input_ids)
+        scored, top = logprobs.unpacked(self.prompt_records, min(prompt - len(self.fresh), prompt - 1))
+        return [None] + scored, [None] + top
+
     def _settle(self, sequences: list[Sequence], reason: str) -> None:
         session = self.session
         # admitted, then cancelled before a tick gave it a chunk of its prompt (the tick's budget went to
@@ -388,6 +426,9 @@ class Run:
         self.stats.generated_tokens = sum(len(s.token_ids) for s in sequences)
         self.stats.total_s = time.perf_counter() - self.started
         result = Result(best.text, best.token_ids, reason, self.stats, sequences, best.logprobs, best.top_logprobs)
+        if self.prompt_records is not None:
+            result.prompt_token_ids = list(self.request.input_ids)
+            result.prompt_logprobs, result.prompt_top_logprobs = self._prompt_logprobs()
         if self.admitted and self.accept_result is not None:
             try:
                 self.accept_result(result)

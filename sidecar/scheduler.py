@@ -254,16 +254,16 @@ def _prefill_shares(prefilling: list[Run], budget: int, odd: int) -> list[tuple[
     if not prefilling:
         return []
     oldest, *others = prefilling
-    first = min(len(oldest.fresh), (budget + odd) // 2)
+    first = min(oldest.feedable, (budget + odd) // 2)
     budget -= first
     shares = []
     for run in sorted(others, key=lambda r: len(r.fresh)):
-        tokens = min(len(run.fresh), budget)
+        tokens = min(run.feedable, budget)
         if tokens <= 0:
             break
         shares.append((run, tokens))
         budget -= tokens
-    first += min(budget, len(oldest.fresh) - first)
+    first += min(budget, oldest.feedable - first)
     return [(oldest, first)] + shares if first else shares
 
 

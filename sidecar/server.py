@@ -645,35 +645,43 @@ class Server:
             if max_new_tokens > self.limits.max_new_tokens:
                 param = "generation_config" if "max_new_tokens" in (p["generation_config"] or {}) else "max_new_tokens"
                 raise self.limits.exceeded("max_new_tokens", max_new_tokens, job.request.id, param=param)
-        if p["logprobs"] is not None and p["logprobs"] <= MAX_LOGPROBS:  # one past it is the engine's to refuse
-            rows = (p["num_beams"] or DEFAULT_NUM_BEAMS) if p["strategy"] == "beam" else (p["num_samples"] or 1)
-            self._check_logprobs_fit(job.request.id, p["logprobs"], rows, max_new_tokens, session.engine.vocab_size)
+        self._check_logprobs_fit(job.request.id, p, max_new_tokens, len(input_ids), session.engine.vocab_size)
         job.generation = session.stream(
             token_ids=input_ids, max_new_tokens=p["max_new_tokens"], strategy=p["strategy"], seed=p["seed"],
             processors=None if p["processors"] is None else job.processors,  # None: the model's, made by the engine
             stop=p["stop"], eos_token_ids=p["eos_token_ids"], generation_config=p["generation_config"],
             num_samples=p["num_samples"], num_beams=p["num_beams"],
             num_return_sequences=p["num_return_sequences"], length_penalty=p["length_penalty"],
-            early_stopping=p["early_stopping"], logprobs=p["logprobs"], reuse=p["reuse"], keep=p["keep"],
+            early_stopping=p["early_stopping"], logprobs=p["logprobs"], prompt_logprobs=p["prompt_logprobs"],
+            reuse=p["reuse"], keep=p["keep"],
         )
         rid = job.request.id  # not the job: its generation would hold it in a cycle
         job.generation.accept_result = lambda result: self._check_reply_fits(rid, result)
         self.active.append(job)
 
-    def _check_logprobs_fit(self, rid: int, k: int, sequences: int, max_new_tokens: int, vocab_size: int) -> None:
-        """Refuses, before any work, logprobs whose reply could not fit in a frame were every row (sample or
-        beam) to run to max_new_tokens, for each row and again for the first at the top of the reply: each
-        token's k + 1 log-probabilities (float64s), its id and its k pairs' at the vocabulary's widest, and the
-        pairs' and its list's headers (the text and the rest are weighed at the end, as for any reply). What
-        the rows hold meanwhile is bounded with it."""
+    def _check_logprobs_fit(self, rid: int, p: dict, max_new_tokens: int, prompt: int, vocab_size: int) -> None:
+        """Refuses, before any work, log-probabilities whose reply could not fit in a frame: with `logprobs`,
+        were every row (sample or beam) to reach max_new_tokens, for each row and again for the first at the
+        top of the reply; with `prompt_logprobs`, for each prompt token, with the prompt's ids. A token's k + 1
+        log-probabilities (float64s), its id and its k pairs' at the vocabulary's widest, and the pairs' and
+        its list's headers (the text and the rest are weighed at the end, as for any reply). What the run
+        holds meanwhile is bounded with it. A k past 20 is the engine's to refuse."""
         id_bytes = len(pack(vocab_size - 1))  # msgpack's width of the largest id: 1, 2, 3 or 5 bytes
-        least = (sequences + 1) * max_new_tokens * (9 * (k + 1) + (id_bytes + 1) * (k + 1))
+        asked = {}  # option: (bytes, what)
+        if p["logprobs"] is not None and p["logprobs"] <= MAX_LOGPROBS:
+            k, rows = p["logprobs"], (p["num_beams"] or DEFAULT_NUM_BEAMS) if p["strategy"] == "beam" else (p["num_samples"] or 1)
+            asked["logprobs"] = ((rows + 1) * max_new_tokens * (9 + id_bytes + 1) * (k + 1),
+                                 f"logprobs {k} over {rows} row(s) each reaching max_new_tokens {max_new_tokens}")
+        if p["prompt_logprobs"] is not None and p["prompt_logprobs"] <= MAX_LOGPROBS:
+            k = p["prompt_logprobs"]
+            asked["prompt_logprobs"] = (prompt * ((9 + id_bytes + 1) * (k + 1) + id_bytes),
+                                        f"prompt_logprobs {k} over a prompt of {prompt} tokens")
+        least = sum(size for size, _ in asked.values())
         if least > self.limits.max_frame_bytes:
-            raise ProtocolError(codes.LIMIT_EXCEEDED, f"logprobs {k} over {sequences} row(s) of max_new_tokens "
-                                f"{max_new_tokens} would take {least} bytes of the reply were every row to reach "
-                                f"max_new_tokens, over the limit max_frame_bytes = {self.limits.max_frame_bytes}: ask "
-                                "for fewer tokens, rows or logprobs", rid, limit="max_frame_bytes",
-                                max=self.limits.max_frame_bytes, value=least, param="logprobs")
+            raise ProtocolError(codes.LIMIT_EXCEEDED, f"{' and '.join(what for _, what in asked.values())} would take "
+                                f"{least} bytes of the reply, over the limit max_frame_bytes = "
+                                f"{self.limits.max_frame_bytes}: ask for fewer tokens, rows or log-probabilities", rid, limit="max_frame_bytes", max=self.limits.max_frame_bytes,
+                                value=least, param=max(asked, key=lambda option: asked[option][0]))
 
     def _check_reply_fits(self, rid: int, result) -> None:
         """Refuses a result whose reply would not fit in a frame, before the session keeps it: the reply is
@@ -1167,6 +1175,9 @@ def result_reply(rid: int, result) -> dict:
             "stats": asdict(result.stats), "sequences": [sequence_map(s) for s in result.sequences]}
     if result.logprobs is not None:
         body["logprobs"], body["top_logprobs"] = result.logprobs, result.top_logprobs
+    if result.prompt_logprobs is not None:
+        body.update(prompt_token_ids=result.prompt_token_ids, prompt_logprobs=result.prompt_logprobs,
+                    prompt_top_logprobs=result.prompt_top_logprobs)
     if result.finish_reason == "cancelled":
         return error(rid, codes.CANCELLED, "the generation was cancelled", **body)
     return ok(rid, body)

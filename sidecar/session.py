@@ -80,6 +80,11 @@ class Result(Continuable):
     sequences: list[Sequence] = field(default_factory=list)
     logprobs: list[float] | None = None  # the best sequence's, with logprobs=k
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # with prompt_logprobs=k: the prompt's ids, each one's log-probability given those before it (None for the
+    # first, which follows nothing), and the k most likely there; as far as the prompt was computed
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def tokens(self) -> Tokens:
@@ -115,6 +120,7 @@ class Request:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     logprobs: int | None = None  # report each token's log-probability and this many of the most likely
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (the prompt is computed anew)
     shift_keep: int | None = None  # reuse="shift": the leading tokens a shift keeps; None: prefix reuse only
 
 

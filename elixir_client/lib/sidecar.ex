@@ -83,7 +83,9 @@ defmodule Sidecar do
   @typedoc """
   A generation's result: the first (or best) sequence's `text`, `token_ids` and `finish_reason`,
   every sequence in `sequences` (one but for `num_samples:` or `num_return_sequences:`), and `stats`
-  (the protocol's keys as atoms, any other key as the string the sidecar sent).
+  (the protocol's keys as atoms, any other key as the string the sidecar sent). With `:logprobs`, the
+  first sequence's `logprobs` and `top_logprobs`; with `:prompt_logprobs`, the prompt's ids and theirs
+  (`nil` for the first token); `nil` when not asked.
   """
   @type result :: %{
           text: String.t(),
@@ -92,7 +94,10 @@ defmodule Sidecar do
           sequences: [sequence()],
           stats: map(),
           logprobs: [logprob()] | nil,
-          top_logprobs: [[{non_neg_integer(), logprob()}]] | nil
+          top_logprobs: [[{non_neg_integer(), logprob()}]] | nil,
+          prompt_token_ids: [non_neg_integer()] | nil,
+          prompt_logprobs: [logprob() | nil] | nil,
+          prompt_top_logprobs: [[{non_neg_integer(), logprob()}] | nil] | nil
         }
 
   @typedoc """
@@ -953,7 +958,10 @@ defmodule Sidecar do
        sequences: sequences,
        stats: Map.new(stats, fn {k, v} -> {Map.get(@stats_keys, k, k), v} end),
        logprobs: result["logprobs"],
-       top_logprobs: pairs(result["top_logprobs"])
+       top_logprobs: pairs(result["top_logprobs"]),
+       prompt_token_ids: result["prompt_token_ids"],
+       prompt_logprobs: result["prompt_logprobs"],
+       prompt_top_logprobs: pairs(result["prompt_top_logprobs"])
      }}
   end
 
@@ -968,8 +976,9 @@ defmodule Sidecar do
   defp put_logprobs(chunk, _event), do: chunk
 
   # [[id, logprob], ...] for each token, as {id, logprob} tuples
+  # (a prompt's first token has none: nil)
   defp pairs(nil), do: nil
-  defp pairs(steps), do: for(step <- steps, do: Enum.map(step, &List.to_tuple/1))
+  defp pairs(steps), do: for(step <- steps, do: step && Enum.map(step, &List.to_tuple/1))
 
   # Removes the request's messages from the mailbox; returns its reply if one was among them, else `found`.
   defp flush(ref, found) do

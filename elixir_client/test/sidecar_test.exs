@@ -881,6 +881,33 @@ defmodule SidecarTest do
       :ok = Sidecar.close_session(conn, session)
     end
 
+    test "prompt_logprobs: a prompt's tokens scored as the generated ones were", %{conn: conn} do
+      {:ok, greedy} = fresh_generate(conn, [9, 10, 11], max_new_tokens: 4, eos_token_id: [], logprobs: 2)
+      prompt = [9, 10, 11] ++ greedy.token_ids
+      {:ok, session} = Sidecar.open_session(conn)
+      {:ok, _} = Sidecar.generate(conn, session, prompt, max_new_tokens: 1)
+
+      {:ok, scored} = Sidecar.generate(conn, session, prompt, max_new_tokens: 0, prompt_logprobs: 2)
+
+      assert scored.token_ids == [] and scored.stats.reused_tokens == 0
+      assert scored.prompt_token_ids == prompt
+      assert [nil, _, _ | generated] = scored.prompt_logprobs
+      assert [nil | tops] = scored.prompt_top_logprobs
+      assert length(tops) == 6 and Enum.all?(tops, &match?([{_, _}, {_, _}], &1))
+
+      # each generated token's, read again as the prompt's
+      for {a, b} <- Enum.zip(generated, greedy.logprobs), do: assert(abs(a - b) < 1.0e-4)
+      assert Enum.drop(tops, 2) |> Enum.map(&hd/1) |> Enum.map(&elem(&1, 0)) == greedy.token_ids
+
+      {:ok, plain} = Sidecar.generate(conn, session, prompt, max_new_tokens: 1)
+      assert plain.prompt_logprobs == nil and plain.stats.reused_tokens == length(prompt) - 1
+
+      assert {:error, %Error{reason: :invalid_argument, details: %{"option" => "prompt_logprobs"}}} =
+               Sidecar.generate(conn, session, prompt, prompt_logprobs: 1, reuse: :shift)
+
+      :ok = Sidecar.close_session(conn, session)
+    end
+
     test "combinations the sidecar refuses come back as errors naming the option", %{conn: conn} do
       {:ok, session} = Sidecar.open_session(conn)
 

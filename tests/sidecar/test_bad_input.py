@@ -191,6 +191,9 @@ API_ROWS = [
      "invalid_argument"),
     ("early_stopping 'sometimes'", {"prompt": "a", "strategy": "beam", "early_stopping": "sometimes"}, "invalid_argument"),
     ("stop strings with beam", {"prompt": "a", "strategy": "beam", "stop": ["x"]}, "invalid_argument"),
+    ("prompt_logprobs 21", {"prompt": "a", "prompt_logprobs": 21}, "invalid_argument"),
+    ("prompt_logprobs as a bool", {"prompt": "a", "prompt_logprobs": True}, "invalid_argument"),
+    ("prompt_logprobs with reuse shift", {"prompt": "a", "prompt_logprobs": 1, "reuse": "shift"}, "invalid_argument"),
     ("strategy not a str", {"prompt": "a", "strategy": ["greedy"]}, "unknown_strategy"),
     ("negative seed", {"prompt": "a", "strategy": "sample", "seed": -1}, "invalid_argument"),
     ("float seed", {"prompt": "a", "strategy": "sample", "seed": 1.5}, "invalid_argument"),
@@ -545,6 +548,20 @@ def default_beams_over_max_sequences(s):
     return reply
 
 
+def prompt_logprobs_past_the_frame(s):
+    """300 prompt tokens at k = 20 under a 64 KiB frame: refused before any work, naming prompt_logprobs; 200 fit."""
+    small = s["small"]
+    assert small.call("open_session", session="scored")["ok"]
+    try:
+        fits = small.call("generate", session="scored", token_ids=[5] * 200, max_new_tokens=1, prompt_logprobs=20)
+        assert fits["ok"] and len(fits["result"]["prompt_logprobs"]) == 200, fits
+        return exactly("small", gen(session="scored", token_ids=[5] * 300, max_new_tokens=1, prompt_logprobs=20),
+                       code="limit_exceeded", limit="max_frame_bytes", param="prompt_logprobs", max=65536,
+                       saying="prompt_logprobs 20 over a prompt of 300 tokens")(s)
+    finally:
+        assert small.call("close_session", session="scored")["ok"]
+
+
 BAD_UTF8 = b"\x82\xa2id\x01\xa2op\xa4p\xffng"  # {"id": 1, "op": <str with an invalid UTF-8 byte>}
 ENCODED_SURROGATE = b"\x82\xa2id\x01\xa2op\xa3\xed\xb3\xbf"  # a lone surrogate encoded as if UTF-8
 
@@ -645,6 +662,10 @@ PROTOCOL_ROWS = [
     ("num_beams left out, its default over max_sequences", default_beams_over_max_sequences, "limit_exceeded", "limit"),
     ("length_penalty as a string", gen(prompt="a", strategy="beam", length_penalty="1"), "invalid_params", "param"),
     ("early_stopping 'sometimes'", gen(prompt="a", strategy="beam", early_stopping="sometimes"), "invalid_argument", "option"),
+    ("prompt_logprobs 2^64-1", exactly("main", gen(prompt="a", prompt_logprobs=2**64 - 1), code="invalid_argument",
+                                       option="prompt_logprobs"), "invalid_argument", "option"),
+    ("prompt_logprobs as a float", gen(prompt="a", prompt_logprobs=1.0), "invalid_params", "param"),
+    ("prompt_logprobs over max_frame_bytes", prompt_logprobs_past_the_frame, "limit_exceeded", "limit"),
     ("unknown processor", gen(prompt="a", processors=[processor("beam_search")]), "invalid_processor", "index"),
     ("unknown option", gen(prompt="a", processors=[processor("top_k", k=5, kk=1)]), "invalid_processor", "index"),
     ("missing option", gen(prompt="a", processors=[processor("top_k")]), "invalid_processor", "index"),

@@ -123,11 +123,9 @@ def test_a_long_prompt_is_prefilled_while_shorter_ones_keep_coming_and_equals_it
 def test_every_prompt_being_prefilled_gets_tokens_whatever_the_budget(budget):
     """The oldest takes half the budget (an odd one's middle token every other tick), the shortest the rest:
     over two ticks, even a budget of 1 feeds both the oldest prompt and a short one behind it."""
-    from types import SimpleNamespace
-
     from sidecar.scheduler import _prefill_shares
 
-    oldest, short, other = (SimpleNamespace(fresh=[0] * n) for n in (100, 3, 50))
+    oldest, short, other = (Prefilling(n) for n in (100, 3, 50))
     fed = {id(oldest): 0, id(short): 0, id(other): 0}
     for tick in (0, 1):
         shares = _prefill_shares([oldest, other, short], budget, tick % 2)
@@ -136,8 +134,31 @@ def test_every_prompt_being_prefilled_gets_tokens_whatever_the_budget(budget):
             fed[id(run)] += n
             run.fresh = run.fresh[n:]
     assert fed[id(oldest)] >= budget and fed[id(short)] == min(3, budget)
-    alone = SimpleNamespace(fresh=[0] * 5)
+    alone = Prefilling(5)
     assert _prefill_shares([alone], budget, 0) == [(alone, min(5, budget))]  # alone: all it needs, up to the budget
+
+
+class Prefilling:
+    """A run prefilling `n` tokens, at most `cap` a tick (a run with prompt_logprobs: `Run.feedable`)."""
+
+    def __init__(self, n: int, cap: int | None = None):
+        self.fresh, self.cap = [0] * n, cap
+
+    @property
+    def feedable(self) -> int:
+        return len(self.fresh) if self.cap is None else min(len(self.fresh), self.cap)
+
+
+def test_budget_a_capped_prompt_cannot_take_goes_to_the_next():
+    """(helper-88) A run with prompt_logprobs takes at most its cap; the rest of the budget feeds the next prompt
+    rather than going unused."""
+    from sidecar.scheduler import _prefill_shares
+
+    oldest, scored, other = Prefilling(2000), Prefilling(300, cap=128), Prefilling(600)
+    shares = _prefill_shares([oldest, scored, other], 512, 0)
+    assert [(run, n) for run, n in shares] == [(oldest, 256), (scored, 128), (other, 128)]
+    capped_oldest = Prefilling(2000, cap=128)
+    assert _prefill_shares([capped_oldest, other], 512, 0) == [(capped_oldest, 128), (other, 384)]
 
 
 def test_cancelling_a_queued_generation_runs_nothing(engine):

@@ -445,6 +445,7 @@ class Fuzz:
             "length_penalty": lambda: rng.choice([None, 1.0, -0.5, 2]),
             "early_stopping": lambda: rng.choice([None, True, False, "never"]),
             "logprobs": lambda: rng.choice([None, None, 0, 3, 20, 21]),
+            "prompt_logprobs": lambda: rng.choice([None, None, None, 0, 2, 20, 21]),
             "reuse": lambda: rng.choice(["prefix", "prefix", "shift"]),
             "keep": lambda: rng.choice([None, None, 0, 4]),
             "device": lambda: rng.choice([None, "cpu"]),

@@ -9,6 +9,7 @@ import torch
 from processors import Choice, configure
 from sidecar import errors
 from sidecar.engine import MAX_LOGPROBS
+from sidecar.generation import PROMPT_LOGITS_TOKENS
 from tests.sidecar.conftest import tokens
 
 K = 4
@@ -158,3 +159,50 @@ def test_output_logits_in_generation_config_is_refused_naming_logprobs(engine):
             with pytest.raises(errors.InvalidArgument, match="give logprobs=k") as caught:
                 session.generate("hi", max_new_tokens=2, generation_config={field: True})
             assert caught.value.details["field"] == field
+
+
+def cold_log_probs(engine, prompt):
+    with torch.inference_mode():
+        return engine.model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+
+
+def test_prompt_logprobs_against_a_cold_forward(engine):
+    """Each prompt token's log-probability given those before it, as one uncached forward pass gives it, over
+    prefill chunks of PROMPT_LOGITS_TOKENS; the prompt is computed anew (nothing reused), and what is
+    generated after it is what a plain call generates."""
+    prompt = tokens(2 * PROMPT_LOGITS_TOKENS + 44, seed=60)
+    with engine.session() as session:
+        session.generate(token_ids=prompt[:200], max_new_tokens=2)  # a cached prefix it does not reuse
+        result = session.generate(token_ids=prompt, max_new_tokens=4, eos_token_ids=[], prompt_logprobs=K)
+        assert (result.stats.reused_tokens, result.stats.prefill_tokens) == (0, len(prompt))
+        follow = session.generate(token_ids=prompt + result.token_ids + [7], max_new_tokens=1)
+        assert follow.stats.reused_tokens == len(prompt) + 3  # cached as any call leaves it (the last token unfed)
+        scored = session.generate(token_ids=prompt, max_new_tokens=0, prompt_logprobs=0)  # scoring alone
+        single = session.generate(token_ids=prompt[:1], max_new_tokens=1, prompt_logprobs=2)
+    with engine.session() as fresh:
+        assert result.token_ids == fresh.generate(token_ids=prompt, max_new_tokens=4, eos_token_ids=[]).token_ids
+    cold = cold_log_probs(engine, prompt)
+    assert result.prompt_token_ids == prompt and result.prompt_logprobs[0] is None and result.prompt_top_logprobs[0] is None
+    assert_matches(prompt[1:], result.prompt_logprobs[1:], result.prompt_top_logprobs[1:], list(cold[:-1]))
+    assert result.logprobs is None and result.sequences[0].logprobs is None  # generated tokens' only when asked
+    assert scored.token_ids == [] and scored.prompt_logprobs[1:] == pytest.approx(result.prompt_logprobs[1:], abs=1e-5)
+    assert scored.prompt_top_logprobs[1:] == [[]] * (len(prompt) - 1)
+    assert (single.prompt_token_ids, single.prompt_logprobs, single.prompt_top_logprobs) == (prompt[:1], [None], [None])
+
+
+def test_prompt_logprobs_with_samples_and_beams_and_cancelled_mid_prompt(engine):
+    prompt = tokens(PROMPT_LOGITS_TOKENS + 30, seed=61)
+    cold = cold_log_probs(engine, prompt)
+    expected = cold[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist()
+    with engine.session() as session:
+        for options in ({"strategy": "sample", "num_samples": 3, "seed": 1}, {"strategy": "beam", "num_beams": 2}):
+            result = session.generate(token_ids=prompt, max_new_tokens=3, prompt_logprobs=1, **options)
+            assert result.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-5)
+            assert all(len(s.token_ids) == 3 for s in result.sequences)
+        stream = session.stream(token_ids=prompt, max_new_tokens=3, prompt_logprobs=1)
+        engine.scheduler.tick()  # its first chunk
+        stream.cancel()
+        list(stream)
+    cancelled = stream.result  # as far as it was computed: the first chunk's tokens predict the next ones
+    assert cancelled.finish_reason == "cancelled" and len(cancelled.prompt_logprobs) == PROMPT_LOGITS_TOKENS + 1
+    assert cancelled.prompt_logprobs[1:] == pytest.approx(expected[:PROMPT_LOGITS_TOKENS], abs=1e-5)

@@ -927,7 +927,15 @@ def test_logprobs_over_the_protocol(peer):
         assert [e["top_logprobs"] for e in mine] == sequence["top_logprobs"]
         assert all(len(pairs) == 2 and all(len(p) == 2 for p in pairs) for pairs in sequence["top_logprobs"])
     plain = peer.call("generate", session=session, prompt="Hello", max_new_tokens=2)["result"]
-    assert "logprobs" not in plain and "top_logprobs" not in plain["sequences"][0]
+    assert "logprobs" not in plain and "top_logprobs" not in plain["sequences"][0] and "prompt_logprobs" not in plain
+    # the prompt's: its ids (the client sent text), and one entry each, nil for the first; the cache not reused
+    scored = peer.call("generate", session=session, prompt="Hello there", max_new_tokens=0, prompt_logprobs=3)["result"]
+    ids = peer.call("tokenize", text="Hello there")["result"]["token_ids"]
+    assert scored["prompt_token_ids"] == ids and scored["stats"]["reused_tokens"] == 0
+    assert len(scored["prompt_logprobs"]) == len(scored["prompt_top_logprobs"]) == len(ids) > 1
+    assert scored["prompt_logprobs"][0] is None and scored["prompt_top_logprobs"][0] is None
+    assert all(lp <= 0 and len(top) == 3 and top[0][1] >= lp for lp, top in
+               zip(scored["prompt_logprobs"][1:], scored["prompt_top_logprobs"][1:]))
     refused = peer.call("generate", session=session, prompt="Hello", max_new_tokens=2000, logprobs=20,
                         strategy="sample", num_samples=64)["error"]
     assert (refused["code"], refused["limit"], refused["param"]) == ("limit_exceeded", "max_frame_bytes", "logprobs")

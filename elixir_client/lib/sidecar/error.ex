@@ -32,7 +32,9 @@ defmodule Sidecar.Error do
     * `:save_failed` - `Sidecar.save_session/4` could not write the file (disk full, directory not
       writable); nothing was left behind
     * `:cancelled` - the generation was cancelled; `details` carry its partial `"text"`,
-      `"token_ids"` and `"stats"`
+      `"token_ids"` and `"stats"`, and the rest of a result as the sidecar sent it (`"sequences"`,
+      the log-probabilities asked for, as lists); one cancelled before the client sent it, only
+      those three and `"finish_reason"`
     * `:internal` - a defect in the sidecar
 
   The client's own: `:sidecar_exited` (the Python process died while the call was in flight),

@@ -78,6 +78,12 @@ defmodule Sidecar.Generation do
       `reason: :invalid_argument` with `details["option"] == "logprobs"`; a reply that could not fit
       the sidecar's frame were every row to reach `:max_new_tokens` is `reason: :limit_exceeded`
       before it starts. Left out, they are `nil`
+    * `:prompt_logprobs` - `k` from 0 to 20: the result also carries `:prompt_token_ids` (the prompt
+      as the sidecar tokenized or rendered it), `:prompt_logprobs`, each prompt token's
+      log-probability given those before it (`nil` for the first, which follows nothing), and
+      `:prompt_top_logprobs`, the `k` most likely there (`nil` for the first), as vLLM's
+      `prompt_logprobs`: with `max_new_tokens: 0`, a text's score. The prompt is computed anew,
+      reusing no cache. With `reuse: :shift` it is `reason: :invalid_argument`
     * `:processors` - processor structs (`Sidecar.Processors`); `nil` and `false` entries are
       skipped, so `if(...)` may stand in the list. Without it, the model's generation config gives
       the processors, as in transformers and Bumblebee (`repetition_penalty`, `temperature`... of its
@@ -157,6 +163,7 @@ defmodule Sidecar.Generation do
     :processors,
     :generation_config,
     :logprobs,
+    :prompt_logprobs,
     :reuse,
     :keep,
     :timeout
@@ -279,6 +286,7 @@ defmodule Sidecar.Generation do
     |> put_present("eos_token_ids", eos_ids && List.wrap(eos_ids))
     |> put_present("seed", opts[:seed])
     |> put_present("logprobs", opts[:logprobs])
+    |> put_present("prompt_logprobs", opts[:prompt_logprobs])
     |> put_present("reuse", reuse!(opts[:reuse]))
     |> put_present("keep", keep!(opts[:keep]))
     |> put_present(:processor_origins, if(origins != [], do: origins))
