@@ -11,7 +11,7 @@ from .contract import Context, FunctionProcessor, LogitsProcessor, StatelessProc
 from .errors import InvalidInput, InvalidOption, OverLimit, ProcessorError
 from .penalties import FrequencyPenalty, NoRepeatNGram, PresencePenalty, RepetitionPenalty
 from .registry import BUILTINS, catalogue, from_name
-from .sampling import EpsilonCutoff, EtaCutoff, MinP, Temperature, TopK, TopP, TypicalP
+from .sampling import EpsilonCutoff, EtaCutoff, MinP, Temperature, TopH, TopK, TopP, TypicalP
 from .structured import Choice, Dfa, Grammar, JsonSchema, Regex, Vocabulary
 from .tokens import (
     ForcedBOS,
@@ -29,6 +29,6 @@ __all__ = [
     "FrequencyPenalty", "FunctionProcessor", "Grammar", "InvalidInput", "InvalidOption", "JsonSchema",
     "LogitsProcessor", "MinLength", "MinNewTokens", "MinP", "NoBadWords", "NoRepeatNGram", "OverLimit",
     "PresencePenalty", "ProcessorError", "Regex", "RepetitionPenalty", "SequenceBias", "StatelessProcessor",
-    "SuppressTokens", "SuppressTokensAtBegin", "Temperature", "TopK", "TopP", "TypicalP", "Vocabulary", "catalogue",
+    "SuppressTokens", "SuppressTokensAtBegin", "Temperature", "TopH", "TopK", "TopP", "TypicalP", "Vocabulary", "catalogue",
     "configure", "describe", "from_name", "option",
 ]

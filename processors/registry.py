@@ -5,7 +5,7 @@ from __future__ import annotations
 from .contract import LogitsProcessor, configure, describe
 from .errors import InvalidOption
 from .penalties import FrequencyPenalty, NoRepeatNGram, PresencePenalty, RepetitionPenalty
-from .sampling import EpsilonCutoff, EtaCutoff, MinP, Temperature, TopK, TopP, TypicalP
+from .sampling import EpsilonCutoff, EtaCutoff, MinP, Temperature, TopH, TopK, TopP, TypicalP
 from .structured import Choice, Dfa, Grammar, JsonSchema, Regex
 from .tokens import (
     ForcedBOS,
@@ -21,7 +21,7 @@ from .tokens import (
 BUILTINS: dict[str, type[LogitsProcessor]] = {
     cls.name: cls
     for cls in (
-        Temperature, TopK, TopP, MinP, TypicalP, EpsilonCutoff, EtaCutoff,
+        Temperature, TopH, TopK, TopP, MinP, TypicalP, EpsilonCutoff, EtaCutoff,
         RepetitionPenalty, FrequencyPenalty, PresencePenalty, NoRepeatNGram,
         MinLength, MinNewTokens, SuppressTokens, SuppressTokensAtBegin, ForcedBOS, ForcedEOS,
         SequenceBias, NoBadWords,

@@ -1,4 +1,4 @@
-"""Sampling warpers: Temperature, TopK, TopP, MinP, TypicalP, EpsilonCutoff, EtaCutoff, with transformers' semantics.
+"""Sampling warpers: Temperature, TopH, TopK, TopP, MinP, TypicalP, EpsilonCutoff, EtaCutoff, with transformers' semantics.
 
 Removed tokens get -inf. Where transformers breaks ties by an unstable sort, we call the same sort on the
 same row so the kept set is identical, but only on the rare rows where a tie straddles the cut.
@@ -48,6 +48,31 @@ class TopK(StatelessProcessor):
             # something outside the top k ties with the k-th: keep every token >= the k-th
             return logits.masked_fill(logits < top[:, k - 1 : k], NEG_INF)
         return torch.full_like(logits, NEG_INF).scatter_(1, index[:, :k], top[:, :k])
+
+
+@dataclass(frozen=True)
+class TopH(StatelessProcessor):
+    """Top-H sampling (transformers' `TopHLogitsWarper`, arXiv 2509.02510): among the 100 most likely tokens,
+    keeps them in order of probability while the entropy they add up to stays within `h` times the entropy
+    of those 100 (renormalised among themselves); the most likely always. Computed as transformers does
+    (`torch.distributions.Categorical` over the top 100, its clamp of log-probabilities included), so the
+    kept sets are the same."""
+
+    name: ClassVar[str] = "top_h"
+    h: float = option("the share of the top tokens' entropy the kept ones may add up to, in (0, 1]",
+                      check=checks.real_in(0.0, 1.0, low_open=True))
+
+    CANDIDATES: ClassVar[int] = 100  # transformers' `top_n`
+
+    def transform(self, logits, context):
+        top, indices = logits.topk(min(self.CANDIDATES, logits.shape[-1]), dim=-1)
+        normalised = top - top.logsumexp(dim=-1, keepdim=True)
+        probs = normalised.softmax(dim=-1)
+        entropy = -(normalised.clamp(min=torch.finfo(normalised.dtype).min) * probs).sum(dim=-1, keepdim=True)
+        kept = (-probs * probs.log()).cumsum(dim=-1) <= entropy * self.h
+        kept[:, 0] = True
+        keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, indices, kept)
+        return logits.masked_fill(~keep, NEG_INF)
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ ANY_STRATEGY = (
 )
 SAMPLING = (
     ("temperature", "temperature", "temperature", 1.0),
+    ("top_h", "top_h", "h", None),
     ("top_k", "top_k", "k", 0),
     ("top_p", "top_p", "p", 1.0),
     ("min_p", "min_p", "p", None),

@@ -862,6 +862,8 @@ class Server:
                 reply = ok(rid, self._add_model(loaded.request.params["name"], loaded.engine))
             except Exception as bug:  # a defect of ours, on this request alone, as `handle_payload` has it
                 failure = bug
+        if failure is not None:  # what a load read before it failed (weights, say) is freed: given back once idle
+            self._trim_due = True
         if isinstance(failure, (ProtocolError, SidecarError)):
             reply = problem_reply(rid, failure)
         elif failure is not None:

@@ -87,7 +87,7 @@ def test_registry_configures_by_name():
     with pytest.raises(P.InvalidOption, match="unknown processor 'top_z'; known processors: .*top_k"):
         P.from_name("top_z", {})
     catalogue = P.catalogue()
-    assert set(catalogue) == set(P.BUILTINS) and len(P.BUILTINS) == 24
+    assert set(catalogue) == set(P.BUILTINS) and len(P.BUILTINS) == 25
     assert {"name": "k", "doc": "how many tokens to keep, >= 1", "required": True, "default": None,
             "schema": {"type": "integer", "minimum": 1}} in catalogue["top_k"]
 
@@ -155,7 +155,7 @@ def test_a_reorder_index_that_is_not_1d_integers_is_refused(index):
 
 # One valid set of options per built-in, so that each option can be varied alone.
 VALID = {
-    "temperature": {"temperature": 0.7}, "top_k": {"k": 5}, "top_p": {"p": 0.9}, "min_p": {"p": 0.1},
+    "temperature": {"temperature": 0.7}, "top_h": {"h": 0.4}, "top_k": {"k": 5}, "top_p": {"p": 0.9}, "min_p": {"p": 0.1},
     "typical_p": {"p": 0.9}, "epsilon_cutoff": {"epsilon": 0.001}, "eta_cutoff": {"epsilon": 0.001},
     "repetition_penalty": {"penalty": 1.1}, "frequency_penalty": {"penalty": 0.5},
     "presence_penalty": {"penalty": 0.5}, "no_repeat_ngram": {"ngram_size": 2},

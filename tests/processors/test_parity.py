@@ -19,6 +19,9 @@ def seq_tail(n):
 
 CASES = {
     "temperature": (P.Temperature(0.7), hf.TemperatureLogitsWarper(0.7)),
+    "top_h": (P.TopH(0.4), hf.TopHLogitsWarper(0.4)),
+    "top_h_one": (P.TopH(1.0), hf.TopHLogitsWarper(1.0)),
+    "top_h_tiny": (P.TopH(1e-6), hf.TopHLogitsWarper(1e-6)),
     "top_k": (P.TopK(10), hf.TopKLogitsWarper(10)),
     "top_k_min_keep": (P.TopK(5, min_tokens_to_keep=8), hf.TopKLogitsWarper(5, min_tokens_to_keep=8)),
     "top_p": (P.TopP(0.9), hf.TopPLogitsWarper(0.9)),

@@ -213,8 +213,9 @@ def test_the_models_max_new_tokens_stops_where_the_context_ends(engine, monkeypa
 
 @pytest.mark.parametrize("changes", [{"temperature": 1.3, "top_p": 0.95}, {"do_sample": False},
                                      {"top_k": 0, "top_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.01},
-                                     {"repetition_penalty": 1.0, "top_k": 0, "suppress_tokens": [9], "max_new_tokens": 6}],
-                         ids=["sampling", "greedy", "eta", "off and on"])
+                                     {"repetition_penalty": 1.0, "top_k": 0, "suppress_tokens": [9], "max_new_tokens": 6},
+                                     {"top_h": 0.5, "top_k": 0, "temperature": 1.5}],
+                         ids=["sampling", "greedy", "eta", "off and on", "top_h"])
 def test_a_call_changes_fields_of_the_models_config_as_transformers_generate_kwargs_do(configured, changes):
     """The fields a call's generation_config names change; the model's others stay (its top_k, penalty, n-gram ban),
     as `model.generate(temperature=1.3)` keeps them; a neutral value (penalty 1.0, top_k 0) turns one off."""

@@ -773,10 +773,19 @@ def test_a_grammar_whose_steps_pass_the_limit_stops_its_generation_and_not_the_s
 def test_the_heap_is_trimmed_when_the_server_goes_idle_after_letting_go_of_memory(monkeypatch):
     """(helper-84) glibc keeps freed pages: 1,024 sessions closed, `cache_bytes` 0, left the server at 1.42 GB. Once
     idle after letting go of more KV memory than TRIM_BYTES since the last trim, or of an unloaded model, the server
-    calls malloc_trim; not while it holds what it held."""
+    calls malloc_trim; not while it holds what it held; and after a load that failed. The trim comes as the server
+    goes idle, which may be after a reply went out: each check waits for it, then lets any further one come."""
     import sidecar.server as server_module
 
     trims = []
+
+    def trimmed(count):
+        deadline = time.monotonic() + 60
+        while len(trims) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # and no more
+        return trims
+
     with server_on_a_thread() as (send, replies, server):
         server._trim_heap = trims.append
         send({"id": 1, "op": "open_session", "session": "big"})
@@ -789,13 +798,23 @@ def test_the_heap_is_trimmed_when_the_server_goes_idle_after_letting_go_of_memor
         monkeypatch.setattr(server_module, "TRIM_BYTES", held // 2)
         server._held_peak = 0  # idle: what it held while generating is not the test's
         send({"id": 4, "op": "ping"})
-        assert replies.get(timeout=60)["id"] == 4 and trims == []
+        assert replies.get(timeout=60)["id"] == 4
+        deadline = time.monotonic() + 60
+        while server._held_peak == 0 and time.monotonic() < deadline:  # its idle pass after the ping notes the peak
+            time.sleep(0.01)
+        assert trimmed(0) == []
         send({"id": 5, "op": "close_session", "session": "big"})
         send({"id": 6, "op": "ping"})
-        assert [replies.get(timeout=60)["id"] for _ in range(2)] == [5, 6] and trims == [0]
+        assert [replies.get(timeout=60)["id"] for _ in range(2)] == [5, 6] and trimmed(1) == [0]
         send({"id": 7, "op": "load_model", "name": "other", "path": None})
         assert replies.get(timeout=120)["ok"]
         send({"id": 8, "op": "unload_model", "model": "other"})
         send({"id": 9, "op": "ping"})
-        assert [replies.get(timeout=60)["id"] for _ in range(2)] == [8, 9] and trims == [0, 0]
+        assert [replies.get(timeout=60)["id"] for _ in range(2)] == [8, 9] and trimmed(2) == [0, 0]
 
+        def failing(**arguments):  # a load that read its weights, then failed
+            raise errors.InvalidModel("its weights do not fit its config")
+
+        monkeypatch.setattr(server_module.Engine, "load", failing)
+        send({"id": 10, "op": "load_model", "name": "broken", "path": None})
+        assert replies.get(timeout=60)["error"]["code"] == "invalid_model" and trimmed(3) == [0, 0, 0]

@@ -62,7 +62,7 @@ defmodule Sidecar.Generation do
       transformers names them (`%{repetition_penalty: 1.2, min_p: 0.05}`), atom or string keys:
       `sequence_bias`, `repetition_penalty`, `no_repeat_ngram_size`, `bad_words_ids`, `min_length`,
       `min_new_tokens`, `forced_bos_token_id`, `suppress_tokens`, `begin_suppress_tokens`,
-      `temperature`, `top_k`, `top_p`, `min_p`, `typical_p`, `epsilon_cutoff`, `eta_cutoff`,
+      `temperature`, `top_h`, `top_k`, `top_p`, `min_p`, `typical_p`, `epsilon_cutoff`, `eta_cutoff`,
       `do_sample`, `max_new_tokens`, `stop_strings` (PROTOCOL.md, "Generation defaults"); the options
       above win over it for their own fields. Beside `:processors` it is sent as given, and the
       sidecar refuses its fields that make a processor: only `do_sample`, `max_new_tokens`,

@@ -55,6 +55,7 @@ defmodule Sidecar.Processors do
   # {module, protocol name, [{option, default}]}; :required marks options without a default.
   @declarations [
     {Temperature, "temperature", [temperature: :required]},
+    {TopH, "top_h", [h: :required]},
     {TopK, "top_k", [k: :required, min_tokens_to_keep: 1]},
     {TopP, "top_p", [p: :required, min_tokens_to_keep: 1]},
     {MinP, "min_p", [p: :required, min_tokens_to_keep: 1]},
