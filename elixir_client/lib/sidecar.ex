@@ -47,7 +47,8 @@ defmodule Sidecar do
       {:ok, restored} = Sidecar.restore_session(MyApp.Sidecar, "user-42")
 
   A session is the `%Sidecar.Session{}` that `open_session/2` returns, or just its name (a string).
-  With the struct, calls on a session of a sidecar that has since died return `:session_lost`.
+  With the struct, calls on a session of a sidecar that has since died return `:session_lost` (or
+  `:not_running` while no connection runs under the name at all).
   A session lives until closed, unless it has an owner, a process whose exit closes it (a LiveView's
   session, opened in `mount/3`, goes with the LiveView however it ends):
 
@@ -252,7 +253,7 @@ defmodule Sidecar do
     Options.known!(opts, [:model, :name, :owner, :timeout], "open_session")
     owner = owner!(opts)
 
-    params = %{"model" => Keyword.get(opts, :model, "default"), "session" => Keyword.get(opts, :name)}
+    params = %{"model" => Keyword.get(opts, :model, "default"), "session" => new_name!(opts)}
     started = System.monotonic_time(:millisecond)
 
     with :ok <- owner_alive(owner),
@@ -323,7 +324,7 @@ defmodule Sidecar do
              conn,
              session,
              "fork_session",
-             %{"new" => Keyword.get(opts, :name)},
+             %{"new" => new_name!(opts)},
              opts[:timeout],
              owner
            ) do
@@ -489,6 +490,9 @@ defmodule Sidecar do
   (`Enum.take/2`, a `:halt` in `Stream.transform/3` ...) cancels the generation. `:timeout` (default:
   the connection's `:call_timeout`) bounds the wait for each chunk. An error raises `Sidecar.Error`.
   Events of kinds other than the protocol's `token` are skipped, as the protocol asks of clients.
+  (Elixir 1.14's `Stream.zip/2`, when its other stream raises at its first element, starts this one
+  a second time and halts that second run only: the first generation goes on to its end, its events
+  left in the caller's mailbox. Do not zip a generation's stream with one that may raise.)
 
   With several sequences each chunk also carries `sequence:`, the index of the sequence it extends
   (`%{text: "a", token_ids: [64], sequence: 2}`); the chunks of one sequence add up to its text.
@@ -618,6 +622,9 @@ defmodule Sidecar do
   def tokenize(conn, text, opts \\ []) do
     Options.known!(opts, [:model, :add_special_tokens, :timeout], "tokenize")
 
+    unless is_binary(text),
+      do: raise(ArgumentError, "the text to tokenize is a string, got #{inspect(text, limit: 8)}")
+
     params = %{
       "text" => text,
       "model" => Keyword.get(opts, :model, "default"),
@@ -682,6 +689,9 @@ defmodule Sidecar do
 
   defp name!(name, _what) when is_binary(name), do: name
   defp name!(name, what), do: raise(ArgumentError, "#{what} name is a string, got #{inspect(name)}")
+
+  # `name:` of a session to make: a string, or left out for the sidecar to choose
+  defp new_name!(opts), do: if(name = opts[:name], do: name!(name, "a session's"))
 
   defp wire_name(value) when is_atom(value) and value not in [nil, true, false], do: Atom.to_string(value)
   defp wire_name(value), do: value
@@ -841,8 +851,9 @@ defmodule Sidecar do
 
   defp hand_over(conn, op, params, incarnation, limit, handing, session_owner) do
     case whereis(conn, left(limit, handing)) do
+      # nothing runs under the name: a session of it is lost too, but no call can do anything until one runs
       nil ->
-        lost(incarnation)
+        lost(nil)
 
       pid ->
         # The monitor's ref is also an alias of this process, the one the connection sends the

@@ -224,6 +224,13 @@ defmodule Sidecar.HostileValuesTest do
     assert_raise ArgumentError, ~r/name is a string/, fn -> Sidecar.save_session(conn, session, 5) end
     assert_raise ArgumentError, ~r/name is a string/, fn -> Sidecar.restore_session(conn, :x) end
     assert_raise ArgumentError, ~r/name is a string/, fn -> Sidecar.unload_model(conn, :x) end
+    # (helper-89) what tokenize, open_session and fork_session took as atoms, and save_session did not
+    assert_raise ArgumentError, ~r/text to tokenize is a string/, fn -> Sidecar.tokenize(conn, :hello) end
+    assert_raise ArgumentError, ~r/name is a string/, fn -> Sidecar.open_session(conn, name: :x) end
+
+    assert_raise ArgumentError, ~r/name is a string/, fn ->
+      Sidecar.fork_session(conn, session, name: :x)
+    end
   end
 
   test "a bad timeout raises before anything is sent, and no reply arrives later", %{

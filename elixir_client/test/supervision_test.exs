@@ -227,6 +227,12 @@ defmodule Sidecar.SupervisionTest do
     assert {:error, %Error{reason: :not_running}} = Sidecar.info(remote)
     assert {:error, %Error{reason: :not_running}} = Sidecar.ping(remote)
     assert {:error, %Error{reason: :not_running}} = Sidecar.generate(remote, "s", "Hi")
+    # (helper-89) a session of a connection no longer running: not running, as any call there, where
+    # :session_lost had a LiveView open a session anew, which failed
+    gone = %Sidecar.Session{name: "s", model: "default", eos_token_ids: nil, incarnation: make_ref()}
+
+    assert {:error, %Error{reason: :not_running}} =
+             Sidecar.generate(:no_such_sidecar, gone, "Hi", timeout: 200)
   end
 
   test "a call to a name that a restart leaves unregistered for some milliseconds waits for it" do

@@ -3,7 +3,8 @@ defmodule Sidecar.Generation do
   Generation options, named as in Bumblebee's `GenerationConfig` where a name exists, mapped onto the
   protocol's `generate` parameters and processors.
 
-  The input is a string, a list of token ids, or a conversation: a list of messages
+  The input is a string, a list of token ids (a charlist such as `'hello'` is one: write `"hello"`),
+  or a conversation: a list of messages
   `%{role: "user", content: "Hi"}` (atom or string keys, the role an atom or a string; other keys go
   to the template as they are), rendered by the model's own chat template (transformers'
   `apply_chat_template`). A model without a chat template
