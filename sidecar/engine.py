@@ -252,7 +252,7 @@ class Engine:
             self.check_token_ids(eos_token_ids, "eos_token_ids")
             eos = frozenset(int(t) for t in eos_token_ids)
         if processors is None:
-            processors = defaults.processors_for(strategy, eos)  # eos checked above
+            processors = defaults.processors_for(strategy, eos, len(input_ids))  # eos checked above
         if not isinstance(processors, (list, tuple, proc.Chain)):
             raise InvalidProcessor(f"processors must be a list of processors, got {type(processors).__name__}")
         try:

@@ -110,12 +110,24 @@ class GenerationDefaults:
     not_applied: tuple[str, ...]  # fields set that nothing here applies
     zero_temperature: bool = False  # greedy, whatever do_sample says: no processors to sample with
 
-    def processors_for(self, strategy: str, eos_token_ids) -> list:
-        """The model's processors for a call of `strategy` that ends on `eos_token_ids`."""
+    def processors_for(self, strategy: str, eos_token_ids, input_length: int) -> list:
+        """The model's processors for a call of `strategy` that ends on `eos_token_ids`, after `input_length`
+        input tokens. After a one-token input a forced BOS is the first token generated, and the tokens the
+        config suppresses at the beginning are suppressed at the next one, as transformers'
+        `_get_logits_processor` sets their `begin_index`."""
         specs = self.processors + (self.sampling if strategy == "sample" else ())
         eos = sorted(eos_token_ids)
-        return [proc.from_name(name, {**options, "eos_token_ids": eos} if name in TAKES_EOS and eos else options)
-                for name, options in specs if eos or name not in NEEDS_EOS]
+        forced_first = input_length == 1 and any(name == "forced_bos" for name, _ in specs)
+        made = []
+        for name, options in specs:
+            if name in NEEDS_EOS and not eos:
+                continue
+            if name in TAKES_EOS and eos:
+                options = {**options, "eos_token_ids": eos}
+            if name == "suppress_tokens_at_begin" and forced_first:
+                options = {**options, "begin_index": input_length + 1}
+            made.append(proc.from_name(name, options))
+        return made
 
     def describe(self) -> dict:
         """For a model's info: processors as the protocol names them (those that need the end tokens take

@@ -112,6 +112,34 @@ def test_the_models_token_processors_are_transformers_greedy_with_and_without_en
     assert 464 not in ours
 
 
+def test_after_a_forced_bos_on_a_one_token_prompt_the_beginning_is_suppressed_one_token_later(engine):
+    """(helper-90) transformers suppresses `begin_suppress_tokens` one step later when a one-token prompt is followed
+    by a forced BOS (its `_get_logits_processor`): at the forced step they were suppressed here, which did nothing
+    (or, suppressing the forced token itself, left no token at all)."""
+    prompt, forced = [500], 7
+
+    def theirs(**fields):
+        with torch.inference_mode():
+            out = engine.model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                        eos_token_id=None, forced_bos_token_id=forced, **fields)
+        return out[0, 1:].tolist()
+
+    second = theirs()[1]  # what follows the forced token unless suppressed
+    for suppressed in ([second], [forced]):
+        config = {"forced_bos_token_id": forced, "begin_suppress_tokens": suppressed}
+        with engine.session() as session:
+            ours = session.generate(token_ids=prompt, max_new_tokens=4, eos_token_ids=[], generation_config=config)
+        assert ours.token_ids == theirs(begin_suppress_tokens=suppressed)
+        assert ours.token_ids[0] == forced and ours.token_ids[1] not in suppressed
+    with engine.session() as session:  # a longer prompt: no token is forced, and the first is suppressed
+        two = session.generate(token_ids=prompt * 2, max_new_tokens=2, eos_token_ids=[],
+                               generation_config={"forced_bos_token_id": forced, "begin_suppress_tokens": [second]})
+    with torch.inference_mode():
+        expected = engine.model.generate(torch.tensor([prompt * 2]), max_new_tokens=2, do_sample=False, pad_token_id=0,
+                                         eos_token_id=None, forced_bos_token_id=forced, begin_suppress_tokens=[second])
+    assert two.token_ids == expected[0, 2:].tolist()
+
+
 def test_min_new_tokens_replaces_min_length_as_in_transformers():
     from sidecar import generation_defaults
 
