@@ -250,9 +250,8 @@ class Run:
         targets = input_ids[start + 1 : start + 1 + len(logits)]
         if targets:
             log_probs = logits[: len(targets)].log_softmax(dim=-1)
-            tokens = torch.tensor(targets, device=logits.device)
-            self.prompt_records.extend(
-                logprobs.records(log_probs, tokens, logprobs.top_of(log_probs, self.request.prompt_logprobs)).flatten().tolist())
+            top = logprobs.top_of(log_probs, self.request.prompt_logprobs)
+            self.prompt_records.extend(logprobs.records(log_probs, torch.tensor(targets, device=logits.device), top).flatten().tolist())
         return logits[-1:]
 
     def _start_decoding(self, logits: torch.Tensor) -> None:
@@ -406,8 +405,8 @@ class Run:
         first token (it follows nothing) and one for each token the chunks' logits predicted."""
         if not self.stats.prefill_tokens:
             return [], []
-        prompt = len(self.request.input_ids)
-        scored, top = logprobs.unpacked(self.prompt_records, min(prompt - len(self.fresh), prompt - 1))
+        width = 1 + 2 * self.request.prompt_logprobs  # a token's record: its own, k ids, theirs (`logprobs.records`)
+        scored, top = logprobs.unpacked(self.prompt_records, len(self.prompt_records) // width)
         return [None] + scored, [None] + top
 
     def _settle(self, sequences: list[Sequence], reason: str) -> None:

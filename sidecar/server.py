@@ -667,21 +667,27 @@ class Server:
         its list's headers (the text and the rest are weighed at the end, as for any reply). What the run
         holds meanwhile is bounded with it. A k past 20 is the engine's to refuse."""
         id_bytes = len(pack(vocab_size - 1))  # msgpack's width of the largest id: 1, 2, 3 or 5 bytes
+
+        def per_token(k: int) -> int:  # k + 1 float64s, and k + 1 ids and list headers
+            return (9 + id_bytes + 1) * (k + 1)
+
         asked = {}  # option: (bytes, what)
         if p["logprobs"] is not None and p["logprobs"] <= MAX_LOGPROBS:
-            k, rows = p["logprobs"], (p["num_beams"] or DEFAULT_NUM_BEAMS) if p["strategy"] == "beam" else (p["num_samples"] or 1)
-            asked["logprobs"] = ((rows + 1) * max_new_tokens * (9 + id_bytes + 1) * (k + 1),
+            k = p["logprobs"]
+            rows = (p["num_beams"] or DEFAULT_NUM_BEAMS) if p["strategy"] == "beam" else (p["num_samples"] or 1)
+            asked["logprobs"] = ((rows + 1) * max_new_tokens * per_token(k),
                                  f"logprobs {k} over {rows} row(s) each reaching max_new_tokens {max_new_tokens}")
         if p["prompt_logprobs"] is not None and p["prompt_logprobs"] <= MAX_LOGPROBS:
             k = p["prompt_logprobs"]
-            asked["prompt_logprobs"] = (prompt * ((9 + id_bytes + 1) * (k + 1) + id_bytes),
+            asked["prompt_logprobs"] = (prompt * (per_token(k) + id_bytes),  # and the prompt's ids
                                         f"prompt_logprobs {k} over a prompt of {prompt} tokens")
         least = sum(size for size, _ in asked.values())
         if least > self.limits.max_frame_bytes:
             raise ProtocolError(codes.LIMIT_EXCEEDED, f"{' and '.join(what for _, what in asked.values())} would take "
                                 f"{least} bytes of the reply, over the limit max_frame_bytes = "
-                                f"{self.limits.max_frame_bytes}: ask for fewer tokens, rows or log-probabilities", rid, limit="max_frame_bytes", max=self.limits.max_frame_bytes,
-                                value=least, param=max(asked, key=lambda option: asked[option][0]))
+                                f"{self.limits.max_frame_bytes}: ask for fewer tokens, rows or log-probabilities", rid,
+                                limit="max_frame_bytes", max=self.limits.max_frame_bytes, value=least,
+                                param=max(asked, key=lambda option: asked[option][0]))
 
     def _check_reply_fits(self, rid: int, result) -> None:
         """Refuses a result whose reply would not fit in a frame, before the session keeps it: the reply is

@@ -779,10 +779,13 @@ def test_the_heap_is_trimmed_when_the_server_goes_idle_after_letting_go_of_memor
 
     trims = []
 
-    def trimmed(count):
+    def waited(condition):
         deadline = time.monotonic() + 60
-        while len(trims) < count and time.monotonic() < deadline:
+        while not condition() and time.monotonic() < deadline:
             time.sleep(0.01)
+
+    def trimmed(count):
+        waited(lambda: len(trims) >= count)
         time.sleep(0.1)  # and no more
         return trims
 
@@ -799,9 +802,7 @@ def test_the_heap_is_trimmed_when_the_server_goes_idle_after_letting_go_of_memor
         server._held_peak = 0  # idle: what it held while generating is not the test's
         send({"id": 4, "op": "ping"})
         assert replies.get(timeout=60)["id"] == 4
-        deadline = time.monotonic() + 60
-        while server._held_peak == 0 and time.monotonic() < deadline:  # its idle pass after the ping notes the peak
-            time.sleep(0.01)
+        waited(lambda: server._held_peak > 0)  # its idle pass after the ping notes the peak
         assert trimmed(0) == []
         send({"id": 5, "op": "close_session", "session": "big"})
         send({"id": 6, "op": "ping"})

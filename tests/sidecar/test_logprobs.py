@@ -199,6 +199,10 @@ def test_prompt_logprobs_with_samples_and_beams_and_cancelled_mid_prompt(engine)
             result = session.generate(token_ids=prompt, max_new_tokens=3, prompt_logprobs=1, **options)
             assert result.prompt_logprobs[1:] == pytest.approx(expected, abs=1e-5)
             assert all(len(s.token_ids) == 3 for s in result.sequences)
+        queued = session.stream(token_ids=prompt, max_new_tokens=3, prompt_logprobs=1)
+        queued.cancel()  # before any tick: nothing computed
+        list(queued)
+        assert (queued.result.prompt_token_ids, queued.result.prompt_logprobs) == (prompt, [])
         stream = session.stream(token_ids=prompt, max_new_tokens=3, prompt_logprobs=1)
         engine.scheduler.tick()  # its first chunk
         stream.cancel()
